@@ -1,0 +1,38 @@
+# Two entry points for a fresh machine with only python3: `make demo` and `make test`.
+# Both bootstrap .venv: torch is pinned first (the CPU wheel this machine holds; an
+# unpinned torch would pull a multi-GB CUDA build), then the package with its extras.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+TORCH  := torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint crash bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) demo/demo.py
+
+test: $(STAMP)
+	$(PY) -m ruff check src tests demo bench
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check src tests demo bench
+
+# Longer fault-injection budgets than CI runs.
+crash: $(STAMP)
+	CKPTVAULT_CRASH_KILLS=200 $(PY) -m pytest -q tests/test_crash_safety.py
+
+bench: $(STAMP)
+	$(PY) -m bench.save_restore --size-gb 1
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

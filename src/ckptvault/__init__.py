@@ -1,0 +1,62 @@
+"""ckptvault: fast, crash-proof, verifiable PyTorch training checkpoints.
+
+Public names::
+
+    CheckpointManager, RNGState, RestoreInfo, SaveHandle, GenerationInfo,
+    SkippedGeneration, errors, __version__
+
+Names that need torch are imported on first use, so ``ckptvault.errors`` and the
+command-line tools for listing and verifying stores start without importing torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ckptvault import errors
+from ckptvault._version import __version__
+
+if TYPE_CHECKING:
+    from ckptvault.manager import (
+        CheckpointManager,
+        RestoreInfo,
+        SaveHandle,
+        SkippedGeneration,
+    )
+    from ckptvault.state.rng import RNGState
+    from ckptvault.storage.listing import GenerationInfo
+
+_LAZY = {
+    "CheckpointManager": "ckptvault.manager",
+    "GenerationInfo": "ckptvault.storage.listing",
+    "RestoreInfo": "ckptvault.manager",
+    "SaveHandle": "ckptvault.manager",
+    "SkippedGeneration": "ckptvault.manager",
+    "RNGState": "ckptvault.state.rng",
+}
+
+__all__ = [
+    "CheckpointManager",
+    "GenerationInfo",
+    "RNGState",
+    "RestoreInfo",
+    "SaveHandle",
+    "SkippedGeneration",
+    "__version__",
+    "errors",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'ckptvault' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,102 @@
+"""``ckptvault inspect DIR [--step N] [--json]``: what a generation holds.
+
+Shows the tensors (dtype, shape, bytes), the JSON leaves of the saved state, the
+run contract and the files. Reads the manifest only; it does not hash the data
+(``ckptvault verify`` does).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from ckptvault.cli._common import human_bytes, open_store, out, print_json, select
+from ckptvault.errors import FormatError
+from ckptvault.format.tensorfile import element_size
+from ckptvault.trust.checks import GenerationRejected, check_structure
+
+
+def inspect(
+    directory: Annotated[Path, typer.Argument(help="The checkpoint store.")],
+    step: Annotated[
+        int | None, typer.Option(help="Inspect the newest generation of this step.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False,
+) -> None:
+    """Show a generation's tensors, JSON leaves, contract and files."""
+    store = open_store(directory)
+    ref = select(store, step, every=False)[0]
+    try:
+        manifest = check_structure(store, ref).manifest
+    except GenerationRejected as rejected:
+        raise FormatError(f"cannot inspect {ref.location}: {rejected.reason}") from rejected
+    tensors = manifest.dcp.get("tensors", {})
+    tensor_rows = [
+        {
+            "key": key,
+            "dtype": info["dtype"],
+            "shape": info["shape"],
+            "bytes": math.prod(info["shape"]) * element_size(info["dtype"]),
+        }
+        for key, info in sorted(tensors.items())
+    ]
+    report = {
+        "generation": {
+            "step": manifest.step,
+            "generation_id": manifest.generation_id,
+            "run_id": manifest.run_id,
+            "path": ref.location,
+            "created_at": manifest.created_at,
+            "parent": manifest.parent,
+            "format_version": manifest.format_version,
+            "bytes": manifest.total_bytes,
+        },
+        "tensors": tensor_rows,
+        "state": _describe(manifest.state, tensors),
+        "contract": manifest.contract,
+        "files": {
+            name: rec.to_json() | {"chunks": len(rec.chunks)}
+            for name, rec in manifest.files.items()
+        },
+    }
+    if as_json:
+        print_json(report)
+        return
+    gen = report["generation"]
+    out.print(
+        f"[bold]step {gen['step']}[/bold]  {gen['generation_id']}  run {gen['run_id']}  "
+        f"{human_bytes(gen['bytes'])}  created {gen['created_at']}"
+    )
+    table = Table(title="tensors", box=None, pad_edge=False, title_justify="left")
+    for column in ("key", "dtype", "shape", "bytes"):
+        table.add_column(column, justify="right" if column == "bytes" else "left")
+    for row in tensor_rows:
+        table.add_row(row["key"], row["dtype"], str(row["shape"]), human_bytes(row["bytes"]))
+    out.print(table)
+    out.print("[bold]state[/bold] (tensors shown as <dtype\\[shape]>)")
+    out.print(json.dumps(report["state"], indent=2, ensure_ascii=False), markup=False)
+    out.print("[bold]contract[/bold]")
+    out.print(json.dumps(manifest.contract, indent=2, ensure_ascii=False), markup=False)
+    files = Table(title="files", box=None, pad_edge=False, title_justify="left")
+    for column in ("name", "size", "blake3"):
+        files.add_column(column)
+    for name, rec in sorted(manifest.files.items()):
+        files.add_row(name, human_bytes(rec.size), rec.blake3)
+    out.print(files)
+
+
+def _describe(value: Any, tensors: dict[str, Any]) -> Any:
+    """The tagged state tree with tensor references replaced by a short description."""
+    if isinstance(value, list):
+        return [_describe(v, tensors) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"$tensor"}:
+            info = tensors.get(value["$tensor"])
+            return f"<{info['dtype']}{info['shape']}>" if info else "<missing tensor>"
+        return {k: _describe(v, tensors) for k, v in value.items()}
+    return value

@@ -1,0 +1,117 @@
+"""The exception hierarchy of ckptvault.
+
+Every failure ckptvault reports is a :class:`CheckpointError`. Messages follow one
+rule: say what is wrong, where (store, generation, file, key path) and what to do.
+A failure never damages a generation that was already published.
+
+This module imports nothing heavy, so that tools which only inspect stores (the CLI's
+``ls`` and ``verify``) can use it without importing torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class CheckpointError(Exception):
+    """Base class of every error ckptvault raises."""
+
+
+class IntegrityError(CheckpointError):
+    """Bytes on storage do not match what the manifest promises (size or digest)."""
+
+
+class FormatError(CheckpointError):
+    """A manifest or tensor file is malformed, or written by a newer format version."""
+
+
+class UnsupportedValueError(FormatError, TypeError):
+    """A state value has a type the pickle-free codec cannot represent.
+
+    Raised at save time, before anything is written; ``path`` is the key path of the
+    offending value (for example ``state["meta"]["callback"]``).
+    """
+
+    def __init__(self, path: str, value: object, hint: str = "") -> None:
+        self.path = path
+        self.value_type = type(value).__qualname__
+        module = type(value).__module__
+        qualified = self.value_type if module == "builtins" else f"{module}.{self.value_type}"
+        message = (
+            f"cannot checkpoint {path}: values of type {qualified} are not supported by "
+            "ckptvault's pickle-free format. Store tensors, plain JSON-able values (int, "
+            "float, str, bool, None, list, tuple, dict, bytes), numpy arrays, or an object "
+            "with state_dict()/load_state_dict()"
+        )
+        if hint:
+            message += f"; {hint}"
+        super().__init__(message)
+
+
+class NoValidCheckpoint(CheckpointError):
+    """Generations exist but none passed every check.
+
+    ``rejected`` lists ``(generation_id, step, reason)`` for every generation tried.
+    """
+
+    def __init__(self, message: str, rejected: Sequence[tuple[str, int, str]] = ()) -> None:
+        self.rejected = list(rejected)
+        if self.rejected:
+            lines = [f"  - step {step} ({gen}): {reason}" for gen, step, reason in self.rejected]
+            message = message + "\n" + "\n".join(lines)
+        super().__init__(message)
+
+
+class ContractMismatch(CheckpointError):
+    """The run contract (config, dataset identity, ...) differs from the stored one."""
+
+    def __init__(self, message: str, fields: Sequence[str] = ()) -> None:
+        self.fields = list(fields)
+        super().__init__(message)
+
+
+class StateMismatchError(CheckpointError):
+    """The checkpoint's keys or shapes do not match the objects being restored into."""
+
+    def __init__(
+        self,
+        message: str,
+        missing: Sequence[str] = (),
+        unexpected: Sequence[str] = (),
+        mismatched: Sequence[str] = (),
+    ) -> None:
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
+        self.mismatched = list(mismatched)
+        super().__init__(message)
+
+
+class StoreLockedError(CheckpointError):
+    """Another live process holds the single-writer lock of this store."""
+
+
+class StorageFullError(CheckpointError):
+    """The store ran out of space (or quota) while writing; nothing was published."""
+
+
+class UsageError(CheckpointError, ValueError):
+    """An argument or call sequence ckptvault cannot act on (bad step, closed manager)."""
+
+
+class SaveFailedError(CheckpointError):
+    """A save failed for a reason that is not one of the more specific errors."""
+
+
+__all__ = [
+    "CheckpointError",
+    "ContractMismatch",
+    "FormatError",
+    "IntegrityError",
+    "NoValidCheckpoint",
+    "SaveFailedError",
+    "StateMismatchError",
+    "StorageFullError",
+    "StoreLockedError",
+    "UnsupportedValueError",
+    "UsageError",
+]

@@ -1,0 +1,1 @@
+"""Bytes on disk: manifest, tensor files, layout names."""

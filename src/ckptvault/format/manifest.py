@@ -1,0 +1,173 @@
+"""The manifest: what a generation holds and the digests that prove it.
+
+``manifest.json`` sits at the root of every generation in canonical JSON (see
+:mod:`ckptvault.format.canonical`), so its exact bytes can be signed. It holds no
+absolute paths: file names are plain names relative to the generation, so a copied
+or moved store stays valid.
+
+Top-level keys (format version 1):
+
+- ``format_version``, ``run_id``, ``step``, ``generation_id``, ``created_at``, ``parent``
+- ``chunk_size`` and ``files``: name -> ``{size, blake3, chunks}`` for every file
+- ``dcp``: torch.distributed.checkpoint metadata as JSON (tensor -> dtype, shape,
+  chunks and where each chunk's bytes live)
+- ``state``: the JSON leaves and the structure of the saved state (tensors appear as
+  ``{"$tensor": key}`` references into ``dcp``)
+- ``contract``: the run contract (user fields, code revision, versions)
+- ``writer``: who wrote it (ckptvault version, world size)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptvault.errors import FormatError
+from ckptvault.format.canonical import dumps_canonical, loads_canonical
+from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, is_generation_id
+from ckptvault.trust.digests import FileRecord
+
+FORMAT_VERSION = 1
+READABLE_FORMAT_VERSIONS = frozenset({1})
+MAX_MANIFEST_BYTES = 512 * 1024 * 1024
+
+# A file name inside a generation: one plain path component, never hidden, never a
+# traversal, never one of the reserved names.
+_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+_HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
+RESERVED_NAMES = frozenset({MANIFEST_NAME, SIGNATURE_NAME})
+
+
+def is_safe_file_name(name: str) -> bool:
+    return bool(_FILE_NAME_RE.match(name)) and name not in RESERVED_NAMES and ".." not in name
+
+
+@dataclass(frozen=True)
+class Manifest:
+    run_id: str
+    step: int
+    generation_id: str
+    created_at: str
+    parent: str | None
+    chunk_size: int
+    files: dict[str, FileRecord]
+    dcp: dict[str, Any]
+    state: dict[str, Any]
+    contract: dict[str, Any]
+    writer: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(record.size for record in self.files.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format_version": self.format_version,
+            "run_id": self.run_id,
+            "step": self.step,
+            "generation_id": self.generation_id,
+            "created_at": self.created_at,
+            "parent": self.parent,
+            "chunk_size": self.chunk_size,
+            "files": {name: record.to_json() for name, record in sorted(self.files.items())},
+            "dcp": self.dcp,
+            "state": self.state,
+            "contract": self.contract,
+            "writer": self.writer,
+        }
+
+    def to_bytes(self) -> bytes:
+        return dumps_canonical(self.to_json())
+
+
+def _require(obj: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in obj:
+        raise FormatError(f"{where}: required key {key!r} is missing")
+    value = obj[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise FormatError(f"{where}: key {key!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def check_format_version(version: object, where: str) -> int:
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise FormatError(f"{where}: format_version is not an integer")
+    if version not in READABLE_FORMAT_VERSIONS:
+        newest = max(READABLE_FORMAT_VERSIONS)
+        if version > newest:
+            raise FormatError(
+                f"{where}: written in format version {version}, but this ckptvault reads "
+                f"versions up to {newest}; upgrade ckptvault to restore it"
+            )
+        raise FormatError(f"{where}: format version {version} is not one this ckptvault reads")
+    return version
+
+
+def _parse_file_record(name: str, raw: Any, where: str) -> FileRecord:
+    if not isinstance(raw, dict):
+        raise FormatError(f"{where}: entry for file {name!r} is not an object")
+    size = _require(raw, "size", int, f"{where} file {name!r}")
+    digest = _require(raw, "blake3", str, f"{where} file {name!r}")
+    chunks = _require(raw, "chunks", list, f"{where} file {name!r}")
+    if (
+        size < 0
+        or not _HEX64_RE.match(digest)
+        or not all(isinstance(c, str) and _HEX64_RE.match(c) for c in chunks)
+    ):
+        raise FormatError(f"{where}: entry for file {name!r} has an invalid size or digest")
+    return FileRecord(size=size, blake3=digest, chunks=tuple(chunks))
+
+
+def parse_manifest(data: bytes, where: str) -> Manifest:
+    """Parse and validate manifest bytes; ``where`` names the generation for errors.
+
+    Raises :class:`FormatError` for anything malformed, non-canonical, or written by
+    a newer format version (the message names both versions).
+    """
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise FormatError(f"{where}: manifest is larger than {MAX_MANIFEST_BYTES} bytes")
+    raw = loads_canonical(data, f"{where}/{MANIFEST_NAME}")
+    if not isinstance(raw, dict):
+        raise FormatError(f"{where}: manifest is not a JSON object")
+    version = check_format_version(raw.get("format_version"), where)
+    generation_id = _require(raw, "generation_id", str, where)
+    if not is_generation_id(generation_id):
+        raise FormatError(f"{where}: generation_id {generation_id!r} is malformed")
+    step = _require(raw, "step", int, where)
+    if step < 0:
+        raise FormatError(f"{where}: step {step} is negative")
+    parent = raw.get("parent")
+    if parent is not None and not isinstance(parent, str):
+        raise FormatError(f"{where}: parent must be a generation id or null")
+    chunk_size = _require(raw, "chunk_size", int, where)
+    if chunk_size <= 0:
+        raise FormatError(f"{where}: chunk_size must be positive")
+    raw_files = _require(raw, "files", dict, where)
+    files: dict[str, FileRecord] = {}
+    for name, record in raw_files.items():
+        if not is_safe_file_name(name):
+            raise FormatError(
+                f"{where}: file name {name!r} is not a plain relative name (absolute paths, "
+                "'..', hidden and reserved names are refused)"
+            )
+        files[name] = _parse_file_record(name, record, where)
+        expected_chunks = -(-files[name].size // chunk_size)
+        if len(files[name].chunks) != expected_chunks:
+            raise FormatError(f"{where}: file {name!r} lists the wrong number of chunk digests")
+    return Manifest(
+        format_version=version,
+        run_id=_require(raw, "run_id", str, where),
+        step=step,
+        generation_id=generation_id,
+        created_at=_require(raw, "created_at", str, where),
+        parent=parent,
+        chunk_size=chunk_size,
+        files=files,
+        dcp=_require(raw, "dcp", dict, where),
+        state=_require(raw, "state", dict, where),
+        contract=_require(raw, "contract", dict, where),
+        writer=_require(raw, "writer", dict, where),
+    )

@@ -1,0 +1,169 @@
+"""Safetensors-compatible tensor files, written and parsed without torch.
+
+Layout (the safetensors format): an 8-byte little-endian header length ``N``, ``N``
+bytes of JSON header (padded with spaces to a multiple of 8), then the tensors' raw
+bytes packed back to back. The header maps each tensor name to its dtype, shape and
+``data_offsets`` (relative to the start of the data region); a ``__metadata__`` entry
+holds string pairs. Stock ``safetensors.safe_open`` reads these files.
+
+ckptvault streams the data region itself (see ``ckptvault.io.writer``); this module
+only builds and validates headers, so ``ckptvault verify`` can check them without
+importing torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from ckptvault.errors import FormatError
+
+HEADER_LENGTH_BYTES = 8
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+_ALIGNMENT = 8
+
+# torch dtype name -> (safetensors dtype, element size in bytes)
+DTYPES: dict[str, tuple[str, int]] = {
+    "bool": ("BOOL", 1),
+    "uint8": ("U8", 1),
+    "int8": ("I8", 1),
+    "int16": ("I16", 2),
+    "uint16": ("U16", 2),
+    "int32": ("I32", 4),
+    "uint32": ("U32", 4),
+    "int64": ("I64", 8),
+    "uint64": ("U64", 8),
+    "float16": ("F16", 2),
+    "bfloat16": ("BF16", 2),
+    "float32": ("F32", 4),
+    "float64": ("F64", 8),
+    "complex64": ("C64", 8),
+    "float8_e4m3fn": ("F8_E4M3", 1),
+    "float8_e5m2": ("F8_E5M2", 1),
+    "float8_e4m3fnuz": ("F8_E4M3FNUZ", 1),
+    "float8_e5m2fnuz": ("F8_E5M2FNUZ", 1),
+}
+_FROM_SAFETENSORS = {code: name for name, (code, _size) in DTYPES.items()}
+
+
+def element_size(dtype: str) -> int:
+    try:
+        return DTYPES[dtype][1]
+    except KeyError:
+        raise FormatError(f"dtype {dtype} has no safetensors encoding") from None
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor in a tensor file; ``start``/``end`` are absolute file offsets."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class TensorFileHeader:
+    header_bytes: bytes  # the 8-byte length prefix and the padded JSON header
+    entries: dict[str, TensorEntry]
+    metadata: dict[str, str]
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header_bytes)
+
+
+def build_header(
+    tensors: Iterable[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str]
+) -> TensorFileHeader:
+    """Lay out ``(name, dtype, shape)`` tensors back to back, in the order given."""
+    layout: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    spans: list[tuple[str, str, tuple[int, ...], int, int]] = []
+    offset = 0
+    for name, dtype, shape in tensors:
+        if name in layout or name == "__metadata__":
+            raise FormatError(f"tensor name {name!r} appears twice in one tensor file")
+        code, size = DTYPES.get(dtype, (None, 0))
+        if code is None:
+            raise FormatError(f"dtype {dtype} of tensor {name!r} has no safetensors encoding")
+        nbytes = math.prod(shape) * size
+        layout[name] = {
+            "dtype": code,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        spans.append((name, dtype, tuple(shape), offset, offset + nbytes))
+        offset += nbytes
+    text = json.dumps(layout, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % _ALIGNMENT)
+    prefix = struct.pack("<Q", len(text)) + text
+    base = len(prefix)
+    entries = {
+        name: TensorEntry(name, dtype, shape, base + start, base + end)
+        for name, dtype, shape, start, end in spans
+    }
+    return TensorFileHeader(prefix, entries, dict(metadata))
+
+
+def header_length(prefix: bytes, file_size: int, where: str) -> int:
+    """Total header size (length prefix included) from a file's first 8 bytes."""
+    if len(prefix) < HEADER_LENGTH_BYTES:
+        raise FormatError(f"{where}: too short to be a tensor file ({file_size} bytes)")
+    (length,) = struct.unpack("<Q", prefix[:HEADER_LENGTH_BYTES])
+    if length > MAX_HEADER_BYTES or HEADER_LENGTH_BYTES + length > file_size:
+        raise FormatError(
+            f"{where}: header length {length} does not fit the file ({file_size} bytes)"
+        )
+    return HEADER_LENGTH_BYTES + length
+
+
+def parse_header(header: bytes, file_size: int, where: str) -> TensorFileHeader:
+    """Validate a tensor file's header the way safetensors does, and more strictly.
+
+    ``header`` must be the file's first ``header_length(...)`` bytes. Tensors must
+    tile the data region exactly (no gaps, no overlap, nothing after the last one).
+    """
+    total = header_length(header, file_size, where)
+    if len(header) != total:
+        raise FormatError(f"{where}: header truncated")
+    try:
+        raw = json.loads(header[HEADER_LENGTH_BYTES:].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise FormatError(f"{where}: header is not JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise FormatError(f"{where}: header is not a JSON object")
+    metadata = raw.pop("__metadata__", {}) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise FormatError(f"{where}: __metadata__ must map strings to strings")
+    entries: dict[str, TensorEntry] = {}
+    for name, info in raw.items():
+        try:
+            dtype = _FROM_SAFETENSORS[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            start, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"{where}: tensor {name!r} has a malformed entry") from exc
+        if any(d < 0 for d in shape) or math.prod(shape) * element_size(dtype) != end - start:
+            raise FormatError(f"{where}: tensor {name!r} size does not match its shape")
+        entries[name] = TensorEntry(name, dtype, shape, total + start, total + end)
+    position = total
+    for entry in sorted(entries.values(), key=lambda e: (e.start, e.end)):
+        if entry.start != position:
+            raise FormatError(f"{where}: tensor data is not packed (gap or overlap at {position})")
+        position = entry.end
+    if position != file_size:
+        raise FormatError(
+            f"{where}: tensor data ends at byte {position} but the file has {file_size} bytes"
+        )
+    return TensorFileHeader(header, entries, metadata)

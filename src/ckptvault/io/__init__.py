@@ -1,0 +1,1 @@
+"""Moving bytes: the DCP storage plugin and its write/read pipelines."""

@@ -1,0 +1,98 @@
+"""Drive torch.distributed.checkpoint with ckptvault's storage plugin.
+
+``write_tensors`` saves a flat ``{key: tensor}`` dict into a staging area;
+``read_tensors`` loads a verified generation's tensors into fresh buffers. Both run
+DCP in a single process here; the multi-rank path uses the same plugin. DCP wraps
+errors raised inside the plugin in ``CheckpointException``; they are unwrapped so
+callers see ckptvault's typed errors.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ckptvault.errors import CheckpointError, FormatError, SaveFailedError
+from ckptvault.format.manifest import Manifest
+from ckptvault.io.dcp_metadata import metadata_from_json
+from ckptvault.io.planners import TensorOnlyLoadPlanner, TensorOnlySavePlanner
+from ckptvault.io.reader import VaultStorageReader
+from ckptvault.io.writer import VaultStorageWriter
+from ckptvault.storage.base import GenerationRef, StagingArea, Store
+from ckptvault.trust.digests import FileRecord
+
+# DCP warns on every single-process call; that is exactly how it is used here.
+warnings.filterwarnings(
+    "ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized"
+)
+
+
+def _reraise(exc: CheckpointException, wrap: type[CheckpointError], what: str) -> NoReturn:
+    """Re-raise the first rank's original error; wrap anything untyped in ``wrap``."""
+    for original, _trace in exc.failures.values():
+        if isinstance(original, (CheckpointError, OSError, KeyboardInterrupt, MemoryError)):
+            raise original
+        raise wrap(f"{what}: {type(original).__name__}: {original}") from original
+    raise wrap(f"{what}: {exc}")
+
+
+def write_tensors(
+    tensors: dict[str, torch.Tensor], staging: StagingArea, chunk_size: int, threads: int | None
+) -> tuple[dict[str, Any], dict[str, FileRecord]]:
+    """Write tensors as safetensors files; returns (DCP metadata JSON, file records)."""
+    writer = VaultStorageWriter(staging, chunk_size=chunk_size, threads=threads)
+    if tensors:
+        try:
+            dcp.save(tensors, storage_writer=writer, planner=TensorOnlySavePlanner(), no_dist=True)
+        except CheckpointException as exc:
+            _reraise(exc, SaveFailedError, "saving tensors")
+    return writer.dcp_json or {"version": None, "tensors": {}}, writer.file_records
+
+
+def allocate_destinations(
+    manifest: Manifest, where: str
+) -> tuple[dict[str, torch.Tensor], Any, Any]:
+    metadata, locations = metadata_from_json(manifest.dcp, where)
+    destinations = {
+        fqn: torch.empty(tuple(info.size), dtype=info.properties.dtype)  # type: ignore[union-attr]
+        for fqn, info in metadata.state_dict_metadata.items()
+    }
+    return destinations, metadata, locations
+
+
+def read_tensors(
+    store: Store,
+    ref: GenerationRef,
+    manifest: Manifest,
+    threads: int,
+    on_bytes: Callable[[int], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Load every tensor of a structurally checked generation, verifying every byte.
+
+    Returns fresh CPU tensors owned by the caller; raises IntegrityError when a
+    digest or size does not match.
+    """
+    where = f"generation {ref.generation_id}"
+    destinations, metadata, locations = allocate_destinations(manifest, where)
+    reader = VaultStorageReader(store, ref, manifest, metadata, locations, threads, on_bytes)
+    if destinations:
+        try:
+            dcp.load(
+                destinations, storage_reader=reader, planner=TensorOnlyLoadPlanner(), no_dist=True
+            )
+        except CheckpointException as exc:
+            _reraise(exc, FormatError, f"reading {ref.location}")
+    else:
+        reader.read_data(_empty_plan(), TensorOnlyLoadPlanner())  # still verify every file
+    return destinations
+
+
+def _empty_plan() -> Any:
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    return LoadPlan(items=[])

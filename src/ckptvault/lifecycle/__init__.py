@@ -1,0 +1,1 @@
+"""Retention, cadence, catalog and metrics (later issues)."""

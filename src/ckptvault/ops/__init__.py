@@ -1,0 +1,1 @@
+"""Operations: drills, export, supervisor (later issues)."""

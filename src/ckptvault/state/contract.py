@@ -1,0 +1,124 @@
+"""The run contract: what the saved numbers mean.
+
+A contract records the user's ``contract=`` fields (config, dataset identity, ...),
+the code revision from git when there is one, and the torch, Python, NumPy and
+ckptvault versions. Restore compares only the user fields: a changed config or
+dataset raises :class:`ContractMismatch` naming the fields, unless the caller
+allows the change. Versions and revision are recorded for diagnosis.
+
+Fields whose canonical JSON is larger than :data:`INLINE_LIMIT` bytes are stored as
+their BLAKE3 digest, so a large config does not bloat every manifest but a change to
+it is still detected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import platform
+import subprocess
+from collections.abc import Mapping
+from pathlib import PurePath
+from typing import Any
+
+import numpy as np
+import torch
+from blake3 import blake3
+
+from ckptvault._version import __version__
+from ckptvault.errors import ContractMismatch
+from ckptvault.format.canonical import dumps_canonical
+from ckptvault.state.codec import encode_plain
+
+INLINE_LIMIT = 4096
+
+
+def _normalize(value: Any) -> Any:
+    """Make common config containers JSON-able: dataclasses, paths, enums."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _normalize(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, PurePath):
+        return str(value)
+    if isinstance(value, enum.Enum):
+        return _normalize(value.value)
+    if isinstance(value, Mapping):
+        return {k: _normalize(v) for k, v in value.items()}
+    if type(value) is list:
+        return [_normalize(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_normalize(v) for v in value)
+    return value
+
+
+def encode_contract_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+    encoded = {}
+    for name, value in fields.items():
+        if not isinstance(name, str):
+            raise TypeError(f"contract field names must be str, got {name!r}")
+        data = encode_plain(_normalize(value), ("contract", name))
+        raw = dumps_canonical(data)
+        if len(raw) > INLINE_LIMIT:
+            data = {"$blake3": blake3(raw).hexdigest(), "bytes": len(raw)}
+        encoded[name] = data
+    return encoded
+
+
+def code_revision(cwd: str | None = None) -> dict[str, Any] | None:
+    """The git commit of the working directory, and whether it has local changes."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5
+        )
+        if commit.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "diff", "--quiet", "HEAD"], cwd=cwd, capture_output=True, timeout=10
+        )
+        return {"commit": commit.stdout.strip(), "dirty": dirty.returncode == 1}
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def build_contract(
+    fields: Mapping[str, Any] | None, revision: dict[str, Any] | None
+) -> dict[str, Any]:
+    return {
+        "fields": encode_contract_fields(fields or {}),
+        "code_revision": revision,
+        "versions": {
+            "ckptvault": __version__,
+            "torch": torch.__version__,
+            "numpy": np.__version__,
+            "python": platform.python_version(),
+        },
+        "host_os": os.uname().sysname if hasattr(os, "uname") else platform.system(),
+    }
+
+
+def compare_contracts(
+    stored: Mapping[str, Any], current_fields: Mapping[str, Any], where: str
+) -> None:
+    """Raise :class:`ContractMismatch` if user fields differ; ``where`` names the generation."""
+    saved = stored.get("fields", {})
+    current = encode_contract_fields(current_fields)
+    changed = sorted(
+        name
+        for name in set(saved) | set(current)
+        if saved.get(name, "<absent>") != current.get(name, "<absent>")
+    )
+    if changed:
+        details = []
+        for name in changed:
+            if name not in saved:
+                details.append(f"{name} (not in the checkpoint)")
+            elif name not in current:
+                details.append(f"{name} (not given now)")
+            else:
+                details.append(name)
+        raise ContractMismatch(
+            f"{where} was saved under a different run contract: {', '.join(details)} changed. "
+            "Restore with the original config and dataset, or pass allow_contract_change=True "
+            "if the change is intended.",
+            fields=changed,
+        )

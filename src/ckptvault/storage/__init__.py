@@ -1,0 +1,1 @@
+"""Where bytes live and how a generation becomes visible."""

@@ -1,0 +1,69 @@
+"""An advisory single-writer lock that a killed process cannot leave stuck.
+
+``flock(2)`` locks belong to an open file description: the kernel drops them when
+the holder exits for any reason, SIGKILL included, so there is no stale-lock
+recovery to get wrong. The holder's pid, host and start time are written into the
+lock file only to make the error message useful.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ckptvault.errors import StoreLockedError
+
+
+class WriterLock:
+    def __init__(self, path: Path, store_location: str) -> None:
+        self.path = path
+        self.store_location = store_location
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> None:
+        if self._fd is not None:
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise StoreLockedError(
+                f"store {self.store_location} is being written by another live process "
+                f"({holder}); ckptvault allows one writer per store. Stop that process, or "
+                "save this run into a different directory."
+            ) from None
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": datetime.now(timezone.utc).isoformat(),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {info['pid']} on {info['host']}, since {info['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "holder unknown"

@@ -1,0 +1,150 @@
+"""BLAKE3 digests of whole files and of their fixed-size chunks.
+
+Every file in a generation is recorded with its size, the BLAKE3 digest of all its
+bytes, and the BLAKE3 digest of each ``chunk_size`` slice (the last one may be
+shorter). Chunk digests let a reader verify exactly the part of a file it reads;
+the whole-file digest matches what ``b3sum`` prints, for operators.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from blake3 import blake3
+
+from ckptvault.errors import IntegrityError
+
+DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024
+READ_BLOCK = DEFAULT_CHUNK_SIZE
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """What the manifest promises about one file."""
+
+    size: int
+    blake3: str
+    chunks: tuple[str, ...]
+
+    def to_json(self) -> dict[str, object]:
+        return {"size": self.size, "blake3": self.blake3, "chunks": list(self.chunks)}
+
+
+class FileDigester:
+    """Computes a :class:`FileRecord` from a file's bytes, fed in order."""
+
+    def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+        if chunk_size <= 0:
+            raise ValueError("chunk_size must be positive")
+        self.chunk_size = chunk_size
+        self.size = 0
+        self._whole = blake3()
+        self._chunk = blake3()
+        self._chunk_fill = 0
+        self._chunks: list[str] = []
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        self._whole.update(view)
+        self.size += len(view)
+        position = 0
+        while position < len(view):
+            piece = view[position : position + self.chunk_size - self._chunk_fill]
+            self._chunk.update(piece)
+            self._chunk_fill += len(piece)
+            position += len(piece)
+            if self._chunk_fill == self.chunk_size:
+                self._close_chunk()
+
+    def _close_chunk(self) -> None:
+        self._chunks.append(self._chunk.hexdigest())
+        self._chunk = blake3()
+        self._chunk_fill = 0
+
+    def finish(self) -> FileRecord:
+        if self._chunk_fill:
+            self._close_chunk()
+        return FileRecord(self.size, self._whole.hexdigest(), tuple(self._chunks))
+
+
+class ChunkVerifier:
+    """Checks a file's bytes, fed in order, against its :class:`FileRecord`.
+
+    Raises :class:`IntegrityError` at the first chunk whose digest differs, so a
+    caller never uses bytes of a chunk that did not verify.
+    """
+
+    def __init__(self, record: FileRecord, chunk_size: int, where: str) -> None:
+        self.record = record
+        self.where = where
+        self._digester = FileDigester(chunk_size)
+        self._checked = 0
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        if self._digester.size + len(memoryview(data).cast("B")) > self.record.size:
+            raise IntegrityError(
+                f"{self.where}: file is longer than the {self.record.size} bytes the manifest "
+                "records"
+            )
+        self._digester.update(data)
+        self._compare_closed_chunks()
+
+    def _compare_closed_chunks(self) -> None:
+        closed = self._digester._chunks
+        expected = self.record.chunks
+        while self._checked < len(closed):
+            index = self._checked
+            if index >= len(expected) or closed[index] != expected[index]:
+                start = index * self._digester.chunk_size
+                raise IntegrityError(
+                    f"{self.where}: bytes {start}..{start + self._digester.chunk_size} "
+                    f"(chunk {index + 1} of {len(expected)}) do not match the manifest digest"
+                )
+            self._checked += 1
+
+    def finish(self) -> None:
+        if self._digester.size != self.record.size:
+            raise IntegrityError(
+                f"{self.where}: file has {self._digester.size} bytes, the manifest records "
+                f"{self.record.size} (truncated or extended)"
+            )
+        record = self._digester.finish()
+        self._compare_closed_chunks()
+        if record.blake3 != self.record.blake3 or len(record.chunks) != len(self.record.chunks):
+            raise IntegrityError(
+                f"{self.where}: whole-file BLAKE3 digest does not match the manifest"
+            )
+
+
+def read_full(stream: BinaryIO, buffer: memoryview) -> int:
+    """Fill ``buffer`` from ``stream``; returns the byte count (short only at EOF)."""
+    filled = 0
+    while filled < len(buffer):
+        count = stream.readinto(buffer[filled:])  # type: ignore[attr-defined]
+        if not count:
+            break
+        filled += count
+    return filled
+
+
+def verify_stream(
+    stream: BinaryIO,
+    record: FileRecord,
+    chunk_size: int,
+    where: str,
+    on_bytes: Callable[[int], None] | None = None,
+) -> None:
+    """Read ``stream`` to its end and verify every chunk and the whole file."""
+    verifier = ChunkVerifier(record, chunk_size, where)
+    buffer = memoryview(bytearray(chunk_size))
+    while True:
+        count = read_full(stream, buffer)
+        if count:
+            verifier.update(buffer[:count])
+            if on_bytes is not None:
+                on_bytes(count)
+        if count < chunk_size:
+            break
+    verifier.finish()
