@@ -1,7 +1,7 @@
 """DCP planners with the pickle paths closed.
 
 DCP's default planners serialize non-tensor values with ``torch.save`` and load
-them with ``torch.load(weights_only=False)``: pickle. ckptvault hands DCP tensors
+them with an unrestricted ``torch.load``: pickle. ckptvault hands DCP tensors
 only (non-tensor leaves go through the JSON codec), and these subclasses make that
 an enforced rule rather than a convention.
 """

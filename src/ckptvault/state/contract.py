@@ -43,7 +43,11 @@ def _normalize(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return _normalize(value.value)
     if isinstance(value, Mapping):
-        return {k: _normalize(v) for k, v in value.items()}
+        # Key order carries no meaning in a config: compare {"a":1,"b":2} == {"b":2,"a":1}.
+        items = [(k, _normalize(v)) for k, v in value.items()]
+        if all(isinstance(k, str) for k, _ in items):
+            items.sort(key=lambda kv: kv[0])
+        return dict(items)
     if type(value) is list:
         return [_normalize(v) for v in value]
     if type(value) is tuple:
