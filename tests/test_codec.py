@@ -35,7 +35,9 @@ def same(a, b) -> bool:
     if type(a) is not type(b):
         return False
     if isinstance(a, float):
-        return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
+        return (math.isnan(a) and math.isnan(b)) or (
+            a == b and math.copysign(1, a) == math.copysign(1, b)
+        )
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict):
@@ -68,7 +70,7 @@ def same(a, b) -> bool:
         -0.0,
         0.0,
         "",
-        "héllo \u2603 \n\"quoted\"",
+        'héllo \u2603 \n"quoted"',
         "$not-a-tag",
         [1, [2, [3]]],
         (1, (2.5, "x"), ()),

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 from blake3 import blake3
-from conftest import make_training_state, train_steps, writable
 
 import ckptvault as cv
 from ckptvault.errors import FormatError, NoValidCheckpoint
 from ckptvault.format.canonical import dumps_canonical
 from ckptvault.format.manifest import parse_manifest
 from ckptvault.state.codec import decode_plain
+from conftest import make_training_state, train_steps, writable
 
 
 def _save(store: Path, step: int = 1, **kwargs) -> tuple[Path, dict]:
@@ -26,11 +26,24 @@ def _save(store: Path, step: int = 1, **kwargs) -> tuple[Path, dict]:
 
 
 def test_manifest_is_canonical_and_complete(store: Path):
-    path, manifest = _save(store, contract={"config": {"lr": 0.01, "layers": 2}, "dataset": "ds-v3"})
+    path, manifest = _save(
+        store, contract={"config": {"lr": 0.01, "layers": 2}, "dataset": "ds-v3"}
+    )
     raw = (path / "manifest.json").read_bytes()
     assert dumps_canonical(json.loads(raw)) == raw
-    for key in ("format_version", "run_id", "step", "generation_id", "created_at", "parent", "files",
-                "chunk_size", "dcp", "state", "contract"):
+    for key in (
+        "format_version",
+        "run_id",
+        "step",
+        "generation_id",
+        "created_at",
+        "parent",
+        "files",
+        "chunk_size",
+        "dcp",
+        "state",
+        "contract",
+    ):
         assert key in manifest
     assert manifest["run_id"] == "run42" and manifest["step"] == 1
     assert path.name == f"step-{1:012d}.{manifest['generation_id']}"
@@ -54,7 +67,9 @@ def test_file_digests_match_bytes_and_chunks(store: Path):
         data = (path / name).read_bytes()
         assert record["size"] == len(data)
         assert record["blake3"] == blake3(data).hexdigest()
-        chunks = [blake3(data[i : i + chunk_size]).hexdigest() for i in range(0, len(data), chunk_size)]
+        chunks = [
+            blake3(data[i : i + chunk_size]).hexdigest() for i in range(0, len(data), chunk_size)
+        ]
         assert record["chunks"] == chunks and len(chunks) > 1
 
 
@@ -93,7 +108,10 @@ def test_parent_links_saves_and_restores(store: Path):
     with cv.CheckpointManager(store, run_id="r") as mgr:
         restored = mgr.restore(state, step=1)
         third = mgr.save(3, state).result()
-    assert json.loads((Path(third.path) / "manifest.json").read_bytes())["parent"] == restored.generation_id
+    assert (
+        json.loads((Path(third.path) / "manifest.json").read_bytes())["parent"]
+        == restored.generation_id
+    )
 
 
 def _rewrite_manifest(path: Path, change) -> None:
@@ -108,14 +126,17 @@ def test_newer_format_version_names_both_versions(store: Path):
         old = mgr.save(1, state).result()
         new = mgr.save(2, state).result()
     _rewrite_manifest(Path(new.path), lambda m: m.update(format_version=99))
-    with pytest.raises(FormatError, match="format version 99.*up to 1"):
+    with pytest.raises(FormatError, match=r"format version 99.*up to 1"):
         parse_manifest((Path(new.path) / "manifest.json").read_bytes(), "gen")
     with cv.CheckpointManager(store, run_id="r") as mgr:
         info = mgr.restore(make_training_state())
     assert info.generation_id == old.generation_id
     assert info.skipped[0].generation_id == new.generation_id
     assert "format-unsupported" in info.skipped[0].reason and "99" in info.skipped[0].reason
-    with cv.CheckpointManager(store, run_id="r") as mgr, pytest.raises(NoValidCheckpoint, match="99"):
+    with (
+        cv.CheckpointManager(store, run_id="r") as mgr,
+        pytest.raises(NoValidCheckpoint, match="99"),
+    ):
         mgr.restore(make_training_state(), step=2)
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_training_state, model_snapshot, train_steps
 from safetensors import safe_open
 
 import ckptvault as cv
+from conftest import make_training_state, model_snapshot, train_steps
 
 
 class PickleUsed(AssertionError):
@@ -60,16 +60,26 @@ def test_tensor_files_open_with_stock_safetensors(store: Path):
     for file in files:
         with safe_open(file, framework="pt") as reader:
             assert reader.metadata()["writer"] == "ckptvault"
-            for key in reader.keys():
+            for key in reader:
                 found[key] = reader.get_tensor(key)
     for name, value in state["model"].state_dict().items():
         assert torch.equal(found[f"model/{name}"], value)
-    assert torch.equal(found["optimizer/state/0/exp_avg"], state["optimizer"].state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(
+        found["optimizer/state/0/exp_avg"], state["optimizer"].state_dict()["state"][0]["exp_avg"]
+    )
 
 
 def test_source_tree_has_no_pickle_calls():
     root = Path(__file__).resolve().parent.parent / "src"
-    banned = ("import pickle", "from pickle", "torch.load(", "torch.save(", "weights_only=False", "eval(", "exec(")
+    banned = (
+        "import pickle",
+        "from pickle",
+        "torch.load(",
+        "torch.save(",
+        "weights_only=False",
+        "eval(",
+        "exec(",
+    )
     for path in root.rglob("*.py"):
         text = path.read_text()
         for needle in banned:

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import assert_same_tensors, make_training_state, model_snapshot, train_steps
 
 import ckptvault as cv
 from ckptvault.errors import UnsupportedValueError, UsageError
+from conftest import assert_same_tensors, make_training_state, model_snapshot, train_steps
 
 
 def test_full_training_state_roundtrip_in_place(store: Path):
@@ -207,7 +207,9 @@ def test_stateful_dataloader_resumes_mid_epoch(store: Path):
     data = list(range(40))
 
     def loader():
-        return tdn.StatefulDataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0))
+        return tdn.StatefulDataLoader(
+            data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0)
+        )
 
     first = loader()
     iterator = iter(first)
@@ -249,9 +251,22 @@ def test_dtypes_roundtrip(store: Path):
     tensors = {
         str(dtype): (torch.arange(6).reshape(2, 3) % 2).to(dtype)
         for dtype in (
-            torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
-            torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64,
-            torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
+            torch.float32,
+            torch.float64,
+            torch.float16,
+            torch.bfloat16,
+            torch.int8,
+            torch.uint8,
+            torch.int16,
+            torch.int32,
+            torch.int64,
+            torch.bool,
+            torch.complex64,
+            torch.float8_e4m3fn,
+            torch.float8_e5m2,
+            torch.uint16,
+            torch.uint32,
+            torch.uint64,
         )
     }
     tensors["scalar"] = torch.tensor(3.5)
@@ -264,5 +279,11 @@ def test_dtypes_roundtrip(store: Path):
     for key, value in tensors.items():
         got = restored["t"][key]
         assert got.dtype == value.dtype and got.shape == value.shape, key
-        assert torch.equal(got.view(torch.uint8) if got.dtype.is_floating_point and got.element_size() == 1 else got,
-                           value.contiguous().view(torch.uint8) if got.dtype.is_floating_point and got.element_size() == 1 else value), key
+        assert torch.equal(
+            got.view(torch.uint8)
+            if got.dtype.is_floating_point and got.element_size() == 1
+            else got,
+            value.contiguous().view(torch.uint8)
+            if got.dtype.is_floating_point and got.element_size() == 1
+            else value,
+        ), key
