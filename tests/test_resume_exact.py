@@ -12,7 +12,9 @@ WORKER = Path(__file__).with_name("resume_worker.py")
 
 
 def _run(*args: str) -> None:
-    result = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(WORKER), *args], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr
 
 
