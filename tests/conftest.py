@@ -86,10 +86,14 @@ def run_python(
     return result
 
 
-def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the installed ``ckptvault`` command as a user would."""
     return subprocess.run(
-        [sys.executable, "-m", "ckptvault", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "ckptvault", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
     )
 
 

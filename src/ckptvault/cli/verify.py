@@ -58,7 +58,7 @@ def _verify_one(store: Any, ref: Any, run_id: str | None, quiet: bool) -> Verifi
         TransferSpeedColumn(),
         console=err,
         transient=True,
-        disable=total < PROGRESS_THRESHOLD,
+        disable=total < PROGRESS_THRESHOLD or not err.is_interactive,
     ) as progress:
         task = progress.add_task("hash", total=total)
         problems = check_digests(store, checked, lambda n: progress.advance(task, n))
