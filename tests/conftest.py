@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from subprocess import CompletedProcess
 
 import numpy as np
 import pytest
@@ -86,7 +87,7 @@ def run_python(
     return result
 
 
-def run_cli(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: float = 120, env: dict | None = None) -> CompletedProcess:
     """Run the installed ``ckptvault`` command as a user would."""
     return subprocess.run(
         [sys.executable, "-m", "ckptvault", *args],

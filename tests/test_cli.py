@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_training_state, only_tensor_file, run_cli, train_steps, writable
 
 import ckptvault as cv
+from conftest import make_training_state, only_tensor_file, run_cli, train_steps, writable
 
 
 @pytest.fixture
@@ -52,7 +52,8 @@ def test_inspect_shows_tensors_leaves_contract_files(store: Path, populated):
     report = json.loads(result.stdout)
     assert report["generation"]["step"] == 20
     tensors = {row["key"]: row for row in report["tensors"]}
-    assert tensors["model/fc1.weight"] == {"key": "model/fc1.weight", "dtype": "float32", "shape": [16, 8], "bytes": 512}
+    expected = {"key": "model/fc1.weight", "dtype": "float32", "shape": [16, 8], "bytes": 512}
+    assert tensors["model/fc1.weight"] == expected
     assert report["state"]["model"]["$stateful"]["kind"] == "module"
     assert report["contract"]["fields"]["dataset"] == "ds-v3"
     assert all(name.endswith(".safetensors") for name in report["files"])

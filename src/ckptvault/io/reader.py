@@ -166,7 +166,7 @@ class VaultStorageReader(StorageReader):
 
     def _read_file(self, name: str, file_plan: _FilePlan) -> None:
         record = self.manifest.files[name]
-        where = f"{self.ref.location}/{name}"
+        where = name  # the generation is named by whoever reports the failure
         chunk_size = self.manifest.chunk_size
         verifier = ChunkVerifier(record, chunk_size, where)
         targets = sorted(file_plan.targets, key=lambda t: t.start)

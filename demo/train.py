@@ -1,0 +1,105 @@
+"""The demo's training job: a small model trained with periodic checkpoints.
+
+    python demo/train.py STORE --steps N --save-every K [--restore-only]
+
+On start it restores the newest valid generation of STORE (if any) and continues
+from there. It prints one JSON event per line: ``restored``, ``step``, ``saved``,
+``done`` (with a digest of the final weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import numpy as np
+import torch
+from blake3 import blake3
+
+import ckptvault as cv
+
+CONFIG = {"width": 512, "depth": 3, "dropout": 0.1, "lr": 3e-4, "batch": 64, "seed": 1234}
+
+
+def emit(event: str, **fields) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def build_state() -> dict:
+    torch.manual_seed(CONFIG["seed"])
+    np.random.seed(CONFIG["seed"])
+    random.seed(CONFIG["seed"])
+    layers: list[torch.nn.Module] = [torch.nn.Linear(32, CONFIG["width"])]
+    for _ in range(CONFIG["depth"] - 1):
+        layers += [
+            torch.nn.GELU(),
+            torch.nn.Dropout(CONFIG["dropout"]),
+            torch.nn.Linear(CONFIG["width"], CONFIG["width"]),
+        ]
+    layers += [torch.nn.GELU(), torch.nn.Linear(CONFIG["width"], 1)]
+    model = torch.nn.Sequential(*layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=CONFIG["lr"])
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
+    return {
+        "model": model,
+        "optimizer": opt,
+        "scheduler": sched,
+        "sampler": np.random.default_rng(CONFIG["seed"]),  # picks the batches
+        "rng": cv.RNGState(),
+        "meta": {"next_step": 0, "samples_seen": 0},
+    }
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    hasher = blake3()
+    for tensor in model.state_dict().values():
+        hasher.update(tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return hasher.hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("store")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--save-every", type=int, default=25)
+    parser.add_argument("--restore-only", action="store_true")
+    args = parser.parse_args()
+
+    state = build_state()
+    features = torch.randn(4096, 32, generator=torch.Generator().manual_seed(0))
+    targets = features[:, :4].sum(dim=1, keepdim=True).tanh()
+    with cv.CheckpointManager(
+        args.store, run_id="demo", contract={"config": CONFIG, "dataset": "synthetic-v1"}
+    ) as mgr:
+        info = mgr.restore(state)
+        emit(
+            "restored",
+            step=info.step if info else None,
+            seconds=info.seconds if info else 0.0,
+            skipped=[list(s) for s in info.skipped] if info else [],
+        )
+        if args.restore_only:
+            return
+        model, opt, sched = state["model"], state["optimizer"], state["scheduler"]
+        while state["meta"]["next_step"] < args.steps:
+            step = state["meta"]["next_step"]
+            index = torch.from_numpy(state["sampler"].integers(0, len(features), CONFIG["batch"]))
+            opt.zero_grad(set_to_none=True)
+            loss = (model(features[index]) - targets[index]).square().mean()
+            loss.backward()
+            opt.step()
+            sched.step()
+            state["meta"]["next_step"] = step + 1
+            state["meta"]["samples_seen"] += CONFIG["batch"]
+            emit("step", step=step, loss=loss.item())
+            if (step + 1) % args.save_every == 0:
+                started = time.perf_counter()
+                saved = mgr.save(step, state).result()
+                emit("saved", step=step, seconds=time.perf_counter() - started, bytes=saved.bytes)
+        emit("done", step=state["meta"]["next_step"] - 1, weights=weights_digest(state["model"]))
+
+
+if __name__ == "__main__":
+    main()
