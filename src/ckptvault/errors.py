@@ -62,6 +62,27 @@ class NoValidCheckpoint(CheckpointError):
         super().__init__(message)
 
 
+class RollbackError(NoValidCheckpoint):
+    """Restore found no valid generation at or above the run's restore floor.
+
+    Raised instead of silently going back to an older step; ``rejected`` lists every
+    generation tried and why. ``restore(..., allow_rollback_to=STEP)`` overrides.
+    """
+
+
+class SignatureError(IntegrityError):
+    """A manifest signature is missing, malformed, untrusted or does not match."""
+
+
+class KeyDestroyedError(CheckpointError):
+    """The run's key-encryption key was destroyed (crypto-erase): nothing of the run
+    can be read, and nothing new can be saved under its run id."""
+
+
+class KeyUnavailableError(CheckpointError):
+    """An encrypted generation's key cannot be obtained (no key store, unknown key)."""
+
+
 class ContractMismatch(CheckpointError):
     """The run contract (config, dataset identity, ...) differs from the stored one."""
 
@@ -107,8 +128,12 @@ __all__ = [
     "ContractMismatch",
     "FormatError",
     "IntegrityError",
+    "KeyDestroyedError",
+    "KeyUnavailableError",
     "NoValidCheckpoint",
+    "RollbackError",
     "SaveFailedError",
+    "SignatureError",
     "StateMismatchError",
     "StorageFullError",
     "StoreLockedError",

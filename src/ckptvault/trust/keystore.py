@@ -1,0 +1,227 @@
+"""Key stores: where each run's key-encryption key (KEK) lives, and how it dies.
+
+Every encrypted file has its own random data key; the data key is stored in the
+manifest only wrapped (encrypted) by the run's KEK. Destroying the KEK therefore
+makes every generation and every copy of the run unreadable at once: crypto-erase.
+
+The :class:`KeyStore` protocol wraps and unwraps data keys rather than handing out
+the KEK, so a cloud KMS (whose keys never leave it) can implement it later.
+:class:`LocalKeyStore` keeps each KEK as a 0600 file in a directory that must live
+outside the checkpoint store, and leaves a tombstone when a key is destroyed.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Protocol
+
+from blake3 import blake3
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from ckptvault.errors import KeyDestroyedError, KeyUnavailableError, UsageError
+
+_WRAP_DOMAIN = b"ckptvault key wrap v1\0"
+_NONCE_BYTES = 12
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    run_id: str
+    kek_id: str
+    created_at: str
+    destroyed_at: str | None = None
+
+    def to_json(self) -> dict[str, str | None]:
+        return {
+            "run_id": self.run_id,
+            "kek_id": self.kek_id,
+            "created_at": self.created_at,
+            "destroyed_at": self.destroyed_at,
+        }
+
+
+class KeyStore(Protocol):
+    location: str
+
+    def wrap(self, run_id: str, data_key: bytes, context: bytes) -> tuple[str, bytes]:
+        """Wrap ``data_key`` under the run's KEK (created on first use).
+
+        Returns ``(kek id, wrapped key)``; raises KeyDestroyedError after destroy."""
+
+    def unwrap(self, run_id: str, kek_id: str, wrapped: bytes, context: bytes) -> bytes:
+        """Recover a data key; raises KeyDestroyedError or KeyUnavailableError."""
+
+    def is_destroyed(self, run_id: str) -> bool: ...
+
+    def destroy(self, run_id: str) -> KeyInfo: ...
+
+    def list_keys(self) -> list[KeyInfo]: ...
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalKeyStore:
+    """KEKs as 0600 files in a directory (created 0700), one per run id."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(os.path.abspath(os.fspath(directory)))
+        self.location = str(self.directory)
+
+    # -- paths ------------------------------------------------------------------------
+
+    def _stem(self, run_id: str) -> Path:
+        # Hashed names: run ids may hold any character, none reaches the filesystem.
+        return self.directory / blake3(run_id.encode("utf-8")).hexdigest()[:40]
+
+    def _key_path(self, run_id: str) -> Path:
+        return self._stem(run_id).with_suffix(".kek")
+
+    def _tombstone_path(self, run_id: str) -> Path:
+        return self._stem(run_id).with_suffix(".tombstone")
+
+    # -- reading ----------------------------------------------------------------------
+
+    def is_destroyed(self, run_id: str) -> bool:
+        return self._tombstone_path(run_id).exists()
+
+    def _tombstone(self, run_id: str) -> KeyInfo:
+        raw = json.loads(self._tombstone_path(run_id).read_text())
+        return KeyInfo(raw["run_id"], raw["kek_id"], raw["created_at"], raw["destroyed_at"])
+
+    def _destroyed_error(self, run_id: str) -> KeyDestroyedError:
+        info = self._tombstone(run_id)
+        return KeyDestroyedError(
+            f"the key of run {run_id!r} ({info.kek_id}) was destroyed at {info.destroyed_at} "
+            f"(tombstone in {self.location}); every generation of this run is unreadable and "
+            "no new generation can be saved under this run id. Start a new run id."
+        )
+
+    def _read_key(self, run_id: str) -> tuple[str, bytes] | None:
+        try:
+            raw = json.loads(self._key_path(run_id).read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise KeyUnavailableError(f"key file for run {run_id!r} in {self.location} is unreadable: {exc}") from exc
+        return raw["kek_id"], base64.b64decode(raw["key"])
+
+    def _get_or_create(self, run_id: str) -> tuple[str, bytes]:
+        if self.is_destroyed(run_id):
+            raise self._destroyed_error(run_id)
+        existing = self._read_key(run_id)
+        if existing is not None:
+            return existing
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        kek_id = "kek-" + secrets.token_hex(8)
+        key = AESGCM.generate_key(bit_length=256)
+        document = {
+            "run_id": run_id,
+            "kek_id": kek_id,
+            "key": base64.b64encode(key).decode("ascii"),
+            "created_at": _now(),
+        }
+        try:
+            fd = os.open(self._key_path(run_id), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another process created it first
+            created = self._read_key(run_id)
+            assert created is not None
+            return created
+        with os.fdopen(fd, "w") as handle:
+            json.dump(document, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        _fsync_dir(self.directory)
+        return kek_id, key
+
+    # -- the KeyStore protocol -----------------------------------------------------------
+
+    def wrap(self, run_id: str, data_key: bytes, context: bytes) -> tuple[str, bytes]:
+        kek_id, kek = self._get_or_create(run_id)
+        nonce = os.urandom(_NONCE_BYTES)
+        wrapped = AESGCM(kek).encrypt(nonce, data_key, _WRAP_DOMAIN + context)
+        return kek_id, nonce + wrapped
+
+    def unwrap(self, run_id: str, kek_id: str, wrapped: bytes, context: bytes) -> bytes:
+        if self.is_destroyed(run_id):
+            raise self._destroyed_error(run_id)
+        found = self._read_key(run_id)
+        if found is None or found[0] != kek_id:
+            raise KeyUnavailableError(
+                f"key store {self.location} has no key {kek_id} for run {run_id!r}; restore "
+                "with the key store the run was saved with"
+            )
+        try:
+            return AESGCM(found[1]).decrypt(wrapped[:_NONCE_BYTES], wrapped[_NONCE_BYTES:], _WRAP_DOMAIN + context)
+        except InvalidTag:
+            raise KeyUnavailableError(
+                f"a wrapped data key of run {run_id!r} does not open with {kek_id} (it was "
+                "edited, or belongs to another file or generation)"
+            ) from None
+
+    def destroy(self, run_id: str) -> KeyInfo:
+        """Destroy the run's KEK and leave a tombstone; idempotent."""
+        if self.is_destroyed(run_id):
+            info = self._tombstone(run_id)
+        else:
+            found = self._read_key(run_id)
+            if found is None:
+                raise UsageError(f"key store {self.location} holds no key for run {run_id!r}")
+            raw = json.loads(self._key_path(run_id).read_text())
+            info = KeyInfo(run_id, found[0], raw.get("created_at", ""), _now())
+            # The tombstone is durable before the key goes: a crash in between still
+            # reads as destroyed, and the next destroy finishes the job.
+            tomb = self._tombstone_path(run_id)
+            fd = os.open(tomb, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as handle:
+                json.dump(info.to_json(), handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            _fsync_dir(self.directory)
+        key_path = self._key_path(run_id)
+        if key_path.exists():
+            size = key_path.stat().st_size
+            with open(key_path, "r+b") as handle:  # best effort on flash: overwrite, then unlink
+                handle.write(b"\0" * size)
+                handle.flush()
+                os.fsync(handle.fileno())
+            key_path.unlink()
+            _fsync_dir(self.directory)
+        return info
+
+    def list_keys(self) -> list[KeyInfo]:
+        if not self.directory.is_dir():
+            return []
+        infos: dict[str, KeyInfo] = {}
+        for path in sorted(self.directory.iterdir()):
+            try:
+                raw = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if path.suffix == ".kek":
+                infos.setdefault(raw["run_id"], KeyInfo(raw["run_id"], raw["kek_id"], raw["created_at"]))
+            elif path.suffix == ".tombstone":
+                infos[raw["run_id"]] = KeyInfo(raw["run_id"], raw["kek_id"], raw["created_at"], raw["destroyed_at"])
+        return sorted(infos.values(), key=lambda info: info.run_id)
+
+
+def open_keystore(source: str | os.PathLike[str] | KeyStore) -> KeyStore:
+    if isinstance(source, (str, os.PathLike)):
+        return LocalKeyStore(source)
+    return source
