@@ -119,7 +119,9 @@ class LocalKeyStore:
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:
-            raise KeyUnavailableError(f"key file for run {run_id!r} in {self.location} is unreadable: {exc}") from exc
+            raise KeyUnavailableError(
+                f"key file for run {run_id!r} in {self.location} is unreadable: {exc}"
+            ) from exc
         return raw["kek_id"], base64.b64decode(raw["key"])
 
     def _get_or_create(self, run_id: str) -> tuple[str, bytes]:
@@ -168,7 +170,9 @@ class LocalKeyStore:
                 "with the key store the run was saved with"
             )
         try:
-            return AESGCM(found[1]).decrypt(wrapped[:_NONCE_BYTES], wrapped[_NONCE_BYTES:], _WRAP_DOMAIN + context)
+            return AESGCM(found[1]).decrypt(
+                wrapped[:_NONCE_BYTES], wrapped[_NONCE_BYTES:], _WRAP_DOMAIN + context
+            )
         except InvalidTag:
             raise KeyUnavailableError(
                 f"a wrapped data key of run {run_id!r} does not open with {kek_id} (it was "
@@ -215,9 +219,13 @@ class LocalKeyStore:
             except (OSError, ValueError):
                 continue
             if path.suffix == ".kek":
-                infos.setdefault(raw["run_id"], KeyInfo(raw["run_id"], raw["kek_id"], raw["created_at"]))
+                infos.setdefault(
+                    raw["run_id"], KeyInfo(raw["run_id"], raw["kek_id"], raw["created_at"])
+                )
             elif path.suffix == ".tombstone":
-                infos[raw["run_id"]] = KeyInfo(raw["run_id"], raw["kek_id"], raw["created_at"], raw["destroyed_at"])
+                infos[raw["run_id"]] = KeyInfo(
+                    raw["run_id"], raw["kek_id"], raw["created_at"], raw["destroyed_at"]
+                )
         return sorted(infos.values(), key=lambda info: info.run_id)
 
 

@@ -133,7 +133,11 @@ def sign(private_key: Ed25519PrivateKey, message: bytes, domain: bytes) -> bytes
 def parse_signature(document: bytes, where: str) -> tuple[str, bytes]:
     """``(key id, raw signature)`` from a signature document; FormatError if malformed."""
     raw = loads_canonical(document, where)
-    if not isinstance(raw, dict) or raw.get("format") != SIGNATURE_FORMAT or raw.get("algorithm") != "ed25519":
+    if (
+        not isinstance(raw, dict)
+        or raw.get("format") != SIGNATURE_FORMAT
+        or raw.get("algorithm") != "ed25519"
+    ):
         raise FormatError(f"{where} is not a ckptvault Ed25519 signature")
     try:
         return str(raw["key_id"]), base64.b64decode(raw["signature"], validate=True)

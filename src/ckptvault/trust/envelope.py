@@ -1,0 +1,178 @@
+"""Envelope encryption of one file: AES-256-GCM over fixed-size segments.
+
+:class:`EncryptingWriter` turns a plaintext byte stream of known length into the
+container format of :mod:`ckptvault.format.container`; :class:`SegmentDecryptor`
+turns verified container bytes back into plaintext, segment by segment, calling
+back with each piece and its plaintext offset. Each file has its own random data
+key (the caller wraps it with the run's KEK); each segment has its own random
+nonce and tag; the associated data binds (run id, generation id, file name,
+segment index, final flag).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Callable
+from typing import Protocol
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from ckptvault.errors import FormatError, IntegrityError
+from ckptvault.format.container import (
+    NONCE_BYTES,
+    SEGMENT_OVERHEAD,
+    TAG_BYTES,
+    ContainerHeader,
+    build_container_header,
+    container_header_length,
+    parse_container_header,
+)
+
+_SEGMENT_DOMAIN = b"ckptvault segment v1\0"
+DATA_KEY_BYTES = 32
+
+
+class ByteSink(Protocol):
+    def write(self, data: bytes | bytearray | memoryview) -> int: ...
+
+
+def _field(value: str) -> bytes:
+    raw = value.encode("utf-8")
+    return struct.pack("<I", len(raw)) + raw
+
+
+def binding(run_id: str, generation_id: str, file_name: str) -> bytes:
+    """What a file's ciphertext is bound to (also the key-wrapping context)."""
+    return _field(run_id) + _field(generation_id) + _field(file_name)
+
+
+def segment_ad(context: bytes, index: int, final: bool) -> bytes:
+    return _SEGMENT_DOMAIN + context + struct.pack("<QB", index, 1 if final else 0)
+
+
+def new_data_key() -> bytes:
+    return os.urandom(DATA_KEY_BYTES)
+
+
+class EncryptingWriter:
+    """Encrypt exactly ``plaintext_size`` bytes into ``sink`` as a container."""
+
+    def __init__(
+        self,
+        sink: ByteSink,
+        data_key: bytes,
+        context: bytes,
+        segment_size: int,
+        plaintext_size: int,
+    ) -> None:
+        self.sink = sink
+        self.header = build_container_header(segment_size, plaintext_size)
+        self._aead = AESGCM(data_key)
+        self._context = context
+        self._buffer = bytearray(segment_size)
+        self._fill = 0
+        self._index = 0
+        self._written = 0
+        self._sealed = bytearray(segment_size + TAG_BYTES)
+        sink.write(self.header.header_bytes)
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        if self._written + len(view) > self.header.plaintext_size:
+            raise FormatError("more plaintext than the container header announced")
+        position = 0
+        while position < len(view):
+            room = len(self._buffer) - self._fill
+            piece = view[position : position + room]
+            self._buffer[self._fill : self._fill + len(piece)] = piece
+            self._fill += len(piece)
+            position += len(piece)
+            self._written += len(piece)
+            if self._fill == len(self._buffer) and self._written < self.header.plaintext_size:
+                self._seal(final=False)
+        return len(view)
+
+    def _seal(self, final: bool) -> None:
+        nonce = os.urandom(NONCE_BYTES)
+        plain = memoryview(self._buffer)[: self._fill]
+        out = memoryview(self._sealed)[: self._fill + TAG_BYTES]
+        self._aead.encrypt_into(nonce, plain, segment_ad(self._context, self._index, final), out)
+        self.sink.write(nonce)
+        self.sink.write(out)
+        self._index += 1
+        self._fill = 0
+
+    def close(self) -> None:
+        if self._written != self.header.plaintext_size:
+            raise FormatError(
+                f"container got {self._written} plaintext bytes, announced {self.header.plaintext_size}"
+            )
+        self._seal(final=True)
+
+
+class SegmentDecryptor:
+    """Feed verified container bytes in order; plaintext comes out through ``emit``.
+
+    ``emit(offset, data)`` receives each segment's plaintext and its offset in the
+    plaintext; ``data`` is only valid during the call.
+    """
+
+    def __init__(
+        self, data_key: bytes, context: bytes, where: str, emit: Callable[[int, memoryview], None]
+    ) -> None:
+        self._aead = AESGCM(data_key)
+        self._context = context
+        self._where = where
+        self._emit = emit
+        self._pending = bytearray()
+        self.header: ContainerHeader | None = None
+        self._index = 0
+        self._plain_offset = 0
+        self._plain = bytearray()
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        self._pending += data
+        if self.header is None:
+            if len(self._pending) < 12:
+                return
+            total = container_header_length(bytes(self._pending[:12]), self._where)
+            if len(self._pending) < total:
+                return
+            self.header = parse_container_header(bytes(self._pending[:total]), None, self._where)
+            del self._pending[:total]
+            self._plain = bytearray(self.header.segment_size)
+        header = self.header
+        while self._index < header.segments:
+            plain_size = header.segment_plaintext(self._index)
+            record = plain_size + SEGMENT_OVERHEAD
+            if len(self._pending) < record:
+                return
+            self._open(memoryview(self._pending)[:record], plain_size)
+            del self._pending[:record]
+
+    def _open(self, record: memoryview, plain_size: int) -> None:
+        assert self.header is not None
+        final = self._index == self.header.segments - 1
+        nonce, sealed = record[:NONCE_BYTES], record[NONCE_BYTES:]
+        out = memoryview(self._plain)[:plain_size]
+        try:
+            self._aead.decrypt_into(
+                bytes(nonce), sealed, segment_ad(self._context, self._index, final), out
+            )
+        except InvalidTag:
+            raise IntegrityError(
+                f"{self._where}: encrypted segment {self._index + 1} of {self.header.segments} "
+                "failed authentication (edited, reordered, truncated, or moved from another "
+                "file, generation or run)"
+            ) from None
+        self._emit(self._plain_offset, out)
+        self._plain_offset += plain_size
+        self._index += 1
+
+    def finish(self) -> None:
+        if self.header is None or self._index != self.header.segments or self._pending:
+            raise IntegrityError(
+                f"{self._where}: encrypted container is incomplete or has trailing bytes"
+            )
