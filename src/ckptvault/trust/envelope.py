@@ -107,7 +107,8 @@ class EncryptingWriter:
     def close(self) -> None:
         if self._written != self.header.plaintext_size:
             raise FormatError(
-                f"container got {self._written} plaintext bytes, announced {self.header.plaintext_size}"
+                f"container got {self._written} plaintext bytes, "
+                f"announced {self.header.plaintext_size}"
             )
         self._seal(final=True)
 

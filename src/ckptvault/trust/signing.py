@@ -17,7 +17,6 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
 
 from blake3 import blake3
 from cryptography.exceptions import InvalidSignature
@@ -31,8 +30,8 @@ SIGNATURE_FORMAT = "ckptvault-signature/1"
 MANIFEST_DOMAIN = b"ckptvault manifest v1\0"
 EXPORT_DOMAIN = b"ckptvault export v1\0"
 
-PrivateKeyLike = Union[Ed25519PrivateKey, str, os.PathLike, bytes]
-PublicKeyLike = Union[Ed25519PublicKey, Ed25519PrivateKey, str, os.PathLike, bytes]
+PrivateKeyLike = Ed25519PrivateKey | str | os.PathLike | bytes
+PublicKeyLike = Ed25519PublicKey | Ed25519PrivateKey | str | os.PathLike | bytes
 
 
 def key_id(public_key: Ed25519PublicKey) -> str:
