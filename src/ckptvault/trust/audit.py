@@ -1,0 +1,136 @@
+"""The audit log: append-only JSON lines, each entry chained to the previous one.
+
+Every entry carries ``seq`` (its position), ``prev`` (the previous entry's hash)
+and ``hash`` (BLAKE3 of the entry's canonical JSON without ``hash``). Removing,
+editing or reordering an entry breaks the chain; cutting off the tail is detected
+by comparing with the head (count and last hash) kept in the ledger. Appends hold
+an exclusive ``flock`` on the log, so several processes may share one log.
+
+Events: ``save``, ``restore``, ``refusal``, ``rollback_allowed``, ``export``,
+``key_destroyed``, ``delete``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from blake3 import blake3
+
+from ckptvault.format.canonical import dumps_canonical
+from ckptvault.trust.ledger import Ledger, default_state_dir
+
+GENESIS = "0" * 64
+_TAIL_BYTES = 1 << 20
+
+
+def default_audit_path() -> Path:
+    return default_state_dir() / "audit.jsonl"
+
+
+def entry_hash(entry: dict[str, Any]) -> str:
+    body = {k: v for k, v in entry.items() if k != "hash"}
+    return blake3(dumps_canonical(body)).hexdigest()
+
+
+def _last_entry(fd: int) -> dict[str, Any] | None:
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return None
+    start = max(0, size - _TAIL_BYTES)
+    tail = os.pread(fd, size - start, start)
+    lines = tail.rstrip(b"\n").split(b"\n")
+    return json.loads(lines[-1])
+
+
+class AuditLog:
+    def __init__(self, path: str | os.PathLike[str], ledger: Ledger | None) -> None:
+        self.path = Path(os.path.abspath(os.fspath(path)))
+        self.ledger = ledger
+
+    def append(self, event: str, **fields: Any) -> dict[str, Any]:
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            last = _last_entry(fd)
+            entry: dict[str, Any] = {
+                "seq": 0 if last is None else int(last["seq"]) + 1,
+                "time": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+                "event": event,
+                **fields,
+                "prev": GENESIS if last is None else last["hash"],
+            }
+            entry["hash"] = entry_hash(entry)
+            os.write(fd, dumps_canonical(entry) + b"\n")
+            os.fsync(fd)
+            if self.ledger is not None:
+                self.ledger.set_audit_head(str(self.path), entry["seq"] + 1, entry["hash"])
+        finally:
+            os.close(fd)  # releases the lock
+        return entry
+
+
+@dataclass
+class AuditReport:
+    path: str
+    entries: int = 0
+    problems: list[str] = field(default_factory=list)
+    head_checked: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_audit_log(path: str | os.PathLike[str], ledger: Ledger | None) -> AuditReport:
+    """Check every link of the chain, and the tail against the ledger's head."""
+    log = Path(os.path.abspath(os.fspath(path)))
+    report = AuditReport(str(log))
+    data = log.read_bytes()
+    if data and not data.endswith(b"\n"):
+        report.problems.append("the last entry is cut off (no newline at the end of the log)")
+    previous = GENESIS
+    for index, line in enumerate(data.split(b"\n")[:-1] if data else []):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            report.problems.append(f"line {index + 1} is not JSON")
+            previous = "?"
+            continue
+        if entry.get("seq") != index:
+            report.problems.append(
+                f"line {index + 1} has seq {entry.get('seq')} (entries were removed or reordered)"
+            )
+        if entry.get("prev") != previous:
+            report.problems.append(
+                f"line {index + 1} does not follow the previous entry (chain broken)"
+            )
+        if entry.get("hash") != entry_hash(entry):
+            report.problems.append(
+                f"line {index + 1} (seq {entry.get('seq')}) was edited: its hash does not match"
+            )
+        previous = entry.get("hash", "?")
+        report.entries += 1
+    head = ledger.audit_head(str(log)) if ledger is not None else None
+    if head is not None:
+        report.head_checked = True
+        count, last_hash = head
+        if report.entries < count:
+            report.problems.append(
+                f"the log has {report.entries} entries but the ledger recorded {count}: its tail was cut off"
+            )
+        elif report.entries >= count and count > 0:
+            lines = data.split(b"\n")
+            try:
+                recorded = json.loads(lines[count - 1]).get("hash")
+            except (ValueError, IndexError):
+                recorded = None
+            if recorded != last_hash:
+                report.problems.append(f"entry {count} differs from the head the ledger recorded")
+    return report
