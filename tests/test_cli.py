@@ -75,16 +75,16 @@ def test_verify_reports_each_failing_file_and_exits_nonzero(store: Path, populat
     data = bytearray(only_tensor_file(damaged).read_bytes())
     data[-5] ^= 0xFF
     writable(only_tensor_file(damaged)).write_bytes(bytes(data))
-    (damaged / "stray.bin").write_bytes(b"x")
+    (damaged / "stray.txt").write_bytes(b"x")
     assert run_cli("verify", str(store)).returncode == 0  # the newest is intact
     result = run_cli("verify", str(store), "--all")
     assert result.returncode == 1
-    assert "FAIL" in result.stdout and "stray.bin" in result.stdout
+    assert "FAIL" in result.stdout and "stray.txt" in result.stdout
     report = json.loads(run_cli("verify", str(store), "--all", "--json").stdout)
     bad = [r for r in report if not r["ok"]]
     assert [r["step"] for r in bad] == [20]
     assert {p["code"] for p in bad[0]["problems"]} == {"file-extra"}
-    (damaged / "stray.bin").unlink()
+    (damaged / "stray.txt").unlink()
     report = json.loads(run_cli("verify", str(store), "--step", "20", "--json").stdout)
     assert report[0]["problems"][0]["code"] == "digest-mismatch"
     assert report[0]["problems"][0]["file"] == only_tensor_file(damaged).name

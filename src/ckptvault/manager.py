@@ -1,27 +1,42 @@
 """``CheckpointManager``: the front door. It orchestrates; the layers below own the details.
 
 Save: capture the state (tensors + JSON tree) -> write tensors through DCP into a
-staging area (hashed, fsync'd) -> build the manifest -> publish atomically.
+staging area (hashed, optionally encrypted, fsync'd) -> build the manifest -> sign
+it -> publish atomically -> record in the audit log.
 
-Restore: list generations newest first -> for each candidate: structural checks,
-then read every byte with digest verification into private buffers -> the first
-candidate that passes is matched against the live objects (contract, keys, shapes)
--> applied in place, RNG last. A candidate that fails is skipped with its reason;
-a restore that raises leaves ``state`` untouched.
+Restore: list generations newest first -> for each candidate: the restore checks
+(signature, run, floor, files, formats), then read every byte with digest
+verification (and decryption) into private buffers -> the first candidate that
+passes is matched against the live objects (contract, keys, shapes) -> applied in
+place, RNG last -> the ledger's floor and the audit log are updated. A candidate
+that fails is skipped with its reason; a restore that raises leaves ``state``
+untouched.
 """
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple
 
 from ckptvault._version import __version__
-from ckptvault.errors import FormatError, IntegrityError, NoValidCheckpoint, UsageError
+from ckptvault.errors import (
+    CheckpointError,
+    FormatError,
+    IntegrityError,
+    KeyDestroyedError,
+    KeyUnavailableError,
+    NoValidCheckpoint,
+    RollbackError,
+    UsageError,
+)
+from ckptvault.format.container import CIPHER, DEFAULT_SEGMENT_SIZE
 from ckptvault.format.layout import generation_created_at, new_generation_id
 from ckptvault.format.manifest import Manifest
 from ckptvault.io.dcp_io import read_tensors, write_tensors
@@ -37,8 +52,28 @@ from ckptvault.state.contract import (
 from ckptvault.storage.base import GenerationRef
 from ckptvault.storage.listing import GenerationInfo, list_generation_infos
 from ckptvault.storage.posix import PosixStore
-from ckptvault.trust.checks import GenerationRejected, Problem, check_structure
+from ckptvault.trust.audit import AuditLog, default_audit_path
+from ckptvault.trust.checks import (
+    KEY_UNAVAILABLE,
+    ROLLBACK,
+    GenerationRejected,
+    Problem,
+    TrustPolicy,
+    check_structure,
+)
 from ckptvault.trust.digests import DEFAULT_CHUNK_SIZE
+from ckptvault.trust.envelope import FileEncryption, binding
+from ckptvault.trust.keystore import KeyStore, open_keystore
+from ckptvault.trust.ledger import Ledger, RestoreFloor, default_ledger_path
+from ckptvault.trust.signing import (
+    MANIFEST_DOMAIN,
+    PrivateKeyLike,
+    PublicKeyLike,
+    TrustedKeys,
+    key_id,
+    load_private_key,
+    sign,
+)
 
 logger = logging.getLogger("ckptvault")
 
@@ -62,6 +97,7 @@ class RestoreInfo:
     mismatched: list[str] = field(default_factory=list)
     bytes: int = 0
     seconds: float = 0.0
+    signer: str | None = None
 
 
 class SaveHandle:
@@ -82,10 +118,16 @@ class SaveHandle:
         return f"SaveHandle(step={info.step}, generation_id={info.generation_id!r}, done=True)"
 
 
-def _validate_step(step: Any) -> int:
+def _validate_step(step: Any, what: str = "step") -> int:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise UsageError(f"step must be a non-negative int, got {step!r}")
+        raise UsageError(f"{what} must be a non-negative int, got {step!r}")
     return step
+
+
+def _outside_store(store_root: Path, path: Path, what: str, why: str) -> None:
+    resolved, root = path.resolve(), store_root.resolve()
+    if resolved == root or root in resolved.parents:
+        raise UsageError(f"the {what} ({path}) is inside the checkpoint store {store_root}; {why}")
 
 
 class CheckpointManager:
@@ -98,8 +140,20 @@ class CheckpointManager:
         contract: what the numbers mean (config, dataset identity, ...): plain
             values, dataclasses or paths. Restore raises ``ContractMismatch`` when it
             differs from the stored one. ``None`` records nothing and checks nothing.
+        signing_key: an Ed25519 private key (object or PEM path); every manifest is
+            signed with it (``manifest.sig``).
+        trusted_keys: Ed25519 public keys (objects or PEM paths); restore refuses
+            generations not signed by one of them. Turns on the rollback floor.
+        keystore: a key store (or the directory of a ``LocalKeyStore``) holding the
+            run's key-encryption key; turns on encryption of every tensor file.
+        ledger: where the rollback floor is kept (outside the store); default a
+            per-user state directory. Giving it, or ``trusted_keys``, turns on the
+            floor.
+        audit_log: the hash-chained audit log (default beside the ledger); written
+            whenever any trust feature is on.
         threads: worker threads for writing and verifying (default: up to 8).
         chunk_size: bytes per digest chunk in the manifest (default 4 MiB).
+        segment_size: plaintext bytes per encrypted segment (default 1 MiB).
     """
 
     def __init__(
@@ -108,8 +162,14 @@ class CheckpointManager:
         *,
         run_id: str | None = None,
         contract: Mapping[str, Any] | None = None,
+        signing_key: PrivateKeyLike | None = None,
+        trusted_keys: Iterable[PublicKeyLike] | None = None,
+        keystore: str | os.PathLike[str] | KeyStore | None = None,
+        ledger: str | os.PathLike[str] | None = None,
+        audit_log: str | os.PathLike[str] | None = None,
         threads: int | None = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
+        segment_size: int = DEFAULT_SEGMENT_SIZE,
     ) -> None:
         self.store = PosixStore(directory)
         self.run_id = run_id if run_id is not None else os.path.basename(self.store.location)
@@ -117,13 +177,49 @@ class CheckpointManager:
             raise UsageError(
                 f"run_id must be a non-empty string of at most 256 characters, got {run_id!r}"
             )
-        if chunk_size <= 0:
-            raise UsageError(f"chunk_size must be positive, got {chunk_size}")
+        if chunk_size <= 0 or segment_size <= 0:
+            raise UsageError(
+                f"chunk_size and segment_size must be positive, got {chunk_size}, {segment_size}"
+            )
         self.threads = threads or default_threads()
         self.chunk_size = chunk_size
+        self.segment_size = segment_size
         self._contract_fields = dict(contract) if contract is not None else None
         encode_contract_fields(self._contract_fields or {})  # fail now, not at the first save
         self._contract = build_contract(self._contract_fields, code_revision())
+
+        self._signing_key = load_private_key(signing_key) if signing_key is not None else None
+        self._trusted = TrustedKeys.load(trusted_keys) if trusted_keys is not None else None
+        self._keystore = open_keystore(keystore) if keystore is not None else None
+        if isinstance(keystore, (str, os.PathLike)):
+            _outside_store(
+                self.store.root,
+                Path(keystore),
+                "key store",
+                "keys must not live beside what they protect; a copy of the store would carry them",
+            )
+        floor_on = ledger is not None or trusted_keys is not None
+        self._ledger = (
+            Ledger(ledger if ledger is not None else default_ledger_path()) if floor_on else None
+        )
+        if self._ledger is not None:
+            _outside_store(
+                self.store.root,
+                self._ledger.path,
+                "ledger",
+                "whoever can write the store could then lower the rollback floor",
+            )
+        audit_on = (
+            floor_on or keystore is not None or signing_key is not None or audit_log is not None
+        )
+        self._audit = (
+            AuditLog(
+                audit_log if audit_log is not None else default_audit_path(),
+                self._ledger or Ledger(default_ledger_path()),
+            )
+            if audit_on
+            else None
+        )
         self._parent: str | None = None
         self._closed = False
 
@@ -134,14 +230,21 @@ class CheckpointManager:
         step = _validate_step(step)
         self._check_open()
         started = time.perf_counter()
+        if self._keystore is not None:
+            self._keystore.ensure_usable(self.run_id)  # KeyDestroyedError after crypto-erase
         captured = capture_state(state)  # unsupported values fail here, before any I/O
         self.store.acquire_writer()
         self.store.remove_stale_staging()
         generation_id = new_generation_id()
         staging = self.store.begin_generation(generation_id)
         try:
-            dcp_json, records = write_tensors(
-                captured.tensors, staging, self.chunk_size, self.threads
+            encryption = (
+                FileEncryption(self._keystore, self.run_id, generation_id, self.segment_size)
+                if self._keystore is not None
+                else None
+            )
+            writer = write_tensors(
+                captured.tensors, staging, self.chunk_size, self.threads, encryption
             )
             manifest = Manifest(
                 run_id=self.run_id,
@@ -150,13 +253,20 @@ class CheckpointManager:
                 created_at=generation_created_at(generation_id),
                 parent=self._parent,
                 chunk_size=self.chunk_size,
-                files=records,
-                dcp=dcp_json,
+                files=writer.file_records,
+                dcp=writer.dcp_json or {},
                 state=captured.tree,
                 contract=self._contract,
                 writer={"ckptvault": __version__, "world_size": 1},
+                encryption=self._encryption_section(writer.wrapped_keys) if encryption else None,
             )
-            ref = staging.publish(step, manifest.to_bytes())
+            manifest_bytes = manifest.to_bytes()
+            signature = (
+                sign(self._signing_key, manifest_bytes, MANIFEST_DOMAIN)
+                if self._signing_key is not None
+                else None
+            )
+            ref = staging.publish(step, manifest_bytes, signature)
         except BaseException:
             staging.abort()
             raise
@@ -164,7 +274,34 @@ class CheckpointManager:
         info = GenerationInfo(
             step, generation_id, ref.location, manifest.total_bytes, manifest.created_at
         )
+        if self._audit is not None:
+            self._audit.append(
+                "save",
+                run_id=self.run_id,
+                step=step,
+                generation_id=generation_id,
+                store=self.store.location,
+                bytes=manifest.total_bytes,
+                signer=key_id(self._signing_key.public_key()) if self._signing_key else None,
+                kek_id=(manifest.encryption or {}).get("kek_id"),
+            )
         return SaveHandle(info, time.perf_counter() - started)
+
+    def _encryption_section(self, wrapped_keys: dict[str, tuple[str, bytes]]) -> dict[str, Any]:
+        kek_ids = {kek for kek, _ in wrapped_keys.values()}
+        if len(kek_ids) > 1:
+            raise KeyUnavailableError(
+                f"files of one generation were wrapped by different keys: {kek_ids}"
+            )
+        return {
+            "cipher": CIPHER,
+            "kek_id": kek_ids.pop() if kek_ids else "",
+            "segment_size": self.segment_size,
+            "files": {
+                name: {"wrapped_key": base64.b64encode(wrapped).decode("ascii")}
+                for name, (_kek, wrapped) in sorted(wrapped_keys.items())
+            },
+        }
 
     def wait(self) -> None:
         """Wait for saves in flight (synchronous saves never leave any)."""
@@ -177,17 +314,52 @@ class CheckpointManager:
         step: int | None = None,
         strict: bool = True,
         allow_contract_change: bool = False,
+        allow_rollback_to: int | None = None,
     ) -> RestoreInfo | None:
         """Restore the newest generation (of ``step``, when given) that verifies.
 
         Returns ``None`` when the store holds no generation at all. Raises
-        ``NoValidCheckpoint`` when generations exist but none verifies,
-        ``ContractMismatch`` or ``StateMismatchError`` when the verified generation
-        does not fit the live objects; in every raising case ``state`` is untouched.
+        ``NoValidCheckpoint`` when generations exist but none verifies (``RollbackError``
+        when any was refused for the rollback floor), ``ContractMismatch`` or
+        ``StateMismatchError`` when the verified generation does not fit the live
+        objects, ``KeyDestroyedError`` after crypto-erase; in every raising case
+        ``state`` is untouched.
+
+        ``allow_rollback_to=STEP`` restores the generation of ``STEP`` even below the
+        floor; the floor is lowered to it and every newer generation is abandoned.
         """
         self._check_open()
+        try:
+            return self._restore(state, step, strict, allow_contract_change, allow_rollback_to)
+        except CheckpointError as exc:
+            if self._audit is not None:
+                rejected = [list(r) for r in getattr(exc, "rejected", [])]
+                self._audit.append(
+                    "refusal",
+                    run_id=self.run_id,
+                    store=self.store.location,
+                    error=type(exc).__name__,
+                    reason=str(exc).splitlines()[0][:2000],
+                    rejected=rejected,
+                )
+            raise
+
+    def _restore(
+        self,
+        state: MutableMapping[str, Any],
+        step: int | None,
+        strict: bool,
+        allow_contract_change: bool,
+        allow_rollback_to: int | None,
+    ) -> RestoreInfo | None:
         started = time.perf_counter()
-        candidates = self.store.list_generations()
+        every = self.store.list_generations()
+        floor = self._ledger.floor(self.run_id) if self._ledger is not None else None
+        if allow_rollback_to is not None:
+            step = _validate_step(allow_rollback_to, "allow_rollback_to")
+            if floor is not None:  # below the floor is the point; abandoned stays abandoned
+                floor = RestoreFloor(self.run_id, abandoned=floor.abandoned)
+        candidates = every
         if not candidates:
             if step is not None:
                 raise NoValidCheckpoint(
@@ -196,20 +368,23 @@ class CheckpointManager:
             return None
         if step is not None:
             step = _validate_step(step)
-            available = sorted({ref.step for ref in candidates})
-            candidates = [ref for ref in candidates if ref.step == step]
+            candidates = [ref for ref in every if ref.step == step]
             if not candidates:
+                available = sorted({ref.step for ref in every})
                 raise NoValidCheckpoint(
                     f"store {self.store.location} has no generation of step {step}; "
                     f"steps present: {_summarize_steps(available)}"
                 )
+        policy = TrustPolicy(run_id=self.run_id, trusted_keys=self._trusted, floor=floor)
         skipped: list[SkippedGeneration] = []
+        refused_for_floor = False
         for ref in candidates:
             try:
-                manifest, saved, nbytes = self._load_candidate(ref)
+                manifest, saved, signer = self._load_candidate(ref, policy)
             except GenerationRejected as rejected:
                 logger.warning("skipping %s: %s", ref.location, rejected.reason)
                 skipped.append(SkippedGeneration(ref.generation_id, ref.step, rejected.reason))
+                refused_for_floor |= ROLLBACK in rejected.codes
                 continue
             where = f"generation {ref.generation_id} (step {ref.step})"
             if self._contract_fields is not None and not allow_contract_change:
@@ -219,6 +394,7 @@ class CheckpointManager:
                 raise plan.mismatch_error(where)
             plan.apply()
             self._parent = ref.generation_id
+            self._record_restore(ref, every, skipped, allow_rollback_to, floor)
             return RestoreInfo(
                 step=ref.step,
                 generation_id=ref.generation_id,
@@ -227,22 +403,70 @@ class CheckpointManager:
                 missing=plan.missing,
                 unexpected=plan.unexpected,
                 mismatched=plan.mismatched,
-                bytes=nbytes,
+                bytes=manifest.total_bytes,
                 seconds=time.perf_counter() - started,
+                signer=signer,
+            )
+        rejected = [tuple(s) for s in skipped]
+        if refused_for_floor:
+            assert floor is not None
+            raise RollbackError(
+                f"no generation of run {self.run_id!r} at or above the restore floor (step "
+                f"{floor.step}) passed verification; refusing to roll back silently. Restore "
+                "from a good copy, or pass allow_rollback_to=STEP to roll back on purpose",
+                rejected,
             )
         raise NoValidCheckpoint(
             f"no generation in {self.store.location} passed verification; nothing was restored "
             "and state is unchanged. Run `ckptvault verify --all` on the store for details",
-            [tuple(s) for s in skipped],
+            rejected,
         )
 
-    def _load_candidate(self, ref: GenerationRef) -> tuple[Manifest, dict[str, Any], int]:
+    def _record_restore(
+        self,
+        ref: GenerationRef,
+        every: list[GenerationRef],
+        skipped: list[SkippedGeneration],
+        allow_rollback_to: int | None,
+        floor: RestoreFloor | None,
+    ) -> None:
+        if self._ledger is not None:
+            if allow_rollback_to is not None:
+                previous = self._ledger.floor(self.run_id)
+                abandoned = [(g.generation_id, g.step) for g in every if g.step > ref.step]
+                self._ledger.lower_floor(self.run_id, ref.step, ref.generation_id, abandoned)
+                if self._audit is not None:
+                    self._audit.append(
+                        "rollback_allowed",
+                        run_id=self.run_id,
+                        store=self.store.location,
+                        previous_floor=previous.step,
+                        step=ref.step,
+                        generation_id=ref.generation_id,
+                        abandoned=[list(a) for a in abandoned],
+                    )
+            else:
+                self._ledger.record_restore(self.run_id, ref.step, ref.generation_id)
+        if self._audit is not None:
+            self._audit.append(
+                "restore",
+                run_id=self.run_id,
+                store=self.store.location,
+                step=ref.step,
+                generation_id=ref.generation_id,
+                skipped=[list(s) for s in skipped],
+            )
+
+    def _load_candidate(
+        self, ref: GenerationRef, policy: TrustPolicy
+    ) -> tuple[Manifest, dict[str, Any], str | None]:
         """Verify one candidate completely and decode it; raises GenerationRejected."""
-        checked = check_structure(self.store, ref, self.run_id)
+        checked = check_structure(self.store, ref, policy)
         manifest = checked.manifest
         where = f"generation {ref.generation_id}"
+        data_keys = self._data_keys(ref, manifest)
         try:
-            tensors = read_tensors(self.store, ref, manifest, self.threads)
+            tensors = read_tensors(self.store, ref, manifest, self.threads, data_keys=data_keys)
             saved = decode_tree(manifest.state, tensors, where)
         except IntegrityError as exc:
             raise GenerationRejected(ref, [Problem("digest-mismatch", str(exc))]) from exc
@@ -250,7 +474,35 @@ class CheckpointManager:
             raise GenerationRejected(ref, [Problem("manifest-invalid", str(exc))]) from exc
         except OSError as exc:
             raise GenerationRejected(ref, [Problem("unreadable", f"{exc}")]) from exc
-        return manifest, saved, manifest.total_bytes
+        return manifest, saved, checked.signer
+
+    def _data_keys(self, ref: GenerationRef, manifest: Manifest) -> dict[str, bytes]:
+        """Unwrap every file key of an encrypted generation (KeyDestroyedError propagates)."""
+        if manifest.encryption is None:
+            return {}
+        if self._keystore is None:
+            raise GenerationRejected(
+                ref,
+                [
+                    Problem(
+                        KEY_UNAVAILABLE, "the generation is encrypted; pass keystore= to restore it"
+                    )
+                ],
+            )
+        section = manifest.encryption
+        keys = {}
+        for name, entry in section["files"].items():
+            try:
+                wrapped = base64.b64decode(entry["wrapped_key"], validate=True)
+                context = binding(manifest.run_id, manifest.generation_id, name)
+                keys[name] = self._keystore.unwrap(
+                    manifest.run_id, section["kek_id"], wrapped, context
+                )
+            except KeyDestroyedError:
+                raise
+            except (KeyUnavailableError, ValueError) as exc:
+                raise GenerationRejected(ref, [Problem(KEY_UNAVAILABLE, str(exc), name)]) from exc
+        return keys
 
     # -- listing -----------------------------------------------------------------------
 

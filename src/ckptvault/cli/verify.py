@@ -16,10 +16,12 @@ from ckptvault.cli._common import err, human_bytes, open_store, out, print_json,
 from ckptvault.errors import UsageError
 from ckptvault.trust.checks import (
     GenerationRejected,
+    TrustPolicy,
     VerificationReport,
     check_digests,
     check_structure,
 )
+from ckptvault.trust.signing import TrustedKeys
 
 PROGRESS_THRESHOLD = 64 * 1024 * 1024  # show a bar only when hashing is not instant
 
@@ -29,13 +31,20 @@ def verify(
     step: Annotated[int | None, typer.Option(help="Check the generations of this step.")] = None,
     every: Annotated[bool, typer.Option("--all", help="Check every generation.")] = False,
     run_id: Annotated[str | None, typer.Option(help="Also require this run id.")] = None,
+    trusted_key: Annotated[
+        list[Path] | None,
+        typer.Option("--trusted-key", help="Require a signature by this public key (repeatable)."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON report on stdout.")] = False,
 ) -> None:
     """Verify manifests, file sets, sizes and every digest."""
     if step is not None and every:
         raise UsageError("--step and --all are mutually exclusive")
     store = open_store(directory)
-    reports = [_verify_one(store, ref, run_id, quiet=as_json) for ref in select(store, step, every)]
+    policy = TrustPolicy(
+        run_id=run_id, trusted_keys=TrustedKeys.load(trusted_key) if trusted_key else None
+    )
+    reports = [_verify_one(store, ref, policy) for ref in select(store, step, every)]
     if as_json:
         print_json([_report_json(report) for report in reports])
     else:
@@ -45,9 +54,9 @@ def verify(
         raise typer.Exit(1)
 
 
-def _verify_one(store: Any, ref: Any, run_id: str | None, quiet: bool) -> VerificationReport:
+def _verify_one(store: Any, ref: Any, policy: TrustPolicy) -> VerificationReport:
     try:
-        checked = check_structure(store, ref, run_id)
+        checked = check_structure(store, ref, policy)
     except GenerationRejected as rejected:
         return VerificationReport(ref, rejected.problems)
     total = checked.manifest.total_bytes
@@ -62,7 +71,7 @@ def _verify_one(store: Any, ref: Any, run_id: str | None, quiet: bool) -> Verifi
     ) as progress:
         task = progress.add_task("hash", total=total)
         problems = check_digests(store, checked, lambda n: progress.advance(task, n))
-    return VerificationReport(ref, problems, checked.manifest)
+    return VerificationReport(ref, problems, checked.manifest, checked.signer)
 
 
 def _report_json(report: VerificationReport) -> dict[str, Any]:
@@ -72,6 +81,8 @@ def _report_json(report: VerificationReport) -> dict[str, Any]:
         "path": report.ref.location,
         "ok": report.ok,
         "bytes": report.manifest.total_bytes if report.manifest else None,
+        "signer": report.signer,
+        "encrypted": bool(report.manifest and report.manifest.encryption),
         "problems": [{"code": p.code, "file": p.file, "detail": p.detail} for p in report.problems],
     }
 

@@ -40,6 +40,10 @@ _HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
 RESERVED_NAMES = frozenset({MANIFEST_NAME, SIGNATURE_NAME})
 
 
+class UnsafeNameError(FormatError):
+    """A manifest names a file with an absolute path, ``..``, or another unsafe name."""
+
+
 def is_safe_file_name(name: str) -> bool:
     return bool(_FILE_NAME_RE.match(name)) and name not in RESERVED_NAMES and ".." not in name
 
@@ -57,6 +61,7 @@ class Manifest:
     state: dict[str, Any]
     contract: dict[str, Any]
     writer: dict[str, Any] = field(default_factory=dict)
+    encryption: dict[str, Any] | None = None
     format_version: int = FORMAT_VERSION
 
     @property
@@ -64,7 +69,7 @@ class Manifest:
         return sum(record.size for record in self.files.values())
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        document = {
             "format_version": self.format_version,
             "run_id": self.run_id,
             "step": self.step,
@@ -78,6 +83,9 @@ class Manifest:
             "contract": self.contract,
             "writer": self.writer,
         }
+        if self.encryption is not None:
+            document["encryption"] = self.encryption
+        return document
 
     def to_bytes(self) -> bytes:
         return dumps_canonical(self.to_json())
@@ -149,7 +157,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     files: dict[str, FileRecord] = {}
     for name, record in raw_files.items():
         if not is_safe_file_name(name):
-            raise FormatError(
+            raise UnsafeNameError(
                 f"{where}: file name {name!r} is not a plain relative name (absolute paths, "
                 "'..', hidden and reserved names are refused)"
             )
@@ -170,4 +178,28 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         state=_require(raw, "state", dict, where),
         contract=_require(raw, "contract", dict, where),
         writer=_require(raw, "writer", dict, where),
+        encryption=_parse_encryption(raw.get("encryption"), files, where),
     )
+
+
+def _parse_encryption(raw: Any, files: dict[str, FileRecord], where: str) -> dict[str, Any] | None:
+    """Validate the ``encryption`` section: KEK id, segment size, a wrapped key per
+    encrypted file (never a plaintext key)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise FormatError(f"{where}: encryption must be an object")
+    _require(raw, "kek_id", str, f"{where} encryption")
+    _require(raw, "cipher", str, f"{where} encryption")
+    segment_size = _require(raw, "segment_size", int, f"{where} encryption")
+    wrapped = _require(raw, "files", dict, f"{where} encryption")
+    if segment_size <= 0:
+        raise FormatError(f"{where}: encryption segment_size must be positive")
+    for name, entry in wrapped.items():
+        if (
+            name not in files
+            or not isinstance(entry, dict)
+            or not isinstance(entry.get("wrapped_key"), str)
+        ):
+            raise FormatError(f"{where}: encryption entry for {name!r} is malformed")
+    return raw

@@ -24,7 +24,7 @@ from ckptvault.io.planners import TensorOnlyLoadPlanner, TensorOnlySavePlanner
 from ckptvault.io.reader import VaultStorageReader
 from ckptvault.io.writer import VaultStorageWriter
 from ckptvault.storage.base import GenerationRef, StagingArea, Store
-from ckptvault.trust.digests import FileRecord
+from ckptvault.trust.envelope import FileEncryption
 
 # DCP warns on every single-process call; that is exactly how it is used here.
 warnings.filterwarnings(
@@ -42,16 +42,25 @@ def _reraise(exc: CheckpointException, wrap: type[CheckpointError], what: str) -
 
 
 def write_tensors(
-    tensors: dict[str, torch.Tensor], staging: StagingArea, chunk_size: int, threads: int | None
-) -> tuple[dict[str, Any], dict[str, FileRecord]]:
-    """Write tensors as safetensors files; returns (DCP metadata JSON, file records)."""
-    writer = VaultStorageWriter(staging, chunk_size=chunk_size, threads=threads)
+    tensors: dict[str, torch.Tensor],
+    staging: StagingArea,
+    chunk_size: int,
+    threads: int | None,
+    encryption: FileEncryption | None = None,
+) -> VaultStorageWriter:
+    """Write tensors as safetensors files (or encrypted containers of them); the
+    returned writer holds the DCP metadata JSON, file records and wrapped keys."""
+    writer = VaultStorageWriter(
+        staging, chunk_size=chunk_size, threads=threads, encryption=encryption
+    )
     if tensors:
         try:
             dcp.save(tensors, storage_writer=writer, planner=TensorOnlySavePlanner(), no_dist=True)
         except CheckpointException as exc:
             _reraise(exc, SaveFailedError, "saving tensors")
-    return writer.dcp_json or {"version": None, "tensors": {}}, writer.file_records
+    if writer.dcp_json is None:
+        writer.dcp_json = {"version": None, "tensors": {}}
+    return writer
 
 
 def allocate_destinations(
@@ -71,6 +80,7 @@ def read_tensors(
     manifest: Manifest,
     threads: int,
     on_bytes: Callable[[int], None] | None = None,
+    data_keys: dict[str, bytes] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load every tensor of a structurally checked generation, verifying every byte.
 
@@ -79,7 +89,9 @@ def read_tensors(
     """
     where = f"generation {ref.generation_id}"
     destinations, metadata, locations = allocate_destinations(manifest, where)
-    reader = VaultStorageReader(store, ref, manifest, metadata, locations, threads, on_bytes)
+    reader = VaultStorageReader(
+        store, ref, manifest, metadata, locations, threads, on_bytes, data_keys
+    )
     if destinations:
         try:
             dcp.load(

@@ -29,9 +29,12 @@ from torch.futures import Future
 
 from ckptvault.errors import FormatError, IntegrityError
 from ckptvault.format.manifest import Manifest
+from ckptvault.format.tensorfile import header_length, parse_header
 from ckptvault.io.dcp_metadata import StoredChunk, dtype_from_name
 from ckptvault.storage.base import GenerationRef, Store
+from ckptvault.trust.checks import check_chunk_locations
 from ckptvault.trust.digests import ChunkVerifier, read_full
+from ckptvault.trust.envelope import SegmentDecryptor, binding
 
 
 @dataclass
@@ -59,8 +62,10 @@ class VaultStorageReader(StorageReader):
         locations: dict[MetadataIndex, StoredChunk],
         threads: int,
         on_bytes: Callable[[int], None] | None = None,
+        data_keys: dict[str, bytes] | None = None,
     ) -> None:
         super().__init__()
+        self.data_keys = data_keys or {}
         self.store = store
         self.ref = ref
         self.manifest = manifest
@@ -165,15 +170,26 @@ class VaultStorageReader(StorageReader):
         return _Target(location.start, end, staging, scatter)
 
     def _read_file(self, name: str, file_plan: _FilePlan) -> None:
+        """Stream one file: verify each chunk, (decrypt,) scatter into targets."""
         record = self.manifest.files[name]
         where = name  # the generation is named by whoever reports the failure
         chunk_size = self.manifest.chunk_size
         verifier = ChunkVerifier(record, chunk_size, where)
-        targets = sorted(file_plan.targets, key=lambda t: t.start)
+        scatter = _Scatter(file_plan.targets)
+        decryptor = None
+        if name in self.data_keys:
+            header_check = _PlainHeaderCheck(name, self.manifest)
+
+            def emit(offset: int, plain: memoryview) -> None:
+                assert decryptor is not None and decryptor.header is not None
+                header_check.feed(offset, plain, decryptor.header.plaintext_size)
+                scatter.put(offset, torch.frombuffer(plain, dtype=torch.uint8))
+
+            context = binding(self.manifest.run_id, self.manifest.generation_id, name)
+            decryptor = SegmentDecryptor(self.data_keys[name], context, where, emit)
         block = torch.empty(chunk_size, dtype=torch.uint8)
         block_view = memoryview(block.numpy())
         position = 0
-        first = 0  # index of the first target that may still overlap
         with self.store.open_file(self.ref, name) as stream:
             while position < record.size:
                 count = read_full(stream, block_view[: min(chunk_size, record.size - position)])
@@ -182,19 +198,11 @@ class VaultStorageReader(StorageReader):
                         f"{where}: file ends at byte {position}, the manifest records {record.size}"
                     )
                 verifier.update(block_view[:count])  # raises before any byte is used
-                block_end = position + count
-                while first < len(targets) and targets[first].end <= position:
-                    first += 1
-                index = first
-                while index < len(targets) and targets[index].start < block_end:
-                    target = targets[index]
-                    lo, hi = max(target.start, position), min(target.end, block_end)
-                    if hi > lo:
-                        target.buffer[lo - target.start : hi - target.start].copy_(
-                            block[lo - position : hi - position]
-                        )
-                    index += 1
-                position = block_end
+                if decryptor is None:
+                    scatter.put(position, block[:count])
+                else:
+                    decryptor.feed(block_view[:count])
+                position += count
                 if self.on_bytes is not None:
                     self.on_bytes(count)
             if stream.read(1):
@@ -202,8 +210,60 @@ class VaultStorageReader(StorageReader):
                     f"{where}: file is longer than the {record.size} bytes recorded"
                 )
         verifier.finish()
-        for target in targets:
+        if decryptor is not None:
+            decryptor.finish()
+        for target in file_plan.targets:
             target.finish()
+
+
+class _Scatter:
+    """Copies a stream of (offset, bytes) pieces into the targets they overlap."""
+
+    def __init__(self, targets: list[_Target]) -> None:
+        self.targets = sorted(targets, key=lambda t: t.start)
+        self._first = 0  # the first target that may still receive bytes
+
+    def put(self, offset: int, data: torch.Tensor) -> None:
+        end = offset + data.numel()
+        targets = self.targets
+        while self._first < len(targets) and targets[self._first].end <= offset:
+            self._first += 1
+        index = self._first
+        while index < len(targets) and targets[index].start < end:
+            target = targets[index]
+            lo, hi = max(target.start, offset), min(target.end, end)
+            if hi > lo:
+                target.buffer[lo - target.start : hi - target.start].copy_(
+                    data[lo - offset : hi - offset]
+                )
+            index += 1
+
+
+class _PlainHeaderCheck:
+    """Validates a decrypted tensor file's safetensors header against the manifest."""
+
+    def __init__(self, name: str, manifest: Manifest) -> None:
+        self.name = name
+        self.manifest = manifest
+        self._prefix = bytearray()
+        self._total: int | None = None
+        self.done = False
+
+    def feed(self, offset: int, plain: memoryview, plaintext_size: int) -> None:
+        if self.done or offset != len(self._prefix):
+            return
+        self._prefix += plain
+        if self._total is None and len(self._prefix) >= 8:
+            self._total = header_length(bytes(self._prefix[:8]), 1 << 62, self.name)
+        if self._total is not None and len(self._prefix) >= self._total:
+            self._check(bytes(self._prefix[: self._total]), plaintext_size)
+
+    def _check(self, header_bytes: bytes, plaintext_size: int) -> None:
+        self.done = True
+        header = parse_header(header_bytes, plaintext_size, self.name)
+        problems = check_chunk_locations(self.manifest, {self.name: header})
+        if problems:
+            raise FormatError("; ".join(str(p) for p in problems))
 
 
 def _chunk_index(chunks: list[Any], index: MetadataIndex) -> int:

@@ -23,11 +23,13 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptvault.errors import FormatError
+from ckptvault.format.container import ENCRYPTED_SUFFIX
 from ckptvault.format.layout import tensor_file_name
 from ckptvault.format.tensorfile import build_header
 from ckptvault.io.dcp_metadata import StoredChunk, dtype_name, metadata_to_json
-from ckptvault.storage.base import StagingArea
+from ckptvault.storage.base import StagingArea, WritableFile
 from ckptvault.trust.digests import FileDigester, FileRecord
+from ckptvault.trust.envelope import EncryptingWriter, FileEncryption
 
 WRITE_PIECE = 8 * 1024 * 1024  # bytes handed to write()/hash at a time
 MIN_FILE_BYTES = 64 * 1024 * 1024  # don't split a rank's data into files smaller than this
@@ -44,6 +46,20 @@ class WrittenChunk:
 
     location: StoredChunk
     file_record: FileRecord | None = None
+    wrapped_key: tuple[str, bytes] | None = None  # (KEK id, wrapped data key), encrypted files
+
+
+class HashingSink:
+    """Writes to a staging file and hashes exactly the bytes stored."""
+
+    def __init__(self, inner: WritableFile, digester: FileDigester) -> None:
+        self.inner = inner
+        self.digester = digester
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        self.inner.write(data)
+        self.digester.update(data)
+        return len(memoryview(data))
 
 
 def chunk_name(item: WriteItem) -> str:
@@ -76,21 +92,30 @@ def _bucket(items: list[WriteItem], files: int) -> list[list[WriteItem]]:
 
 
 class VaultStorageWriter(StorageWriter):
-    def __init__(self, staging: StagingArea, chunk_size: int, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        staging: StagingArea,
+        chunk_size: int,
+        threads: int | None = None,
+        encryption: FileEncryption | None = None,
+    ) -> None:
         super().__init__()
         self.staging = staging
         self.chunk_size = chunk_size
         self.threads = threads or default_threads()
+        self.encryption = encryption
         self.rank = 0
         self.is_coordinator = True
         self.dcp_json: dict[str, Any] | None = None
         self.file_records: dict[str, FileRecord] = {}
+        self.wrapped_keys: dict[str, tuple[str, bytes]] = {}
 
     # -- DCP protocol ------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.dcp_json = None
         self.file_records = {}
+        self.wrapped_keys = {}
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -135,6 +160,8 @@ class VaultStorageWriter(StorageWriter):
                 locations[result.index] = written.location
                 if written.file_record is not None:
                     self.file_records[written.location.file] = written.file_record
+                if written.wrapped_key is not None:
+                    self.wrapped_keys[written.location.file] = written.wrapped_key
         metadata.storage_data = locations
         self.dcp_json = metadata_to_json(metadata, locations)
 
@@ -166,11 +193,25 @@ class VaultStorageWriter(StorageWriter):
             ),
             {"format": "pt", "writer": "ckptvault"},
         )
+        if self.encryption is not None:
+            name += ENCRYPTED_SUFFIX
         digester = FileDigester(self.chunk_size)
         sink = self.staging.create_file(name)
+        wrapped_key = None
         try:
-            sink.write(header.header_bytes)
-            digester.update(header.header_bytes)
+            out: HashingSink | EncryptingWriter = HashingSink(sink, digester)
+            if self.encryption is not None:
+                data_key, kek_id, wrapped = self.encryption.new_file_key(name)
+                wrapped_key = (kek_id, wrapped)
+                plaintext_size = header.data_start + sum(e.nbytes for e in header.entries.values())
+                out = EncryptingWriter(
+                    out,
+                    data_key,
+                    self.encryption.context(name),
+                    self.encryption.segment_size,
+                    plaintext_size,
+                )
+            out.write(header.header_bytes)
             for item in items:
                 data = tensor_bytes(planner.resolve_data(item))  # type: ignore[arg-type]
                 entry = header.entries[chunk_name(item)]
@@ -180,9 +221,9 @@ class VaultStorageWriter(StorageWriter):
                         f"({len(data)} bytes, planned {entry.nbytes})"
                     )
                 for start in range(0, len(data), WRITE_PIECE):
-                    piece = data[start : start + WRITE_PIECE]
-                    sink.write(piece)
-                    digester.update(piece)
+                    out.write(data[start : start + WRITE_PIECE])
+            if isinstance(out, EncryptingWriter):
+                out.close()
         except BaseException:
             sink.abort()
             raise
@@ -198,7 +239,11 @@ class VaultStorageWriter(StorageWriter):
                 WriteResult(
                     index=item.index,
                     size_in_bytes=entry.nbytes,
-                    storage_data=WrittenChunk(location, record if position == 0 else None),
+                    storage_data=WrittenChunk(
+                        location,
+                        record if position == 0 else None,
+                        wrapped_key if position == 0 else None,
+                    ),
                 )
             )
         return results

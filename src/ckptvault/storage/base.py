@@ -59,8 +59,9 @@ class StagingArea(Protocol):
 
     def create_file(self, name: str) -> WritableFile: ...
 
-    def publish(self, step: int, manifest: bytes) -> GenerationRef:
-        """Write the manifest last and make the generation visible atomically."""
+    def publish(self, step: int, manifest: bytes, signature: bytes | None = None) -> GenerationRef:
+        """Write the manifest (and its signature) last and make the generation
+        visible atomically."""
 
     def abort(self) -> None:
         """Remove everything written; nothing becomes visible."""

@@ -28,6 +28,7 @@ from typing import BinaryIO
 from ckptvault.errors import CheckpointError, SaveFailedError, StorageFullError
 from ckptvault.format.layout import (
     MANIFEST_NAME,
+    SIGNATURE_NAME,
     STAGING_DIR,
     WRITER_LOCK,
     generation_dirname,
@@ -106,16 +107,19 @@ class PosixStagingArea:
     def create_file(self, name: str) -> PosixWritableFile:
         return PosixWritableFile(self.path / name)
 
-    def publish(self, step: int, manifest: bytes) -> GenerationRef:
+    def publish(self, step: int, manifest: bytes, signature: bytes | None = None) -> GenerationRef:
         final = self.store.root / generation_dirname(step, self.generation_id)
         try:
-            manifest_file = PosixWritableFile(self.path / MANIFEST_NAME)
-            try:
-                manifest_file.write(manifest)
-            except BaseException:
-                manifest_file.abort()
-                raise
-            manifest_file.commit()
+            for name, data in ((MANIFEST_NAME, manifest), (SIGNATURE_NAME, signature)):
+                if data is None:
+                    continue
+                small_file = PosixWritableFile(self.path / name)
+                try:
+                    small_file.write(data)
+                except BaseException:
+                    small_file.abort()
+                    raise
+                small_file.commit()
             fsync_directory(self.path)
             os.rename(self.path, final)
             fsync_directory(self.store.root)

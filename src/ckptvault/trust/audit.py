@@ -123,7 +123,8 @@ def verify_audit_log(path: str | os.PathLike[str], ledger: Ledger | None) -> Aud
         count, last_hash = head
         if report.entries < count:
             report.problems.append(
-                f"the log has {report.entries} entries but the ledger recorded {count}: its tail was cut off"
+                f"the log has {report.entries} entries but the ledger recorded {count}: "
+                "its tail was cut off"
             )
         elif report.entries >= count and count > 0:
             lines = data.split(b"\n")

@@ -1,17 +1,28 @@
-"""The checks a generation must pass before any of its bytes is used.
+"""The restore checks: every rule a generation must pass before any of its bytes is used.
 
-Two stages, both free of torch so the CLI can run them:
+One function, :func:`check_structure`, applies the rules in this order, each with
+its own reason code:
 
-- :func:`check_structure` — cheap: the generation is a plain directory, the manifest
-  parses (canonical, supported format version), names this run and matches the
-  directory name; the set of files on disk equals the manifest's set, sizes match,
-  every tensor file's header parses and agrees with where the manifest says each
-  tensor chunk lives.
-- :func:`check_digests` — every byte: each file's chunk digests and whole-file
-  digest. Restore does this stage while it reads (see ``ckptvault.io.reader``).
+1. the generation is a plain directory; no entry is a symlink, hard link, directory
+   or special file (``unsafe-entry``); no entry has a pickle extension
+   (``pickle-file``);
+2. with trusted keys: ``manifest.sig`` exists (``signature-missing``), is made by a
+   trusted key (``signature-untrusted``) and matches the manifest's exact bytes
+   (``signature-invalid``) — checked before the manifest is even parsed;
+3. the manifest parses and is canonical (``manifest-missing``/``manifest-invalid``),
+   its format version is supported (``format-unsupported``), its file names are
+   plain relative names (``unsafe-path``);
+4. it agrees with the directory name (``name-mismatch``), names this run
+   (``run-mismatch``) and is not below the restore floor or abandoned
+   (``rollback``);
+5. the files on disk are exactly the manifest's (``file-missing``/``file-extra``),
+   with the recorded sizes (``size-mismatch``);
+6. every file parses as one of ckptvault's own formats: a safetensors tensor file
+   whose header agrees with the manifest, or an encrypted container
+   (``unknown-format``/``tensor-file-invalid``/``manifest-inconsistent``).
 
-Each failed rule is a :class:`Problem` with its own ``code``; a restore skips a
-generation with the problems joined into one reason string.
+:func:`check_digests` then hashes every byte (``digest-mismatch``); restore does that
+stage while it reads, see ``ckptvault.io.reader``. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -20,27 +31,50 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptvault.errors import CheckpointError, FormatError, IntegrityError
-from ckptvault.format.layout import MANIFEST_NAME, TENSOR_FILE_SUFFIX
-from ckptvault.format.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from ckptvault.errors import CheckpointError, FormatError, IntegrityError, SignatureError
+from ckptvault.format.container import (
+    ENCRYPTED_SUFFIX,
+    container_header_length,
+    parse_container_header,
+)
+from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, TENSOR_FILE_SUFFIX
+from ckptvault.format.manifest import (
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    UnsafeNameError,
+    parse_manifest,
+)
 from ckptvault.format.tensorfile import TensorFileHeader, header_length, parse_header
-from ckptvault.storage.base import GenerationRef, Store
+from ckptvault.storage.base import EntryInfo, GenerationRef, Store
 from ckptvault.trust.digests import verify_stream
+from ckptvault.trust.ledger import RestoreFloor
+from ckptvault.trust.signing import MANIFEST_DOMAIN, TrustedKeys, parse_signature, verify
 
 # Problem codes: one per rule, stable for tooling.
+UNSAFE_ENTRY = "unsafe-entry"
+PICKLE_FILE = "pickle-file"
+SIGNATURE_MISSING = "signature-missing"
+SIGNATURE_UNTRUSTED = "signature-untrusted"
+SIGNATURE_INVALID = "signature-invalid"
 MANIFEST_MISSING = "manifest-missing"
 MANIFEST_INVALID = "manifest-invalid"
 FORMAT_UNSUPPORTED = "format-unsupported"
+UNSAFE_PATH = "unsafe-path"
 NAME_MISMATCH = "name-mismatch"
 RUN_MISMATCH = "run-mismatch"
+ROLLBACK = "rollback"
 FILE_MISSING = "file-missing"
 FILE_EXTRA = "file-extra"
 FILE_SIZE = "size-mismatch"
-DIGEST_MISMATCH = "digest-mismatch"
-UNSAFE_ENTRY = "unsafe-entry"
+UNKNOWN_FORMAT = "unknown-format"
 TENSOR_FILE_INVALID = "tensor-file-invalid"
 MANIFEST_INCONSISTENT = "manifest-inconsistent"
+DIGEST_MISMATCH = "digest-mismatch"
+KEY_UNAVAILABLE = "key-unavailable"
 UNREADABLE = "unreadable"
+
+PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin")
+MAX_SIGNATURE_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -65,6 +99,19 @@ class GenerationRejected(CheckpointError):
     def reason(self) -> str:
         return "; ".join(str(p) for p in self.problems)
 
+    @property
+    def codes(self) -> set[str]:
+        return {p.code for p in self.problems}
+
+
+@dataclass(frozen=True)
+class TrustPolicy:
+    """What a reader insists on beyond integrity: which run, whose signature, which floor."""
+
+    run_id: str | None = None
+    trusted_keys: TrustedKeys | None = None
+    floor: RestoreFloor | None = None
+
 
 @dataclass
 class CheckedGeneration:
@@ -73,13 +120,18 @@ class CheckedGeneration:
     ref: GenerationRef
     manifest: Manifest
     headers: dict[str, TensorFileHeader] = field(default_factory=dict)
+    signer: str | None = None
+
+
+def is_encrypted_name(name: str) -> bool:
+    return name.endswith(TENSOR_FILE_SUFFIX + ENCRYPTED_SUFFIX)
 
 
 def check_structure(
-    store: Store, ref: GenerationRef, expected_run_id: str | None = None
+    store: Store, ref: GenerationRef, policy: TrustPolicy | None = None
 ) -> CheckedGeneration:
-    """Run every structural rule; raise :class:`GenerationRejected` listing failures."""
-    where = f"generation {ref.generation_id} (step {ref.step})"
+    """Apply rules 1-6; raise :class:`GenerationRejected` listing what failed."""
+    policy = policy or TrustPolicy()
     try:
         kind = store.generation_kind(ref)
         if kind != "dir":
@@ -92,24 +144,96 @@ def check_structure(
             ref, [Problem(UNREADABLE, f"cannot list {ref.location}: {exc}")]
         ) from exc
 
-    manifest_entry = entries.get(MANIFEST_NAME)
-    if manifest_entry is None:
+    entry_problems = _check_entries(entries)
+    if entry_problems:
+        raise GenerationRejected(ref, entry_problems)
+    if MANIFEST_NAME not in entries:
         raise GenerationRejected(ref, [Problem(MANIFEST_MISSING, f"{MANIFEST_NAME} is missing")])
-    if manifest_entry.kind != "file" or manifest_entry.links != 1:
-        raise GenerationRejected(
-            ref, [Problem(UNSAFE_ENTRY, f"{MANIFEST_NAME} is not a plain file", MANIFEST_NAME)]
-        )
+    where = f"generation {ref.generation_id} (step {ref.step})"
     try:
-        manifest = parse_manifest(store.read_bytes(ref, MANIFEST_NAME, MAX_MANIFEST_BYTES), where)
+        manifest_bytes = store.read_bytes(ref, MANIFEST_NAME, MAX_MANIFEST_BYTES)
+        signature = (
+            store.read_bytes(ref, SIGNATURE_NAME, MAX_SIGNATURE_BYTES)
+            if SIGNATURE_NAME in entries
+            else None
+        )
+    except OSError as exc:
+        raise GenerationRejected(
+            ref, [Problem(UNREADABLE, f"cannot read the manifest: {exc}")]
+        ) from exc
+
+    signer = _check_signature(ref, manifest_bytes, signature, policy.trusted_keys)
+    try:
+        manifest = parse_manifest(manifest_bytes, where)
+    except UnsafeNameError as exc:
+        raise GenerationRejected(ref, [Problem(UNSAFE_PATH, str(exc), MANIFEST_NAME)]) from exc
     except FormatError as exc:
         code = FORMAT_UNSUPPORTED if "format version" in str(exc) else MANIFEST_INVALID
         raise GenerationRejected(ref, [Problem(code, str(exc), MANIFEST_NAME)]) from exc
-    except OSError as exc:
-        raise GenerationRejected(
-            ref, [Problem(UNREADABLE, f"cannot read manifest: {exc}")]
-        ) from exc
 
-    problems: list[Problem] = []
+    problems = _check_identity(ref, manifest, policy)
+    problems += _check_file_set(manifest, entries)
+    if problems:
+        raise GenerationRejected(ref, problems)
+    checked = CheckedGeneration(ref=ref, manifest=manifest, signer=signer)
+    problems = _check_own_formats(store, checked)
+    if problems:
+        raise GenerationRejected(ref, problems)
+    return checked
+
+
+def _check_entries(entries: dict[str, EntryInfo]) -> list[Problem]:
+    problems = []
+    for name, entry in sorted(entries.items()):
+        if name.lower().endswith(PICKLE_SUFFIXES):
+            problems.append(
+                Problem(
+                    PICKLE_FILE, f"{name} has a pickle extension; loading pickles runs code", name
+                )
+            )
+        elif entry.kind != "file":
+            problems.append(
+                Problem(UNSAFE_ENTRY, f"{name} is a {entry.kind}, not a plain file", name)
+            )
+        elif entry.links != 1:
+            problems.append(
+                Problem(UNSAFE_ENTRY, f"{name} is hard-linked ({entry.links} names share it)", name)
+            )
+    return problems
+
+
+def _check_signature(
+    ref: GenerationRef, manifest_bytes: bytes, signature: bytes | None, trusted: TrustedKeys | None
+) -> str | None:
+    if trusted is None:
+        if signature is not None:
+            try:
+                return parse_signature(signature, SIGNATURE_NAME)[0]  # still one of our formats
+            except FormatError as exc:
+                raise GenerationRejected(
+                    ref, [Problem(UNKNOWN_FORMAT, str(exc), SIGNATURE_NAME)]
+                ) from exc
+        return None
+    if signature is None:
+        raise GenerationRejected(
+            ref,
+            [
+                Problem(
+                    SIGNATURE_MISSING, f"{SIGNATURE_NAME} is missing and trusted keys are required"
+                )
+            ],
+        )
+    try:
+        return verify(signature, manifest_bytes, trusted, MANIFEST_DOMAIN, SIGNATURE_NAME)
+    except SignatureError as exc:
+        code = (
+            SIGNATURE_UNTRUSTED if "not among the trusted keys" in str(exc) else SIGNATURE_INVALID
+        )
+        raise GenerationRejected(ref, [Problem(code, str(exc), SIGNATURE_NAME)]) from exc
+
+
+def _check_identity(ref: GenerationRef, manifest: Manifest, policy: TrustPolicy) -> list[Problem]:
+    problems = []
     if (manifest.step, manifest.generation_id) != (ref.step, ref.generation_id):
         problems.append(
             Problem(
@@ -118,26 +242,20 @@ def check_structure(
                 f"step {manifest.step} / {manifest.generation_id}",
             )
         )
-    if expected_run_id is not None and manifest.run_id != expected_run_id:
+    if policy.run_id is not None and manifest.run_id != policy.run_id:
         problems.append(
-            Problem(
-                RUN_MISMATCH, f"manifest is for run {manifest.run_id!r}, not {expected_run_id!r}"
-            )
+            Problem(RUN_MISMATCH, f"manifest is for run {manifest.run_id!r}, not {policy.run_id!r}")
         )
-    problems.extend(_check_file_set(manifest, entries))
-    if problems:
-        raise GenerationRejected(ref, problems)
-
-    checked = CheckedGeneration(ref=ref, manifest=manifest)
-    problems.extend(_check_tensor_files(store, checked))
-    if problems:
-        raise GenerationRejected(ref, problems)
-    return checked
+    elif policy.floor is not None:
+        refusal = policy.floor.refuses(manifest.step, manifest.generation_id)
+        if refusal is not None:
+            problems.append(Problem(ROLLBACK, refusal))
+    return problems
 
 
 def _check_file_set(manifest: Manifest, entries: dict[str, Any]) -> list[Problem]:
     problems = []
-    allowed = set(manifest.files) | {MANIFEST_NAME}
+    allowed = set(manifest.files) | {MANIFEST_NAME, SIGNATURE_NAME}
     for name in sorted(set(manifest.files) - set(entries)):
         problems.append(
             Problem(FILE_MISSING, f"{name} is listed in the manifest but missing", name)
@@ -146,62 +264,75 @@ def _check_file_set(manifest: Manifest, entries: dict[str, Any]) -> list[Problem
         problems.append(Problem(FILE_EXTRA, f"{name} is not listed in the manifest", name))
     for name in sorted(set(entries) & set(manifest.files)):
         entry, record = entries[name], manifest.files[name]
-        if entry.kind != "file":
-            problems.append(
-                Problem(UNSAFE_ENTRY, f"{name} is a {entry.kind}, not a plain file", name)
-            )
-        elif entry.links != 1:
-            problems.append(
-                Problem(UNSAFE_ENTRY, f"{name} is hard-linked ({entry.links} names share it)", name)
-            )
-        elif entry.size != record.size:
+        if entry.size != record.size:
             problems.append(
                 Problem(
                     FILE_SIZE,
-                    f"{name} has {entry.size} bytes, the manifest records {record.size} "
-                    "(truncated or extended)",
+                    f"{name} has {entry.size} bytes, the manifest records {record.size} (truncated or extended)",
                     name,
                 )
             )
     return problems
 
 
-def _check_tensor_files(store: Store, checked: CheckedGeneration) -> list[Problem]:
-    """Parse every tensor file's header and tie it to the manifest's DCP chunks."""
+def _check_own_formats(store: Store, checked: CheckedGeneration) -> list[Problem]:
+    """Every file must parse as a tensor file or an encrypted container."""
     manifest, ref = checked.manifest, checked.ref
+    encrypted = (manifest.encryption or {}).get("files", {})
     problems = []
     for name, record in sorted(manifest.files.items()):
-        if not name.endswith(TENSOR_FILE_SUFFIX):
-            problems.append(
-                Problem(TENSOR_FILE_INVALID, f"{name} is not a format ckptvault writes", name)
-            )
-            continue
         try:
-            with store.open_file(ref, name) as stream:
-                prefix = stream.read(8)
-                total = header_length(prefix, record.size, name)
-                header = prefix + stream.read(total - len(prefix))
-            checked.headers[name] = parse_header(header, record.size, name)
+            if is_encrypted_name(name):
+                if name not in encrypted:
+                    problems.append(
+                        Problem(MANIFEST_INCONSISTENT, f"{name} has no wrapped key", name)
+                    )
+                    continue
+                with store.open_file(ref, name) as stream:
+                    prefix = stream.read(12)
+                    total = container_header_length(prefix, name)
+                    header = prefix + stream.read(total - len(prefix))
+                parse_container_header(header, record.size, name)
+            elif name.endswith(TENSOR_FILE_SUFFIX):
+                with store.open_file(ref, name) as stream:
+                    prefix = stream.read(8)
+                    total = header_length(prefix, record.size, name)
+                    header = prefix + stream.read(total - len(prefix))
+                checked.headers[name] = parse_header(header, record.size, name)
+            else:
+                problems.append(
+                    Problem(UNKNOWN_FORMAT, f"{name} is not a format ckptvault writes", name)
+                )
         except FormatError as exc:
             problems.append(Problem(TENSOR_FILE_INVALID, str(exc), name))
         except OSError as exc:
             problems.append(Problem(UNREADABLE, f"cannot read {name}: {exc}", name))
     if problems:
         return problems
-    return _check_chunk_locations(manifest, checked.headers)
+    return check_chunk_locations(manifest, checked.headers)
 
 
-def _check_chunk_locations(
+def check_chunk_locations(
     manifest: Manifest, headers: dict[str, TensorFileHeader]
 ) -> list[Problem]:
+    """Tie the manifest's DCP chunks to the tensor file headers (for the files in
+    ``headers``; encrypted files are checked once decrypted)."""
     problems = []
     try:
-        tensors = manifest.dcp["tensors"]
-        for fqn, info in tensors.items():
+        for fqn, info in manifest.dcp["tensors"].items():
             for chunk in info["chunks"]:
                 file, name = chunk["file"], chunk["name"]
-                entry = headers.get(file)
-                found = entry.entries.get(name) if entry else None
+                if file not in manifest.files:
+                    problems.append(
+                        Problem(
+                            MANIFEST_INCONSISTENT, f"tensor {fqn!r} lives in unlisted file {file}"
+                        )
+                    )
+                    continue
+                header = headers.get(file)
+                if header is None:
+                    continue
+                found = header.entries.get(name)
                 if (
                     found is None
                     or found.start != chunk["start"]
@@ -212,8 +343,7 @@ def _check_chunk_locations(
                     problems.append(
                         Problem(
                             MANIFEST_INCONSISTENT,
-                            f"tensor {fqn!r} chunk {chunk['offsets']} is not where the manifest "
-                            f"says ({file}:{name})",
+                            f"tensor {fqn!r} chunk {chunk['offsets']} is not where the manifest says ({file}:{name})",
                             file,
                         )
                     )
@@ -227,7 +357,7 @@ def check_digests(
     checked: CheckedGeneration,
     on_bytes: Callable[[int], None] | None = None,
 ) -> list[Problem]:
-    """Hash every byte of every file against the manifest."""
+    """Hash every byte of every file against the manifest (no key needed)."""
     manifest, ref = checked.manifest, checked.ref
     problems = []
     for name, record in sorted(manifest.files.items()):
@@ -246,6 +376,7 @@ class VerificationReport:
     ref: GenerationRef
     problems: list[Problem]
     manifest: Manifest | None = None
+    signer: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -255,12 +386,14 @@ class VerificationReport:
 def verify_generation(
     store: Store,
     ref: GenerationRef,
-    expected_run_id: str | None = None,
+    policy: TrustPolicy | None = None,
     on_bytes: Callable[[int], None] | None = None,
 ) -> VerificationReport:
     """Every rule, every byte; never raises for a bad generation, reports it."""
     try:
-        checked = check_structure(store, ref, expected_run_id)
+        checked = check_structure(store, ref, policy)
     except GenerationRejected as rejected:
         return VerificationReport(ref, rejected.problems)
-    return VerificationReport(ref, check_digests(store, checked, on_bytes), checked.manifest)
+    return VerificationReport(
+        ref, check_digests(store, checked, on_bytes), checked.manifest, checked.signer
+    )

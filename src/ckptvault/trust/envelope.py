@@ -177,3 +177,28 @@ class SegmentDecryptor:
             raise IntegrityError(
                 f"{self._where}: encrypted container is incomplete or has trailing bytes"
             )
+
+
+class FileEncryption:
+    """Per-save encryption settings: a fresh data key per file, wrapped by the run's KEK."""
+
+    def __init__(
+        self, keystore: KeyStoreLike, run_id: str, generation_id: str, segment_size: int
+    ) -> None:
+        self.keystore = keystore
+        self.run_id = run_id
+        self.generation_id = generation_id
+        self.segment_size = segment_size
+
+    def context(self, file_name: str) -> bytes:
+        return binding(self.run_id, self.generation_id, file_name)
+
+    def new_file_key(self, file_name: str) -> tuple[bytes, str, bytes]:
+        """``(data key, KEK id, wrapped data key)`` for one file."""
+        data_key = new_data_key()
+        kek_id, wrapped = self.keystore.wrap(self.run_id, data_key, self.context(file_name))
+        return data_key, kek_id, wrapped
+
+
+class KeyStoreLike(Protocol):
+    def wrap(self, run_id: str, data_key: bytes, context: bytes) -> tuple[str, bytes]: ...

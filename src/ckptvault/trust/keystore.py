@@ -60,6 +60,9 @@ class KeyStore(Protocol):
 
     def is_destroyed(self, run_id: str) -> bool: ...
 
+    def ensure_usable(self, run_id: str) -> None:
+        """Raise KeyDestroyedError if the run's key was destroyed."""
+
     def destroy(self, run_id: str) -> KeyInfo: ...
 
     def list_keys(self) -> list[KeyInfo]: ...
@@ -100,6 +103,10 @@ class LocalKeyStore:
 
     def is_destroyed(self, run_id: str) -> bool:
         return self._tombstone_path(run_id).exists()
+
+    def ensure_usable(self, run_id: str) -> None:
+        if self.is_destroyed(run_id):
+            raise self._destroyed_error(run_id)
 
     def _tombstone(self, run_id: str) -> KeyInfo:
         raw = json.loads(self._tombstone_path(run_id).read_text())
