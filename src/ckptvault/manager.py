@@ -28,9 +28,6 @@ from typing import Any, NamedTuple
 from ckptvault._version import __version__
 from ckptvault.errors import (
     CheckpointError,
-    FormatError,
-    IntegrityError,
-    KeyDestroyedError,
     KeyUnavailableError,
     NoValidCheckpoint,
     RollbackError,
@@ -39,10 +36,11 @@ from ckptvault.errors import (
 from ckptvault.format.container import CIPHER, DEFAULT_SEGMENT_SIZE
 from ckptvault.format.layout import generation_created_at, new_generation_id
 from ckptvault.format.manifest import Manifest
-from ckptvault.io.dcp_io import read_tensors, write_tensors
+from ckptvault.io.dcp_io import write_tensors
+from ckptvault.io.load import load_verified
 from ckptvault.io.writer import default_threads
 from ckptvault.state.apply import plan_restore
-from ckptvault.state.capture import capture_state, decode_tree
+from ckptvault.state.capture import capture_state
 from ckptvault.state.contract import (
     build_contract,
     code_revision,
@@ -54,15 +52,12 @@ from ckptvault.storage.listing import GenerationInfo, list_generation_infos
 from ckptvault.storage.posix import PosixStore
 from ckptvault.trust.audit import AuditLog, default_audit_path
 from ckptvault.trust.checks import (
-    KEY_UNAVAILABLE,
     ROLLBACK,
     GenerationRejected,
-    Problem,
     TrustPolicy,
-    check_structure,
 )
 from ckptvault.trust.digests import DEFAULT_CHUNK_SIZE
-from ckptvault.trust.envelope import FileEncryption, binding
+from ckptvault.trust.envelope import FileEncryption
 from ckptvault.trust.keystore import KeyStore, open_keystore
 from ckptvault.trust.ledger import Ledger, RestoreFloor, default_ledger_path
 from ckptvault.trust.signing import (
@@ -460,49 +455,8 @@ class CheckpointManager:
     def _load_candidate(
         self, ref: GenerationRef, policy: TrustPolicy
     ) -> tuple[Manifest, dict[str, Any], str | None]:
-        """Verify one candidate completely and decode it; raises GenerationRejected."""
-        checked = check_structure(self.store, ref, policy)
-        manifest = checked.manifest
-        where = f"generation {ref.generation_id}"
-        data_keys = self._data_keys(ref, manifest)
-        try:
-            tensors = read_tensors(self.store, ref, manifest, self.threads, data_keys=data_keys)
-            saved = decode_tree(manifest.state, tensors, where)
-        except IntegrityError as exc:
-            raise GenerationRejected(ref, [Problem("digest-mismatch", str(exc))]) from exc
-        except FormatError as exc:
-            raise GenerationRejected(ref, [Problem("manifest-invalid", str(exc))]) from exc
-        except OSError as exc:
-            raise GenerationRejected(ref, [Problem("unreadable", f"{exc}")]) from exc
-        return manifest, saved, checked.signer
-
-    def _data_keys(self, ref: GenerationRef, manifest: Manifest) -> dict[str, bytes]:
-        """Unwrap every file key of an encrypted generation (KeyDestroyedError propagates)."""
-        if manifest.encryption is None:
-            return {}
-        if self._keystore is None:
-            raise GenerationRejected(
-                ref,
-                [
-                    Problem(
-                        KEY_UNAVAILABLE, "the generation is encrypted; pass keystore= to restore it"
-                    )
-                ],
-            )
-        section = manifest.encryption
-        keys = {}
-        for name, entry in section["files"].items():
-            try:
-                wrapped = base64.b64decode(entry["wrapped_key"], validate=True)
-                context = binding(manifest.run_id, manifest.generation_id, name)
-                keys[name] = self._keystore.unwrap(
-                    manifest.run_id, section["kek_id"], wrapped, context
-                )
-            except KeyDestroyedError:
-                raise
-            except (KeyUnavailableError, ValueError) as exc:
-                raise GenerationRejected(ref, [Problem(KEY_UNAVAILABLE, str(exc), name)]) from exc
-        return keys
+        loaded = load_verified(self.store, ref, policy, self._keystore, self.threads)
+        return loaded.manifest, loaded.saved, loaded.signer
 
     # -- listing -----------------------------------------------------------------------
 

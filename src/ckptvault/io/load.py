@@ -1,0 +1,86 @@
+"""Load one generation, verified: the restore checks, then every byte hashed (and
+decrypted) into private buffers, then the saved state decoded.
+
+Used by ``CheckpointManager.restore`` and by the weights-only export, so both read
+through exactly the same rules.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+from ckptvault.errors import FormatError, IntegrityError, KeyDestroyedError, KeyUnavailableError
+from ckptvault.format.manifest import Manifest
+from ckptvault.io.dcp_io import read_tensors
+from ckptvault.state.capture import decode_tree
+from ckptvault.storage.base import GenerationRef, Store
+from ckptvault.trust.checks import (
+    DIGEST_MISMATCH,
+    KEY_UNAVAILABLE,
+    MANIFEST_INVALID,
+    UNREADABLE,
+    GenerationRejected,
+    Problem,
+    TrustPolicy,
+    check_structure,
+)
+from ckptvault.trust.envelope import binding
+from ckptvault.trust.keystore import KeyStore
+
+
+@dataclass
+class LoadedGeneration:
+    ref: GenerationRef
+    manifest: Manifest
+    saved: dict[str, Any]  # the decoded state, with placeholders for live objects
+    signer: str | None
+
+
+def load_verified(
+    store: Store, ref: GenerationRef, policy: TrustPolicy, keystore: KeyStore | None, threads: int
+) -> LoadedGeneration:
+    """Verify ``ref`` completely and decode it.
+
+    Raises :class:`GenerationRejected` for anything wrong with the generation (the
+    caller tries the next one) and :class:`KeyDestroyedError` after crypto-erase.
+    """
+    checked = check_structure(store, ref, policy)
+    manifest = checked.manifest
+    data_keys = _data_keys(ref, manifest, keystore)
+    try:
+        tensors = read_tensors(store, ref, manifest, threads, data_keys=data_keys)
+        saved = decode_tree(manifest.state, tensors, f"generation {ref.generation_id}")
+    except IntegrityError as exc:
+        raise GenerationRejected(ref, [Problem(DIGEST_MISMATCH, str(exc))]) from exc
+    except FormatError as exc:
+        raise GenerationRejected(ref, [Problem(MANIFEST_INVALID, str(exc))]) from exc
+    except OSError as exc:
+        raise GenerationRejected(ref, [Problem(UNREADABLE, str(exc))]) from exc
+    return LoadedGeneration(ref, manifest, saved, checked.signer)
+
+
+def _data_keys(
+    ref: GenerationRef, manifest: Manifest, keystore: KeyStore | None
+) -> dict[str, bytes]:
+    """Unwrap every file key of an encrypted generation."""
+    if manifest.encryption is None:
+        return {}
+    if keystore is None:
+        raise GenerationRejected(
+            ref,
+            [Problem(KEY_UNAVAILABLE, "the generation is encrypted; pass keystore= to read it")],
+        )
+    section = manifest.encryption
+    keys = {}
+    for name, entry in section["files"].items():
+        try:
+            wrapped = base64.b64decode(entry["wrapped_key"], validate=True)
+            context = binding(manifest.run_id, manifest.generation_id, name)
+            keys[name] = keystore.unwrap(manifest.run_id, section["kek_id"], wrapped, context)
+        except KeyDestroyedError:
+            raise
+        except (KeyUnavailableError, ValueError) as exc:
+            raise GenerationRejected(ref, [Problem(KEY_UNAVAILABLE, str(exc), name)]) from exc
+    return keys
