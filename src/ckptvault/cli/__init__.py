@@ -11,6 +11,8 @@ import sys
 import click
 import typer
 
+from ckptvault.cli import audit, keys
+from ckptvault.cli.export import export, verify_export
 from ckptvault.cli.inspect import inspect
 from ckptvault.cli.ls import ls
 from ckptvault.cli.verify import verify
@@ -26,6 +28,10 @@ app = typer.Typer(
 app.command("ls")(ls)
 app.command("inspect")(inspect)
 app.command("verify")(verify)
+app.command("export")(export)
+app.command("verify-export")(verify_export)
+app.add_typer(keys.app, name="keys")
+app.add_typer(audit.app, name="audit")
 
 
 def main(argv: list[str] | None = None) -> int:

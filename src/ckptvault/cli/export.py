@@ -1,0 +1,82 @@
+"""``ckptvault export`` and ``ckptvault verify-export``: weights-only safetensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ckptvault.cli._common import human_bytes, out
+from ckptvault.trust.audit import AuditLog, default_audit_path
+from ckptvault.trust.keystore import LocalKeyStore
+from ckptvault.trust.ledger import Ledger, default_ledger_path
+
+
+def export(
+    store: Annotated[Path, typer.Argument(help="The checkpoint store.")],
+    step: Annotated[int, typer.Option(help="The step to export.")],
+    out_path: Annotated[Path, typer.Option("--out", help="The safetensors file to write.")],
+    key: Annotated[str, typer.Option(help="The state entry to export.")] = "model",
+    dtype: Annotated[
+        str | None, typer.Option(help="Cast floating-point tensors: bf16, fp16 or fp32.")
+    ] = None,
+    signing_key: Annotated[
+        Path | None, typer.Option(help="Sign an export manifest with this key.")
+    ] = None,
+    trusted_key: Annotated[
+        list[Path] | None,
+        typer.Option("--trusted-key", help="Require the checkpoint be signed by this key."),
+    ] = None,
+    keystore: Annotated[Path | None, typer.Option(help="Key store of an encrypted run.")] = None,
+    run_id: Annotated[str | None, typer.Option(help="Require this run id.")] = None,
+    audit_log: Annotated[Path | None, typer.Option(help="Audit log to record in.")] = None,
+) -> None:
+    """Write the tensors of one state entry, and nothing else, as safetensors."""
+    from ckptvault.cli._common import open_store
+    from ckptvault.ops.export import export_weights  # imports torch
+
+    open_store(store)
+    result = export_weights(
+        store,
+        step,
+        out_path,
+        key=key,
+        dtype=dtype,
+        run_id=run_id,
+        signing_key=signing_key,
+        trusted_keys=trusted_key,
+        keystore=LocalKeyStore(keystore) if keystore else None,
+    )
+    AuditLog(audit_log or default_audit_path(), Ledger(default_ledger_path())).append(
+        "export",
+        run_id=result.run_id,
+        step=result.step,
+        generation_id=result.generation_id,
+        out=str(result.path),
+        blake3=result.blake3,
+        signed=result.manifest_path is not None,
+    )
+    out.print(
+        f"exported {result.tensors} tensors ({human_bytes(result.bytes)}) of {key!r} from step "
+        f"{result.step} ({result.generation_id}) to {result.path}"
+    )
+    if result.manifest_path is not None:
+        out.print(f"signed export manifest: {result.manifest_path}")
+
+
+def verify_export(
+    file: Annotated[Path, typer.Argument(help="The exported safetensors file.")],
+    trusted_key: Annotated[
+        list[Path], typer.Option("--trusted-key", help="A trusted public key (repeatable).")
+    ],
+) -> None:
+    """Check an export's signed manifest and that the file matches it."""
+    from ckptvault.ops.export import verify_export as check
+
+    result = check(file, trusted_key)
+    source = result.source
+    out.print(
+        f"[green]OK[/green] {file} signed by {result.signer}: run {source['run_id']!r}, step "
+        f"{source['step']}, generation {source['generation_id']}"
+    )

@@ -1,0 +1,234 @@
+"""Weights-only export: one state entry's tensors, nothing else, as safetensors.
+
+Serving never needs optimizer moments, RNG states or data positions, and should not
+mount the training store. The export reads one generation through the same
+verified path as restore (signature, digests, decryption), keeps the tensors of one
+entry (default ``model``), optionally casts floating-point tensors (never integer
+or bool buffers), and writes a stock safetensors file atomically. With a signing
+key it also writes a signed export manifest (digest of the output, source run,
+step and generation) that ``verify_export`` checks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from blake3 import blake3
+from safetensors.torch import save_file
+
+from ckptvault.errors import FormatError, IntegrityError, NoValidCheckpoint, UsageError
+from ckptvault.format.canonical import dumps_canonical, loads_canonical
+from ckptvault.io.load import load_verified
+from ckptvault.io.writer import default_threads
+from ckptvault.state.capture import StatefulPayload
+from ckptvault.storage.posix import PosixStore
+from ckptvault.trust.checks import GenerationRejected, TrustPolicy
+from ckptvault.trust.keystore import KeyStore
+from ckptvault.trust.signing import (
+    EXPORT_DOMAIN,
+    PrivateKeyLike,
+    PublicKeyLike,
+    TrustedKeys,
+    load_private_key,
+    sign,
+    verify,
+)
+
+EXPORT_FORMAT = "ckptvault-export/1"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    path: Path
+    tensors: int
+    bytes: int
+    blake3: str
+    run_id: str
+    step: int
+    generation_id: str
+    manifest_path: Path | None
+
+
+def export_manifest_paths(out: Path) -> tuple[Path, Path]:
+    """Where the export manifest and its signature live, beside the output."""
+    return out.with_name(out.name + ".manifest.json"), out.with_name(out.name + ".manifest.sig")
+
+
+def _collect_tensors(value: Any, prefix: str, into: dict[str, torch.Tensor]) -> None:
+    if isinstance(value, torch.Tensor):
+        into[prefix] = value
+    elif isinstance(value, StatefulPayload):
+        _collect_tensors(value.state, prefix, into)
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _collect_tensors(item, f"{prefix}.{key}" if prefix else str(key), into)
+
+
+def select_weights(
+    saved: Mapping[str, Any], key: str, dtype: str | None
+) -> dict[str, torch.Tensor]:
+    """The tensors of entry ``key``, floating point ones cast to ``dtype``."""
+    if key not in saved:
+        raise UsageError(
+            f"the checkpoint has no entry {key!r}; entries: {', '.join(sorted(saved))}"
+        )
+    target = DTYPES[dtype] if dtype else None
+    tensors: dict[str, torch.Tensor] = {}
+    _collect_tensors(saved[key], "", tensors)
+    if not tensors:
+        raise UsageError(f"entry {key!r} holds no tensors")
+    result: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in tensors.items():
+        if target is not None and tensor.is_floating_point():
+            tensor = tensor.to(target)
+        # Tied weights arrive as one tensor under several names: give each name its
+        # own bytes, so stock safetensors (which refuses shared memory) writes them.
+        if id(tensor) in seen or any(tensor.data_ptr() == t.data_ptr() for t in result.values()):
+            tensor = tensor.clone()
+        seen.add(id(tensor))
+        result[name] = tensor.contiguous()
+    return result
+
+
+def export_weights(
+    store_dir: str | os.PathLike[str],
+    step: int,
+    out: str | os.PathLike[str],
+    *,
+    key: str = "model",
+    dtype: str | None = None,
+    run_id: str | None = None,
+    signing_key: PrivateKeyLike | None = None,
+    trusted_keys: Iterable[PublicKeyLike] | None = None,
+    keystore: KeyStore | None = None,
+) -> ExportResult:
+    """Export entry ``key`` of the newest verified generation of ``step`` to ``out``."""
+    if dtype is not None and dtype not in DTYPES:
+        raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    store = PosixStore(store_dir)
+    refs = [ref for ref in store.list_generations() if ref.step == step]
+    if not refs:
+        raise NoValidCheckpoint(f"store {store.location} has no generation of step {step}")
+    trusted = TrustedKeys.load(trusted_keys) if trusted_keys is not None else None
+    policy = TrustPolicy(run_id=run_id, trusted_keys=trusted)
+    rejected = []
+    for ref in refs:
+        try:
+            loaded = load_verified(store, ref, policy, keystore, default_threads())
+            break
+        except GenerationRejected as exc:
+            rejected.append((ref.generation_id, ref.step, exc.reason))
+    else:
+        raise NoValidCheckpoint(
+            f"no generation of step {step} in {store.location} verifies", rejected
+        )
+
+    tensors = select_weights(loaded.saved, key, dtype)
+    manifest = loaded.manifest
+    out_path = Path(os.path.abspath(os.fspath(out)))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
+    metadata = {
+        "format": "pt",
+        "ckptvault_run_id": manifest.run_id,
+        "ckptvault_step": str(manifest.step),
+        "ckptvault_generation_id": manifest.generation_id,
+        "ckptvault_entry": key,
+    }
+    try:
+        save_file(tensors, str(temporary), metadata=metadata)
+        digest, size = _digest(temporary, sync=True)
+        os.replace(temporary, out_path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    manifest_path = None
+    if signing_key is not None:
+        private = load_private_key(signing_key)
+        document = dumps_canonical(
+            {
+                "format": EXPORT_FORMAT,
+                "file": out_path.name,
+                "size": size,
+                "blake3": digest,
+                "entry": key,
+                "dtype": dtype,
+                "tensors": len(tensors),
+                "source": {
+                    "run_id": manifest.run_id,
+                    "step": manifest.step,
+                    "generation_id": manifest.generation_id,
+                },
+                "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+            }
+        )
+        manifest_path, signature_path = export_manifest_paths(out_path)
+        manifest_path.write_bytes(document)
+        signature_path.write_bytes(sign(private, document, EXPORT_DOMAIN))
+    return ExportResult(
+        out_path,
+        len(tensors),
+        size,
+        digest,
+        manifest.run_id,
+        manifest.step,
+        manifest.generation_id,
+        manifest_path,
+    )
+
+
+@dataclass(frozen=True)
+class ExportVerification:
+    signer: str
+    source: dict[str, Any]
+    blake3: str
+
+
+def verify_export(
+    file: str | os.PathLike[str], trusted_keys: Iterable[PublicKeyLike]
+) -> ExportVerification:
+    """Check an export's signed manifest and that the file matches it.
+
+    Raises SignatureError (untrusted or edited manifest), IntegrityError (the file
+    differs from what was signed) or FormatError (no or malformed manifest)."""
+    path = Path(file)
+    manifest_path, signature_path = export_manifest_paths(path)
+    try:
+        document = manifest_path.read_bytes()
+        signature = signature_path.read_bytes()
+    except FileNotFoundError as exc:
+        raise FormatError(
+            f"{path} has no signed export manifest ({exc.filename} is missing); export it with --signing-key"
+        ) from exc
+    signer = verify(
+        signature, document, TrustedKeys.load(trusted_keys), EXPORT_DOMAIN, str(signature_path)
+    )
+    raw = loads_canonical(document, str(manifest_path))
+    if raw.get("format") != EXPORT_FORMAT or raw.get("file") != path.name:
+        raise FormatError(f"{manifest_path} does not describe {path.name}")
+    digest, size = _digest(path)
+    if size != raw["size"] or digest != raw["blake3"]:
+        raise IntegrityError(
+            f"{path} does not match its signed export manifest (size or BLAKE3 differs)"
+        )
+    return ExportVerification(signer, raw["source"], digest)
+
+
+def _digest(path: Path, sync: bool = False) -> tuple[str, int]:
+    """BLAKE3 and size of a file; ``sync`` also makes it durable."""
+    hasher = blake3()
+    size = 0
+    with open(path, "rb+" if sync else "rb") as handle:
+        while chunk := handle.read(8 << 20):
+            hasher.update(chunk)
+            size += len(chunk)
+        if sync:
+            os.fsync(handle.fileno())
+    return hasher.hexdigest(), size
