@@ -98,6 +98,16 @@ def run_cli(*args: str, timeout: float = 120, env: dict | None = None) -> Comple
     )
 
 
+@pytest.fixture(autouse=True)
+def isolated_state_dir(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    """Ledger and audit log defaults live in a per-test state directory."""
+    state = tmp_path_factory.mktemp("state")
+    monkeypatch.setenv("XDG_STATE_HOME", str(state))
+    return state / "ckptvault"
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> Path:
     return tmp_path / "store"

@@ -19,7 +19,7 @@ import ckptvault as cv
 def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512)
+        torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256)
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     state = {"model": model, "optimizer": opt, "rng": cv.RNGState(), "meta": {"step": -1}}
@@ -32,7 +32,7 @@ def main() -> None:
         while True:
             step += 1
             opt.zero_grad()
-            model(torch.randn(8, 512)).square().mean().backward()
+            model(torch.randn(8, 256)).square().mean().backward()
             opt.step()
             state["meta"]["step"] = step
             mgr.save(step, state)

@@ -130,3 +130,19 @@ def test_verify_shows_progress_for_large_generations(store: Path):
     assert "verifying step 1" in result.stderr
     # Piped to a file, there is no bar at all.
     assert run_cli("verify", str(store)).stderr == ""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["verify", "{store}", "--step", "abc"],
+        ["no-such-command"],
+        ["verify"],
+        ["ls", "{store}", "--bogus"],
+    ],
+)
+def test_usage_errors_are_one_line(store: Path, populated, args):
+    result = run_cli(*(a.format(store=store) for a in args))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

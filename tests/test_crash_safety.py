@@ -80,7 +80,7 @@ def test_sigkill_during_saves_never_loses_a_returned_save(tmp_path: Path):
         staging = store / ".staging"
         if staging.exists() and os.listdir(staging):
             mid_save_kills += 1
-        result = run_cli("verify", str(store))
+        result = run_cli("verify", str(store), "--all")
         assert result.returncode == 0, (
             f"kill {attempt} (seed {seed}): {result.stdout}{result.stderr}"
         )
@@ -91,6 +91,6 @@ def test_sigkill_during_saves_never_loses_a_returned_save(tmp_path: Path):
     assert durable > 0
     print(f"{mid_save_kills} of {kills} kills left a save in progress; last durable step {durable}")
     # The kills really landed while saves were in progress (staging areas left behind).
-    assert mid_save_kills >= min(1, kills // 4), (
+    assert mid_save_kills >= kills // 2, (
         f"only {mid_save_kills} of {kills} kills hit a save"
     )

@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -247,3 +248,53 @@ def test_renamed_generation_directory_is_refused(store, two_generations):
         pytest.raises(NoValidCheckpoint, match="name-mismatch"),
     ):
         mgr.restore(make_training_state(), step=3)
+
+
+def test_flipped_byte_in_the_manifest_is_caught(store, two_generations):
+    paths, weights = two_generations
+    manifest = paths[2] / "manifest.json"
+    data = bytearray(manifest.read_bytes())
+    at = data.index(b'"tokens_seen"') + len(b'"tokens_seen"') + 2  # inside the number
+    data[at] ^= 0x01  # 16 -> 17, still canonical JSON
+    writable(manifest).write_bytes(bytes(data))
+    fresh = make_training_state(seed=3)
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        info = mgr.restore(fresh)
+    assert info.step == 1 and info.skipped[0].reason.startswith("manifest-corrupt")
+    assert_same_tensors(model_snapshot(fresh["model"]), weights[1])
+
+
+def test_other_optimizer_class_is_a_mismatch_and_touches_nothing(store: Path):
+    model = torch.nn.Linear(3, 3)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        mgr.save(1, {"model": model, "optimizer": sgd})
+    target_model = torch.nn.Linear(3, 3)
+    adam = torch.optim.Adam(target_model.parameters(), lr=0.5)
+    before = target_model.weight.detach().clone()
+    with (
+        cv.CheckpointManager(store, run_id="r") as mgr,
+        pytest.raises(StateMismatchError, match="SGD"),
+    ):
+        mgr.restore({"model": target_model, "optimizer": adam})
+    assert torch.equal(target_model.weight, before)
+    assert adam.param_groups[0]["lr"] == 0.5 and "betas" in adam.param_groups[0]
+
+
+def test_live_objects_the_checkpoint_lacks_are_kept_and_reported(store: Path):
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        mgr.save(1, {"heads": [torch.nn.Linear(2, 2)], "extras": {"a": 1}})
+    heads = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    generator = np.random.default_rng(0)
+    extras = {"a": 5, "gen": generator, "deep": {"t": torch.ones(2)}}
+    state = {"heads": heads, "extras": extras}
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        with pytest.raises(StateMismatchError) as raised:
+            mgr.restore(state)
+        assert "state['heads'][1]" in raised.value.missing
+        assert "state['extras']['gen']" in raised.value.missing
+        assert "state['extras']['deep']" in raised.value.missing
+        assert len(heads) == 2 and extras["a"] == 5
+        info = mgr.restore(state, strict=False)
+    assert len(heads) == 2 and extras["gen"] is generator and extras["a"] == 1
+    assert "state['heads'][1]" in info.missing

@@ -287,3 +287,36 @@ def test_dtypes_roundtrip(store: Path):
             if got.dtype.is_floating_point and got.element_size() == 1
             else value,
         ), key
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        (np.ma.masked_array([1, 2], mask=[0, 1]), "subclasses"),
+        ("lone \ud800 surrogate", "surrogate"),
+        (np.longdouble(1.5), "scalars"),
+        (torch.zeros(2, dtype=torch.complex128), "complex128"),
+    ],
+)
+def test_values_refused_before_any_io(store: Path, value, fragment):
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        with pytest.raises(UnsupportedValueError, match=fragment):
+            mgr.save(1, {"meta": {"v": value}})
+        assert not store.exists() or not list((store / ".staging").glob("*"))
+        assert mgr.generations() == []
+
+
+def test_state_must_be_a_mapping(store: Path):
+    with cv.CheckpointManager(store, run_id="r") as mgr, pytest.raises(UsageError):
+        mgr.save(1, [torch.ones(1)])
+
+
+def test_a_dropped_manager_releases_the_store(store: Path):
+    import gc
+
+    first = cv.CheckpointManager(store, run_id="r")
+    first.save(1, {"x": torch.ones(1)})
+    del first
+    gc.collect()
+    with cv.CheckpointManager(store, run_id="r") as second:
+        second.save(2, {"x": torch.ones(1)})

@@ -21,6 +21,11 @@ class IntegrityError(CheckpointError):
     """Bytes on storage do not match what the manifest promises (size or digest)."""
 
 
+class DecryptionError(IntegrityError):
+    """An encrypted segment failed authentication: edited, reordered, truncated, or
+    moved from another file, generation or run."""
+
+
 class FormatError(CheckpointError):
     """A manifest or tensor file is malformed, or written by a newer format version."""
 
@@ -126,6 +131,7 @@ class SaveFailedError(CheckpointError):
 __all__ = [
     "CheckpointError",
     "ContractMismatch",
+    "DecryptionError",
     "FormatError",
     "IntegrityError",
     "KeyDestroyedError",

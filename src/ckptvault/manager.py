@@ -35,7 +35,7 @@ from ckptvault.errors import (
 )
 from ckptvault.format.container import CIPHER, DEFAULT_SEGMENT_SIZE
 from ckptvault.format.layout import generation_created_at, new_generation_id
-from ckptvault.format.manifest import Manifest
+from ckptvault.format.manifest import MAX_CHUNK_SIZE, Manifest
 from ckptvault.io.dcp_io import write_tensors
 from ckptvault.io.load import load_verified
 from ckptvault.io.writer import default_threads
@@ -172,7 +172,7 @@ class CheckpointManager:
             raise UsageError(
                 f"run_id must be a non-empty string of at most 256 characters, got {run_id!r}"
             )
-        if chunk_size <= 0 or segment_size <= 0:
+        if not (0 < chunk_size <= MAX_CHUNK_SIZE and 0 < segment_size <= MAX_CHUNK_SIZE):
             raise UsageError(
                 f"chunk_size and segment_size must be positive, got {chunk_size}, {segment_size}"
             )
@@ -387,7 +387,7 @@ class CheckpointManager:
             plan = plan_restore(state, saved, strict)
             if strict and not plan.clean:
                 raise plan.mismatch_error(where)
-            plan.apply()
+            plan.apply(where)
             self._parent = ref.generation_id
             self._record_restore(ref, every, skipped, allow_rollback_to, floor)
             return RestoreInfo(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 
-import click
 import typer
 
 from ckptvault.cli import audit, keys
@@ -38,17 +37,25 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns (and, as a script, exits with) the status code."""
     try:
         result = app(args=argv, standalone_mode=False)
-    except click.exceptions.ClickException as exc:
-        exc.show()
-        return exc.exit_code
-    except click.exceptions.Abort:
-        print("aborted", file=sys.stderr)
-        return 130
     except (CheckpointError, OSError) as exc:
-        reason = " ".join(str(exc).split()) or type(exc).__name__
-        print(f"ckptvault: error: {reason}", file=sys.stderr)
-        return 2
+        return _fail(" ".join(str(exc).split()) or type(exc).__name__, 2)
+    except Exception as exc:
+        # Usage errors from click (typer may vendor its own copy): show one line.
+        exit_code = getattr(exc, "exit_code", None)
+        if not isinstance(exit_code, int) or not callable(getattr(exc, "format_message", None)):
+            if type(exc).__name__ == "Abort":
+                return _fail("aborted", 130)
+            raise
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            exc.show()  # type: ignore[attr-defined]
+            return 0
+        return _fail(f"{exc.format_message()} (see --help)", exit_code)  # type: ignore[attr-defined]
     return result if isinstance(result, int) else 0
+
+
+def _fail(reason: str, code: int) -> int:
+    print(f"ckptvault: error: {reason}", file=sys.stderr)
+    return code
 
 
 def run() -> None:

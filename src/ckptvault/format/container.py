@@ -35,6 +35,7 @@ ENCRYPTED_SUFFIX = ".enc"
 DEFAULT_SEGMENT_SIZE = 1024 * 1024
 _PREFIX = len(MAGIC) + 4
 MAX_HEADER = 64 * 1024
+MAX_SEGMENT_SIZE = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ def parse_container_header(header: bytes, file_size: int | None, where: str) -> 
         segment_size, plaintext_size = int(raw["segment_size"]), int(raw["plaintext_size"])
     except (KeyError, TypeError, ValueError) as exc:
         raise FormatError(f"{where}: container header is malformed ({exc!r})") from exc
-    if segment_size <= 0 or plaintext_size < 0:
+    if not 0 < segment_size <= MAX_SEGMENT_SIZE or plaintext_size < 0:
         raise FormatError(f"{where}: container header has invalid sizes")
     parsed = ContainerHeader(segment_size, plaintext_size, bytes(header[:total]))
     if file_size is not None and parsed.stored_size != file_size:

@@ -24,12 +24,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from blake3 import blake3
+
 from ckptvault.errors import FormatError
 from ckptvault.format.canonical import dumps_canonical, loads_canonical
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, is_generation_id
 from ckptvault.trust.digests import FileRecord
 
 FORMAT_VERSION = 1
+MAX_CHUNK_SIZE = 1 << 30
+SELF_DIGEST_KEY = "manifest_blake3"
 READABLE_FORMAT_VERSIONS = frozenset({1})
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
 
@@ -38,6 +42,10 @@ MAX_MANIFEST_BYTES = 512 * 1024 * 1024
 _FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
 _HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
 RESERVED_NAMES = frozenset({MANIFEST_NAME, SIGNATURE_NAME})
+
+
+class ManifestDigestError(FormatError):
+    """The manifest's bytes do not match its own digest: corrupted after writing."""
 
 
 class UnsafeNameError(FormatError):
@@ -88,7 +96,11 @@ class Manifest:
         return document
 
     def to_bytes(self) -> bytes:
-        return dumps_canonical(self.to_json())
+        """Canonical bytes, with the BLAKE3 of everything else as ``manifest_blake3``
+        so that corruption of the manifest itself is caught even when unsigned."""
+        document = self.to_json()
+        document[SELF_DIGEST_KEY] = blake3(dumps_canonical(document)).hexdigest()
+        return dumps_canonical(document)
 
 
 def _require(obj: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -141,6 +153,14 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     if not isinstance(raw, dict):
         raise FormatError(f"{where}: manifest is not a JSON object")
     version = check_format_version(raw.get("format_version"), where)
+    recorded = raw.pop(SELF_DIGEST_KEY, None)
+    if not isinstance(recorded, str):
+        raise FormatError(f"{where}: manifest has no {SELF_DIGEST_KEY} self-digest")
+    if blake3(dumps_canonical(raw)).hexdigest() != recorded:
+        raise ManifestDigestError(
+            f"{where}: manifest.json does not match its own digest; it was corrupted or edited "
+            "after it was written"
+        )
     generation_id = _require(raw, "generation_id", str, where)
     if not is_generation_id(generation_id):
         raise FormatError(f"{where}: generation_id {generation_id!r} is malformed")
@@ -151,8 +171,8 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     if parent is not None and not isinstance(parent, str):
         raise FormatError(f"{where}: parent must be a generation id or null")
     chunk_size = _require(raw, "chunk_size", int, where)
-    if chunk_size <= 0:
-        raise FormatError(f"{where}: chunk_size must be positive")
+    if not 0 < chunk_size <= MAX_CHUNK_SIZE:
+        raise FormatError(f"{where}: chunk_size {chunk_size} is outside 1..{MAX_CHUNK_SIZE}")
     raw_files = _require(raw, "files", dict, where)
     files: dict[str, FileRecord] = {}
     for name, record in raw_files.items():

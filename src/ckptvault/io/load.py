@@ -11,12 +11,19 @@ import base64
 from dataclasses import dataclass
 from typing import Any
 
-from ckptvault.errors import FormatError, IntegrityError, KeyDestroyedError, KeyUnavailableError
+from ckptvault.errors import (
+    DecryptionError,
+    FormatError,
+    IntegrityError,
+    KeyDestroyedError,
+    KeyUnavailableError,
+)
 from ckptvault.format.manifest import Manifest
 from ckptvault.io.dcp_io import read_tensors
 from ckptvault.state.capture import decode_tree
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import (
+    AUTHENTICATION_FAILED,
     DIGEST_MISMATCH,
     KEY_UNAVAILABLE,
     MANIFEST_INVALID,
@@ -52,6 +59,8 @@ def load_verified(
     try:
         tensors = read_tensors(store, ref, manifest, threads, data_keys=data_keys)
         saved = decode_tree(manifest.state, tensors, f"generation {ref.generation_id}")
+    except DecryptionError as exc:
+        raise GenerationRejected(ref, [Problem(AUTHENTICATION_FAILED, str(exc))]) from exc
     except IntegrityError as exc:
         raise GenerationRejected(ref, [Problem(DIGEST_MISMATCH, str(exc))]) from exc
     except FormatError as exc:

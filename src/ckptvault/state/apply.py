@@ -52,11 +52,19 @@ class RestorePlan:
     def clean(self) -> bool:
         return not (self.missing or self.unexpected or self.mismatched)
 
-    def apply(self) -> None:
-        for action in self.actions:
-            action()
-        for action in self.rng_actions:
-            action()
+    def apply(self, where: str = "the checkpoint") -> None:
+        """Run every action; a failure here (rare: checks come first) is typed."""
+        try:
+            for action in self.actions:
+                action()
+            for action in self.rng_actions:
+                action()
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
+            raise StateMismatchError(
+                f"restoring {where} failed while loading into the live objects "
+                f"({type(exc).__name__}: {exc}); state may be partially restored. Rebuild the "
+                "objects and restore again, or restore with the layout the run was saved with."
+            ) from exc
 
     def mismatch_error(self, where: str) -> StateMismatchError:
         parts = []
@@ -83,6 +91,19 @@ class RestorePlan:
 
 def _shape(value: Any) -> list[int] | None:
     return list(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _holds_live_objects(value: Any) -> bool:
+    """Whether a live value is (or contains) something restore must not silently drop."""
+    if is_stateful(value) or isinstance(
+        value, (torch.Tensor, RNGState, np.random.Generator, torch.Generator)
+    ):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_live_objects(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_live_objects(v) for v in value)
+    return False
 
 
 def _contains_placeholder(value: Any) -> bool:
@@ -149,7 +170,7 @@ class _Planner:
             else:
                 contents[key] = self.resolve(existing, value, (*path, key))
         for key, value in current.items():
-            if key not in saved and (is_stateful(value) or isinstance(value, torch.Tensor)):
+            if key not in saved and _holds_live_objects(value):
                 self.plan.missing.append(format_path((*path, key)))
                 contents[key] = value
 
@@ -169,6 +190,10 @@ class _Planner:
                 self.plan.unexpected.append(format_path((*path, index)))
             else:
                 contents.append(value)
+        for index in range(len(saved), len(current)):
+            if _holds_live_objects(current[index]):
+                self.plan.missing.append(format_path((*path, index)))
+                contents.append(current[index])
 
         def replace_contents() -> None:
             current[:] = contents
@@ -206,6 +231,13 @@ class _Planner:
             self.plan.mismatched.append(
                 f"{where}: the checkpoint holds a {saved.kind} ({saved.type_name}), state a "
                 f"{kind} ({type_name(current)})"
+            )
+            return current
+        if kind != MODULE and type_name(current) != saved.type_name:
+            # Modules are matched by keys and shapes (wrappers change the type); other
+            # objects' state only means something to the class that wrote it.
+            self.plan.mismatched.append(
+                f"{where}: the checkpoint holds a {saved.type_name}, state a {type_name(current)}"
             )
             return current
         if kind == MODULE:

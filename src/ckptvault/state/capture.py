@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptvault.errors import FormatError, UnsupportedValueError
+from ckptvault.errors import FormatError, UnsupportedValueError, UsageError
 from ckptvault.state.codec import Decoder, Encoder, KeyPath, format_path, tensor_key
 from ckptvault.state.rng import RNGState
 
@@ -133,7 +133,7 @@ class _StateEncoder(Encoder):
 def capture_state(state: Mapping[str, Any]) -> CapturedState:
     """Split ``state`` into tensors and a JSON tree; raises on unsupported values."""
     if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a dict of named entries, not {type(state).__name__}")
+        raise UsageError(f"state must be a dict of named entries, not {type(state).__name__}")
     collector = _TensorCollector()
     encoder = _StateEncoder(collector)
     tree = {}

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from ckptvault.errors import FormatError, UnsupportedValueError
+from ckptvault.format.tensorfile import DTYPES
 
 KeyPath = tuple[Any, ...]
 TensorSink = Callable[[KeyPath, torch.Tensor], str]
@@ -83,8 +84,10 @@ class Encoder:
         if special is not NotImplemented:
             return special
         kind = type(value)
-        if value is None or kind is bool or kind is str:
+        if value is None or kind is bool:
             return value
+        if kind is str:
+            return _checked_str(value, path)
         if kind is int:
             if value.bit_length() > _BIGINT_BITS:
                 return {"$bigint": hex(value)}
@@ -100,7 +103,7 @@ class Encoder:
             # A plain JSON object only when nothing is lost: canonical JSON sorts keys,
             # so dicts in another order keep it as a list of pairs.
             if all(type(k) is str and not k.startswith("$") for k in keys) and keys == sorted(keys):
-                return {k: self.encode(v, (*path, k)) for k, v in value.items()}
+                return {_checked_str(k, path): self.encode(v, (*path, k)) for k, v in value.items()}
             return {"$dict": self._encode_pairs(value, path)}
         if kind is OrderedDict:
             return {"$odict": self._encode_pairs(value, path)}
@@ -108,8 +111,15 @@ class Encoder:
             return {"$bytes": base64.b64encode(value).decode("ascii")}
         if isinstance(value, torch.Tensor):
             return self._encode_tensor(value, path)
-        if isinstance(value, np.ndarray):
+        if kind is np.ndarray:
             return self._encode_ndarray(value, path)
+        if isinstance(value, np.ndarray):
+            raise UnsupportedValueError(
+                format_path(path),
+                value,
+                "numpy array subclasses (masked, matrix, ...) would lose "
+                "their meaning; convert with np.asarray or store their parts",
+            )
         if isinstance(value, np.generic):
             return self._encode_np_scalar(value, path)
         if isinstance(value, torch.dtype):
@@ -135,6 +145,12 @@ class Encoder:
             raise UnsupportedValueError(
                 format_path(path), tensor, "meta tensors hold no data; materialize them first"
             )
+        if str(tensor.dtype).removeprefix("torch.") not in DTYPES:
+            raise UnsupportedValueError(
+                format_path(path),
+                tensor,
+                f"dtype {tensor.dtype} has no safetensors encoding; supported: {', '.join(sorted(DTYPES))}",
+            )
         return {"$tensor": self.tensor_sink(path, tensor)}
 
     def _encode_ndarray(self, array: np.ndarray, path: KeyPath) -> Any:
@@ -152,9 +168,22 @@ class Encoder:
         }
 
     def _encode_np_scalar(self, value: np.generic, path: KeyPath) -> Any:
-        if value.dtype.hasobject or value.dtype.fields is not None or value.dtype.kind in "cUSVMm":
-            raise UnsupportedValueError(format_path(path), value)
-        return {"$np_scalar": {"dtype": value.dtype.str, "value": self.encode(value.item(), path)}}
+        plain = value.item()
+        if isinstance(plain, np.generic) or value.dtype.kind not in "biuf":
+            raise UnsupportedValueError(
+                format_path(path), value, f"numpy {value.dtype} scalars have no exact JSON form"
+            )
+        return {"$np_scalar": {"dtype": value.dtype.str, "value": self.encode(plain, path)}}
+
+
+def _checked_str(value: str, path: KeyPath) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UnsupportedValueError(
+            format_path(path), value, "the string holds a lone surrogate, which UTF-8 cannot store"
+        ) from None
+    return value
 
 
 def _hint_for(value: Any) -> str:

@@ -27,7 +27,7 @@ import torch
 from blake3 import blake3
 
 from ckptvault._version import __version__
-from ckptvault.errors import ContractMismatch
+from ckptvault.errors import ContractMismatch, UsageError
 from ckptvault.format.canonical import dumps_canonical
 from ckptvault.state.codec import encode_plain
 
@@ -59,7 +59,7 @@ def encode_contract_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
     encoded = {}
     for name, value in fields.items():
         if not isinstance(name, str):
-            raise TypeError(f"contract field names must be str, got {name!r}")
+            raise UsageError(f"contract field names must be str, got {name!r}")
         data = encode_plain(_normalize(value), ("contract", name))
         raw = dumps_canonical(data)
         if len(raw) > INLINE_LIMIT:

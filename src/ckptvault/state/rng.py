@@ -42,7 +42,10 @@ class RNGState:
             )
         python_state = state.get("python")
         if not (isinstance(python_state, tuple) and len(python_state) == 3):
-            raise StateMismatchError(f"{where}: the saved Python RNG state is malformed")
+            raise StateMismatchError(
+                f"{where}: the saved Python RNG state is malformed; the generation was not "
+                "written by RNGState. Restore without the RNGState entry (strict=False)."
+            )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state_dict(state, "RNGState")

@@ -12,6 +12,7 @@ import fcntl
 import json
 import os
 import socket
+import weakref
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -50,11 +51,14 @@ class WriterLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         self._fd = fd
+        # A manager dropped without close() must not keep the store locked.
+        self._finalizer = weakref.finalize(self, os.close, fd)
 
     def release(self) -> None:
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
+        self._finalizer.detach()
         try:
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:

@@ -25,7 +25,7 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
-from ckptvault.errors import CheckpointError, SaveFailedError, StorageFullError
+from ckptvault.errors import CheckpointError, SaveFailedError, StorageFullError, UsageError
 from ckptvault.format.layout import (
     MANIFEST_NAME,
     SIGNATURE_NAME,
@@ -57,6 +57,21 @@ def fsync_directory(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_dirs_durable(path: Path) -> None:
+    """``mkdir -p`` whose new entries survive a crash: fsync each new directory's parent."""
+    missing = []
+    current = path
+    while not current.exists():
+        missing.append(current)
+        current = current.parent
+    for directory in reversed(missing):
+        try:
+            directory.mkdir()
+        except FileExistsError:
+            continue
+        fsync_directory(directory.parent)
 
 
 class PosixWritableFile:
@@ -195,7 +210,7 @@ class PosixStore:
 
     def acquire_writer(self) -> None:
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            make_dirs_durable(self.root)
         except OSError as exc:
             raise translate_os_error(exc, f"creating store {self.root}") from exc
         self._lock.acquire()
@@ -205,7 +220,9 @@ class PosixStore:
 
     def remove_stale_staging(self) -> list[str]:
         if not self._lock.held:
-            raise RuntimeError("remove_stale_staging requires the writer lock")
+            raise UsageError(
+                "removing staging leftovers needs the writer lock; call acquire_writer() first"
+            )
         try:
             stale = sorted(os.listdir(self.staging_root))
         except FileNotFoundError:

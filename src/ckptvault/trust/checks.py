@@ -27,6 +27,7 @@ stage while it reads, see ``ckptvault.io.reader``. Nothing here imports torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,7 @@ from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, TENSOR_FILE_S
 from ckptvault.format.manifest import (
     MAX_MANIFEST_BYTES,
     Manifest,
+    ManifestDigestError,
     UnsafeNameError,
     parse_manifest,
 )
@@ -58,6 +60,7 @@ SIGNATURE_UNTRUSTED = "signature-untrusted"
 SIGNATURE_INVALID = "signature-invalid"
 MANIFEST_MISSING = "manifest-missing"
 MANIFEST_INVALID = "manifest-invalid"
+MANIFEST_CORRUPT = "manifest-corrupt"
 FORMAT_UNSUPPORTED = "format-unsupported"
 UNSAFE_PATH = "unsafe-path"
 NAME_MISMATCH = "name-mismatch"
@@ -70,6 +73,7 @@ UNKNOWN_FORMAT = "unknown-format"
 TENSOR_FILE_INVALID = "tensor-file-invalid"
 MANIFEST_INCONSISTENT = "manifest-inconsistent"
 DIGEST_MISMATCH = "digest-mismatch"
+AUTHENTICATION_FAILED = "authentication-failed"
 KEY_UNAVAILABLE = "key-unavailable"
 UNREADABLE = "unreadable"
 
@@ -167,6 +171,8 @@ def check_structure(
         manifest = parse_manifest(manifest_bytes, where)
     except UnsafeNameError as exc:
         raise GenerationRejected(ref, [Problem(UNSAFE_PATH, str(exc), MANIFEST_NAME)]) from exc
+    except ManifestDigestError as exc:
+        raise GenerationRejected(ref, [Problem(MANIFEST_CORRUPT, str(exc), MANIFEST_NAME)]) from exc
     except FormatError as exc:
         code = FORMAT_UNSUPPORTED if "format version" in str(exc) else MANIFEST_INVALID
         raise GenerationRejected(ref, [Problem(code, str(exc), MANIFEST_NAME)]) from exc
@@ -320,6 +326,10 @@ def check_chunk_locations(
     problems = []
     try:
         for fqn, info in manifest.dcp["tensors"].items():
+            tiling = _tiling_problem(info)
+            if tiling is not None:
+                problems.append(Problem(MANIFEST_INCONSISTENT, f"tensor {fqn!r}: {tiling}"))
+                continue
             for chunk in info["chunks"]:
                 file, name = chunk["file"], chunk["name"]
                 if file not in manifest.files:
@@ -350,6 +360,32 @@ def check_chunk_locations(
     except (KeyError, TypeError, AttributeError) as exc:
         problems.append(Problem(MANIFEST_INVALID, f"dcp metadata is malformed ({exc!r})"))
     return problems
+
+
+def _tiling_problem(info: dict[str, Any]) -> str | None:
+    """Why a tensor's chunks do not cover its shape exactly once, or None."""
+    shape = [int(d) for d in info["shape"]]
+    chunks = info["chunks"]
+    boxes = []
+    for chunk in chunks:
+        offsets, sizes = [int(o) for o in chunk["offsets"]], [int(s) for s in chunk["sizes"]]
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            return f"chunk {offsets} has the wrong rank"
+        if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
+            return f"chunk {offsets}+{sizes} lies outside the shape {shape}"
+        boxes.append((offsets, sizes))
+    if sum(math.prod(s) for _, s in boxes) != math.prod(shape) or (math.prod(shape) and not boxes):
+        return f"its chunks do not cover the shape {shape} exactly"
+    if len(boxes) <= 256:
+        for i, (o1, s1) in enumerate(boxes):
+            for o2, s2 in boxes[i + 1 :]:
+                if (
+                    all(a < c + t and c < a + s for a, s, c, t in zip(o1, s1, o2, s2, strict=True))
+                    and math.prod(s1)
+                    and math.prod(s2)
+                ):
+                    return f"chunks {o1} and {o2} overlap"
+    return None
 
 
 def check_digests(

@@ -100,7 +100,8 @@ class ChunkVerifier:
                 start = index * self._digester.chunk_size
                 raise IntegrityError(
                     f"{self.where}: bytes {start}..{start + self._digester.chunk_size} "
-                    f"(chunk {index + 1} of {len(expected)}) do not match the manifest digest"
+                    f"(chunk {index + 1} of {len(expected)}) do not match the manifest digest: "
+                    "the file changed after it was written"
                 )
             self._checked += 1
 

@@ -19,7 +19,7 @@ from typing import Protocol
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from ckptvault.errors import FormatError, IntegrityError
+from ckptvault.errors import DecryptionError, FormatError, IntegrityError
 from ckptvault.format.container import (
     NONCE_BYTES,
     SEGMENT_OVERHEAD,
@@ -163,7 +163,7 @@ class SegmentDecryptor:
                 bytes(nonce), sealed, segment_ad(self._context, self._index, final), out
             )
         except InvalidTag:
-            raise IntegrityError(
+            raise DecryptionError(
                 f"{self._where}: encrypted segment {self._index + 1} of {self.header.segments} "
                 "failed authentication (edited, reordered, truncated, or moved from another "
                 "file, generation or run)"
