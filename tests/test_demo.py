@@ -10,7 +10,10 @@ from conftest import REPO
 
 def test_demo_runs_and_proves_its_claims():
     result = subprocess.run(
-        [sys.executable, str(REPO / "demo" / "demo.py")], capture_output=True, text=True, timeout=300
+        [sys.executable, str(REPO / "demo" / "demo.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
