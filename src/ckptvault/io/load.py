@@ -27,6 +27,7 @@ from ckptvault.trust.checks import (
     DIGEST_MISMATCH,
     KEY_UNAVAILABLE,
     MANIFEST_INVALID,
+    TENSOR_FILE_INVALID,
     UNREADABLE,
     GenerationRejected,
     Problem,
@@ -58,15 +59,18 @@ def load_verified(
     data_keys = _data_keys(ref, manifest, keystore)
     try:
         tensors = read_tensors(store, ref, manifest, threads, data_keys=data_keys)
-        saved = decode_tree(manifest.state, tensors, f"generation {ref.generation_id}")
     except DecryptionError as exc:
         raise GenerationRejected(ref, [Problem(AUTHENTICATION_FAILED, str(exc))]) from exc
     except IntegrityError as exc:
         raise GenerationRejected(ref, [Problem(DIGEST_MISMATCH, str(exc))]) from exc
     except FormatError as exc:
-        raise GenerationRejected(ref, [Problem(MANIFEST_INVALID, str(exc))]) from exc
+        raise GenerationRejected(ref, [Problem(TENSOR_FILE_INVALID, str(exc))]) from exc
     except OSError as exc:
         raise GenerationRejected(ref, [Problem(UNREADABLE, str(exc))]) from exc
+    try:
+        saved = decode_tree(manifest.state, tensors, f"generation {ref.generation_id}")
+    except FormatError as exc:
+        raise GenerationRejected(ref, [Problem(MANIFEST_INVALID, str(exc))]) from exc
     return LoadedGeneration(ref, manifest, saved, checked.signer)
 
 

@@ -89,6 +89,10 @@ class ChunkVerifier:
                 "records"
             )
         self._digester.update(data)
+        if self._digester.size == self.record.size and self._digester._chunk_fill:
+            # The file's last, shorter chunk is complete: check it now, before any of
+            # its bytes is used, not at finish().
+            self._digester._close_chunk()
         self._compare_closed_chunks()
 
     def _compare_closed_chunks(self) -> None:

@@ -1,0 +1,316 @@
+"""Per-run envelope encryption: round trip, tamper detection on ciphertext, key
+binding, crypto-erase."""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from blake3 import blake3
+
+import ckptvault as cv
+from ckptvault.errors import KeyDestroyedError, NoValidCheckpoint
+from ckptvault.format.canonical import dumps_canonical
+from ckptvault.format.container import SEGMENT_OVERHEAD
+from ckptvault.trust.keystore import LocalKeyStore
+from conftest import (
+    assert_same_tensors,
+    make_training_state,
+    model_snapshot,
+    run_cli,
+    train_steps,
+    writable,
+)
+
+SEGMENT = 4096  # small segments so that tensors span many of them
+
+
+@pytest.fixture
+def keystore(tmp_path: Path) -> Path:
+    return tmp_path / "keys"
+
+
+def encrypted_manager(store: Path, keystore: Path, run_id: str = "r", **kwargs):
+    return cv.CheckpointManager(
+        store, run_id=run_id, keystore=keystore, segment_size=SEGMENT, **kwargs
+    )
+
+
+@pytest.fixture
+def encrypted(store: Path, keystore: Path):
+    state = make_training_state(width=64)
+    weights, paths = {}, {}
+    with encrypted_manager(store, keystore) as mgr:
+        for step in (1, 2):
+            train_steps(state, 1)
+            weights[step] = model_snapshot(state["model"])
+            paths[step] = Path(mgr.save(step, state).result().path)
+    return paths, weights
+
+
+def enc_file(path: Path) -> Path:
+    files = sorted(path.glob("*.safetensors.enc"))
+    assert len(files) == 1
+    return files[0]
+
+
+def refresh_digests(path: Path) -> None:
+    """Rewrite the manifest's digests to match the files (an attacker without the key
+    who can write the store but has no signing key)."""
+    document = json.loads((path / "manifest.json").read_bytes())
+    document.pop("manifest_blake3")
+    chunk = document["chunk_size"]
+    for name, record in document["files"].items():
+        data = (path / name).read_bytes()
+        record["size"] = len(data)
+        record["blake3"] = blake3(data).hexdigest()
+        record["chunks"] = [
+            blake3(data[i : i + chunk]).hexdigest() for i in range(0, len(data), chunk)
+        ]
+    document["manifest_blake3"] = blake3(dumps_canonical(document)).hexdigest()
+    writable(path / "manifest.json").write_bytes(dumps_canonical(document))
+
+
+def restore_codes(store, keystore, run_id: str = "r") -> list[str]:
+    with encrypted_manager(store, keystore, run_id=run_id) as mgr:
+        try:
+            info = mgr.restore(make_training_state(width=64, seed=9))
+        except NoValidCheckpoint as exc:
+            return [reason.split(":")[0] for _, _, reason in exc.rejected]
+    return [s.reason.split(":")[0] for s in info.skipped]
+
+
+def test_roundtrip_and_what_is_stored(store, keystore, encrypted):
+    paths, weights = encrypted
+    fresh = make_training_state(width=64, seed=9)
+    with encrypted_manager(store, keystore) as mgr:
+        info = mgr.restore(fresh)
+    assert info.step == 2
+    assert_same_tensors(model_snapshot(fresh["model"]), weights[2])
+    manifest = json.loads((paths[2] / "manifest.json").read_bytes())
+    section = manifest["encryption"]
+    assert section["cipher"] == "AES-256-GCM" and section["segment_size"] == SEGMENT
+    assert set(section["files"]) == set(manifest["files"]) == {enc_file(paths[2]).name}
+    # No plaintext key anywhere: not the KEK, and the wrapped key is not a bare key.
+    kek_file = next(keystore.glob("*.kek"))
+    kek = json.loads(kek_file.read_text())
+    assert kek["key"] not in (paths[2] / "manifest.json").read_text()
+    assert section["kek_id"] == kek["kek_id"]
+    wrapped = base64.b64decode(section["files"][enc_file(paths[2]).name]["wrapped_key"])
+    assert len(wrapped) == 12 + 32 + 16
+    assert oct(kek_file.stat().st_mode & 0o777) == "0o600"
+    # The tensor bytes do not appear in the stored file.
+    stored = enc_file(paths[2]).read_bytes()
+    weight = weights[2]["fc1.weight"].numpy().tobytes()
+    assert weight[:64] not in stored
+
+
+def test_anyone_can_verify_integrity_without_the_key(store, encrypted):
+    result = run_cli("verify", str(store), "--all", "--json")
+    assert result.returncode == 0
+    assert all(r["encrypted"] for r in json.loads(result.stdout))
+
+
+def test_restore_without_the_key_store_is_refused(store, encrypted):
+    with (
+        cv.CheckpointManager(store, run_id="r") as mgr,
+        pytest.raises(NoValidCheckpoint, match="key-unavailable"),
+    ):
+        mgr.restore(make_training_state(width=64))
+
+
+def _segments(path: Path) -> tuple[int, int]:
+    """(offset of segment 0, record size of a full segment)."""
+    data = path.read_bytes()
+    (header_len,) = struct.unpack("<I", data[8:12])
+    return 12 + header_len, SEGMENT + SEGMENT_OVERHEAD
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "tag", "nonce", "last"])
+def test_any_flipped_ciphertext_byte_is_detected(store, keystore, encrypted, where):
+    paths, _ = encrypted
+    file = enc_file(paths[2])
+    start, record = _segments(file)
+    data = bytearray(file.read_bytes())
+    offset = {
+        "first": start + 12,
+        "middle": start + 3 * record + 100,
+        "tag": start + 2 * record - 1,
+        "nonce": start + record + 2,
+        "last": len(data) - 1,
+    }[where]
+    data[offset] ^= 0x04
+    writable(file).write_bytes(bytes(data))
+    assert restore_codes(store, keystore) == ["digest-mismatch"]  # the manifest digest catches it
+    refresh_digests(paths[2])  # an attacker also rewrites the digests...
+    assert restore_codes(store, keystore) == [
+        "authentication-failed"
+    ]  # ...AES-GCM still catches it
+
+
+def test_reordered_segments_are_detected(store, keystore, encrypted):
+    paths, _ = encrypted
+    file = enc_file(paths[2])
+    start, record = _segments(file)
+    data = bytearray(file.read_bytes())
+    first, second = data[start : start + record], data[start + record : start + 2 * record]
+    data[start : start + 2 * record] = second + first
+    writable(file).write_bytes(bytes(data))
+    refresh_digests(paths[2])
+    assert restore_codes(store, keystore) == ["authentication-failed"]
+
+
+def test_dropped_segment_is_detected(store, keystore, encrypted):
+    paths, _ = encrypted
+    file = enc_file(paths[2])
+    start, record = _segments(file)
+    data = bytearray(file.read_bytes())
+    del data[start + record : start + 2 * record]  # drop segment 2 of many
+    writable(file).write_bytes(bytes(data))
+    refresh_digests(paths[2])
+    assert restore_codes(store, keystore) == ["tensor-file-invalid"]  # the container size says so
+
+
+def test_truncated_to_fewer_segments_with_edited_header_is_detected(store, keystore, encrypted):
+    paths, _ = encrypted
+    file = enc_file(paths[2])
+    data = file.read_bytes()
+    (header_len,) = struct.unpack("<I", data[8:12])
+    header = json.loads(data[12 : 12 + header_len])
+    start, record = _segments(file)
+    # Keep only the first 3 full segments and claim that is the whole plaintext.
+    header["plaintext_size"] = 3 * SEGMENT
+    body = dumps_canonical(header)
+    forged = data[:8] + struct.pack("<I", len(body)) + body + data[start : start + 3 * record]
+    writable(file).write_bytes(forged)
+    refresh_digests(paths[2])
+    # The decrypted tensor header no longer fits the shortened plaintext.
+    assert restore_codes(store, keystore) == ["tensor-file-invalid"]
+
+
+def test_container_segments_are_bound_to_position_finality_and_file():
+    import io
+
+    from ckptvault.errors import DecryptionError
+    from ckptvault.format.container import build_container_header
+    from ckptvault.trust.envelope import EncryptingWriter, SegmentDecryptor, binding, new_data_key
+
+    key, plaintext = new_data_key(), bytes(range(256)) * 64  # 16 KiB = 4 segments
+    context = binding("run", "gen", "file.safetensors.enc")
+    sink = io.BytesIO()
+    writer = EncryptingWriter(sink, key, context, SEGMENT, len(plaintext))
+    writer.write(plaintext)
+    writer.close()
+    blob = sink.getvalue()
+    start, record = len(writer.header.header_bytes), SEGMENT + SEGMENT_OVERHEAD
+
+    def decrypt(data: bytes, ctx: bytes = context) -> bytes:
+        out = bytearray()
+        decryptor = SegmentDecryptor(key, ctx, "file", lambda offset, piece: out.extend(piece))
+        decryptor.feed(data)
+        decryptor.finish()
+        return bytes(out)
+
+    assert decrypt(blob) == plaintext
+    segments = [blob[start + i * record : start + (i + 1) * record] for i in range(4)]
+    # Truncation to whole segments with a matching header: segment 3 was not final.
+    short_header = build_container_header(SEGMENT, 3 * SEGMENT).header_bytes
+    with pytest.raises(DecryptionError):
+        decrypt(short_header + b"".join(segments[:3]))
+    with pytest.raises(DecryptionError):  # reordered
+        decrypt(blob[:start] + segments[1] + segments[0] + segments[2] + segments[3])
+    for other in (
+        binding("run", "gen", "other.enc"),
+        binding("run", "gen2", "file.safetensors.enc"),
+        binding("run2", "gen", "file.safetensors.enc"),
+    ):
+        with pytest.raises(DecryptionError):  # moved to another file, generation or run
+            decrypt(blob, other)
+
+
+def test_truncated_file_is_detected(store, keystore, encrypted):
+    paths, _ = encrypted
+    file = enc_file(paths[2])
+    data = file.read_bytes()
+    writable(file).write_bytes(data[:-1000])
+    assert restore_codes(store, keystore) == ["size-mismatch"]
+    refresh_digests(paths[2])
+    assert restore_codes(store, keystore) == ["tensor-file-invalid"]
+
+
+def test_file_moved_between_generations_is_detected(store, keystore, encrypted):
+    paths, _ = encrypted
+    older, newer = enc_file(paths[1]), enc_file(paths[2])
+    writable(newer).write_bytes(older.read_bytes())
+    refresh_digests(paths[2])
+    assert restore_codes(store, keystore) == ["authentication-failed"]  # other data key
+    # Moving the wrapped key along does not help: it is bound to its generation.
+    source = json.loads((paths[1] / "manifest.json").read_bytes())["encryption"]["files"][
+        older.name
+    ]
+
+    def take_key(document):
+        document["encryption"]["files"][newer.name] = source
+
+    document = json.loads((paths[2] / "manifest.json").read_bytes())
+    take_key(document)
+    document.pop("manifest_blake3")
+    document["manifest_blake3"] = blake3(dumps_canonical(document)).hexdigest()
+    writable(paths[2] / "manifest.json").write_bytes(dumps_canonical(document))
+    assert restore_codes(store, keystore) == ["key-unavailable"]
+
+
+def test_generation_moved_between_runs_is_detected(tmp_path, keystore):
+    """A generation copied into another run's store, relabelled, does not decrypt."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    with encrypted_manager(a, keystore, run_id="run-a") as mgr:
+        path_a = Path(mgr.save(1, make_training_state(width=64)).result().path)
+    with encrypted_manager(b, keystore, run_id="run-b") as mgr:
+        path_b = Path(mgr.save(1, make_training_state(width=64)).result().path)
+    writable(enc_file(path_b)).write_bytes(enc_file(path_a).read_bytes())
+    refresh_digests(path_b)
+    assert restore_codes(b, keystore, run_id="run-b") == ["authentication-failed"]
+
+
+def test_keys_destroy_erases_every_generation_and_blocks_saves(
+    store, keystore, encrypted, tmp_path
+):
+    copy = tmp_path / "replica"
+    import shutil
+
+    shutil.copytree(store, copy)
+    result = run_cli("keys", "destroy", "--keystore", str(keystore), "--run", "r")
+    assert result.returncode == 2 and "--yes" in result.stderr  # refuses without confirmation
+    result = run_cli("keys", "destroy", "--keystore", str(keystore), "--run", "r", "--yes")
+    assert result.returncode == 0, result.stderr
+    assert not list(keystore.glob("*.kek")) and list(keystore.glob("*.tombstone"))
+    for where in (store, copy):
+        fresh = make_training_state(width=64, seed=1)
+        before = model_snapshot(fresh["model"])
+        with encrypted_manager(where, keystore) as mgr:
+            with pytest.raises(KeyDestroyedError, match="destroyed"):
+                mgr.restore(fresh)
+            with pytest.raises(KeyDestroyedError):
+                mgr.save(3, fresh)
+        assert_same_tensors(model_snapshot(fresh["model"]), before)
+    listing = json.loads(run_cli("keys", "list", "--keystore", str(keystore), "--json").stdout)
+    assert listing[0]["run_id"] == "r" and listing[0]["destroyed_at"]
+    # Other runs in the same key store are unaffected.
+    with encrypted_manager(tmp_path / "other", keystore, run_id="other") as mgr:
+        mgr.save(1, {"x": torch.ones(3)})
+        assert mgr.restore({"x": torch.zeros(3)}).step == 1
+
+
+def test_key_store_interface_wraps_without_revealing_the_kek(keystore):
+    store = LocalKeyStore(keystore)
+    kek_id, wrapped = store.wrap("run", b"k" * 32, b"context")
+    assert store.unwrap("run", kek_id, wrapped, b"context") == b"k" * 32
+    from ckptvault.errors import KeyUnavailableError
+
+    with pytest.raises(KeyUnavailableError):
+        store.unwrap("run", kek_id, wrapped, b"other context")
+    assert [info.run_id for info in store.list_keys()] == ["run"]
