@@ -49,10 +49,8 @@ def test_events_are_recorded_and_chained(logged):
     assert [e["seq"] for e in entries] == [0, 1, 2, 3]
     assert entries[0]["prev"] == "0" * 64
     assert all(b["prev"] == a["hash"] for a, b in itertools.pairwise(entries))
-    assert entries[2]["step"] == 2 and entries[3]["error"] == "NoValidCheckpoint"
-    assert "file-extra" in json.dumps(
-        entries[3]["rejected"]
-    ) or "tensor-file-invalid" in json.dumps(entries[3])
+    assert entries[2]["step"] == 2 and entries[3]["error"] == "RollbackError"
+    assert entries[3]["rejected"][0][1] == 1 and "rollback" in entries[3]["rejected"][0][2]
     code, report = audit_verify(log, ledger)
     assert code == 0 and report["ok"] and report["entries"] == 4 and report["head_checked"]
 
