@@ -1,0 +1,139 @@
+"""Weights-only export: one entry's tensors, cast when asked (never integer or bool
+buffers), tied weights handled, stock safetensors reads it, signature verifies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ckptvault as cv
+from ckptvault.errors import IntegrityError, SignatureError
+from ckptvault.ops.export import export_weights, verify_export
+from ckptvault.trust.signing import generate_keypair
+from conftest import run_cli, writable
+
+
+class TiedLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 16)
+        self.norm = torch.nn.BatchNorm1d(16)
+        self.head = torch.nn.Linear(16, 50, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.register_buffer("mask", torch.tensor([True, False, True]))
+
+
+@pytest.fixture
+def trained(store: Path, tmp_path: Path):
+    generate_keypair(tmp_path / "k.pem", tmp_path / "k.pub")
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.AdamW(model.parameters())
+    model.norm(torch.randn(4, 16))  # num_batches_tracked -> 1
+    state = {"model": model, "optimizer": opt, "rng": cv.RNGState(), "meta": {"step": 3}}
+    with cv.CheckpointManager(store, run_id="lm", signing_key=tmp_path / "k.pem") as mgr:
+        mgr.save(3, state)
+    return model
+
+
+def test_export_casts_floats_only_and_keeps_tied_weights(store, tmp_path, trained):
+    out = tmp_path / "export" / "model.safetensors"
+    result = export_weights(store, 3, out, dtype="bf16")
+    assert result.step == 3 and result.run_id == "lm" and result.manifest_path is None
+    loaded = load_file(out)  # stock safetensors
+    expected = trained.state_dict()
+    assert set(loaded) == set(expected)  # the model and nothing else
+    for name, value in expected.items():
+        if value.is_floating_point():
+            assert loaded[name].dtype == torch.bfloat16
+            assert torch.equal(loaded[name], value.to(torch.bfloat16))
+        else:
+            assert loaded[name].dtype == value.dtype and torch.equal(loaded[name], value)
+    assert loaded["norm.num_batches_tracked"].dtype == torch.int64
+    assert loaded["mask"].dtype == torch.bool
+    assert torch.equal(loaded["head.weight"], loaded["embed.weight"])
+    fresh = TiedLM()
+    fresh.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in loaded.items()})
+
+
+def test_signed_export_verifies_and_detects_tampering(store, tmp_path, trained):
+    out = tmp_path / "model.safetensors"
+    result = run_cli(
+        "export",
+        str(store),
+        "--step",
+        "3",
+        "--out",
+        str(out),
+        "--signing-key",
+        str(tmp_path / "k.pem"),
+    )
+    assert result.returncode == 0, result.stderr
+    check = verify_export(out, [tmp_path / "k.pub"])
+    assert check.source["run_id"] == "lm" and check.source["step"] == 3
+    assert (
+        run_cli("verify-export", str(out), "--trusted-key", str(tmp_path / "k.pub")).returncode == 0
+    )
+    generate_keypair(tmp_path / "other.pem", tmp_path / "other.pub")
+    with pytest.raises(SignatureError):
+        verify_export(out, [tmp_path / "other.pub"])
+    data = bytearray(out.read_bytes())
+    data[-3] ^= 1
+    writable(out).write_bytes(bytes(data))
+    with pytest.raises(IntegrityError):
+        verify_export(out, [tmp_path / "k.pub"])
+    failed = run_cli("verify-export", str(out), "--trusted-key", str(tmp_path / "k.pub"))
+    assert failed.returncode == 2 and "does not match" in failed.stderr
+
+
+def test_export_reads_through_the_restore_checks(store, tmp_path, trained):
+    generate_keypair(tmp_path / "stranger.pem", tmp_path / "stranger.pub")
+    with pytest.raises(cv.errors.NoValidCheckpoint, match="signature-untrusted"):
+        export_weights(
+            store, 3, tmp_path / "x.safetensors", trusted_keys=[tmp_path / "stranger.pub"]
+        )
+    export_weights(store, 3, tmp_path / "y.safetensors", trusted_keys=[tmp_path / "k.pub"])
+    with pytest.raises(cv.errors.UsageError, match="no entry 'weights'"):
+        export_weights(store, 3, tmp_path / "z.safetensors", key="weights")
+
+
+def test_export_from_an_encrypted_run(tmp_path):
+    from ckptvault.trust.keystore import LocalKeyStore
+
+    store, keys = tmp_path / "store", tmp_path / "keys"
+    model = torch.nn.Linear(4, 4)
+    with cv.CheckpointManager(store, run_id="enc", keystore=keys) as mgr:
+        mgr.save(1, {"model": model})
+    with pytest.raises(cv.errors.NoValidCheckpoint, match="key-unavailable"):
+        export_weights(store, 1, tmp_path / "a.safetensors")
+    export_weights(store, 1, tmp_path / "b.safetensors", keystore=LocalKeyStore(keys))
+    assert torch.equal(load_file(tmp_path / "b.safetensors")["weight"], model.weight.detach())
+    result = run_cli(
+        "export",
+        str(store),
+        "--step",
+        "1",
+        "--out",
+        str(tmp_path / "c.safetensors"),
+        "--keystore",
+        str(keys),
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_export_is_audited(store, tmp_path, trained, isolated_state_dir):
+    import json
+
+    assert (
+        run_cli(
+            "export", str(store), "--step", "3", "--out", str(tmp_path / "m.safetensors")
+        ).returncode
+        == 0
+    )
+    entries = [
+        json.loads(line) for line in (isolated_state_dir / "audit.jsonl").read_text().splitlines()
+    ]
+    assert entries[-1]["event"] == "export" and entries[-1]["step"] == 3
