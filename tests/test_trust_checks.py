@@ -324,3 +324,15 @@ def test_signature_verified_before_the_manifest_is_parsed(store, keys, tmp_path,
     info, _ = restore(store, keys, tmp_path)
     # Not "manifest-invalid": the signature check ran first and refused the bytes.
     assert reason_codes(info) == ["signature-invalid"]
+
+
+def test_keys_generate_cli(tmp_path):
+    from conftest import run_cli
+
+    private, public = tmp_path / "k" / "trainer.pem", tmp_path / "k" / "trainer.pub"
+    result = run_cli("keys", "generate", "--private", str(private), "--public", str(public))
+    assert result.returncode == 0 and "ed25519:" in result.stdout
+    assert private.stat().st_mode & 0o777 == 0o600
+    assert b"PUBLIC KEY" in public.read_bytes() and b"PRIVATE KEY" in private.read_bytes()
+    again = run_cli("keys", "generate", "--private", str(private), "--public", str(public))
+    assert again.returncode == 2 and "refusing to overwrite" in again.stderr
