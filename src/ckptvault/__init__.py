@@ -17,10 +17,10 @@ from ckptvault import errors
 from ckptvault._version import __version__
 
 if TYPE_CHECKING:
+    from ckptvault.io.handles import SaveHandle, SaveStats
     from ckptvault.manager import (
         CheckpointManager,
         RestoreInfo,
-        SaveHandle,
         SkippedGeneration,
     )
     from ckptvault.state.rng import RNGState
@@ -30,7 +30,8 @@ _LAZY = {
     "CheckpointManager": "ckptvault.manager",
     "GenerationInfo": "ckptvault.storage.listing",
     "RestoreInfo": "ckptvault.manager",
-    "SaveHandle": "ckptvault.manager",
+    "SaveHandle": "ckptvault.io.handles",
+    "SaveStats": "ckptvault.io.handles",
     "SkippedGeneration": "ckptvault.manager",
     "RNGState": "ckptvault.state.rng",
 }
@@ -41,6 +42,7 @@ __all__ = [
     "RNGState",
     "RestoreInfo",
     "SaveHandle",
+    "SaveStats",
     "SkippedGeneration",
     "__version__",
     "errors",

@@ -16,10 +16,14 @@ untouched.
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import logging
 import os
 import time
+import warnings
+import weakref
 from collections.abc import Iterable, Mapping, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -37,10 +41,12 @@ from ckptvault.format.container import CIPHER, DEFAULT_SEGMENT_SIZE
 from ckptvault.format.layout import generation_created_at, new_generation_id
 from ckptvault.format.manifest import MAX_CHUNK_SIZE, Manifest
 from ckptvault.io.dcp_io import write_tensors
+from ckptvault.io.handles import SaveHandle, SaveStats
 from ckptvault.io.load import load_verified
+from ckptvault.io.staging import StagingPool
 from ckptvault.io.writer import default_threads
 from ckptvault.state.apply import plan_restore
-from ckptvault.state.capture import capture_state
+from ckptvault.state.capture import CapturedState, capture_state
 from ckptvault.state.contract import (
     build_contract,
     code_revision,
@@ -95,24 +101,6 @@ class RestoreInfo:
     signer: str | None = None
 
 
-class SaveHandle:
-    """The outcome of one ``save``. Synchronous saves are done when it is returned."""
-
-    def __init__(self, info: GenerationInfo, seconds: float) -> None:
-        self._info = info
-        self.seconds = seconds
-
-    def done(self) -> bool:
-        return True
-
-    def result(self, timeout: float | None = None) -> GenerationInfo:
-        return self._info
-
-    def __repr__(self) -> str:
-        info = self._info
-        return f"SaveHandle(step={info.step}, generation_id={info.generation_id!r}, done=True)"
-
-
 def _validate_step(step: Any, what: str = "step") -> int:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise UsageError(f"{what} must be a non-negative int, got {step!r}")
@@ -146,6 +134,11 @@ class CheckpointManager:
             floor.
         audit_log: the hash-chained audit log (default beside the ledger); written
             whenever any trust feature is on.
+        async_save: make ``save`` asynchronous by default (copy, return, write in the
+            background).
+        max_in_flight: background saves allowed at once (each holds one staged copy).
+        if_busy: when ``max_in_flight`` saves are running, ``"wait"`` for the oldest,
+            or ``"skip"`` the new save with a warning (counted in ``stats``).
         threads: worker threads for writing and verifying (default: up to 8).
         chunk_size: bytes per digest chunk in the manifest (default 4 MiB).
         segment_size: plaintext bytes per encrypted segment (default 1 MiB).
@@ -162,6 +155,9 @@ class CheckpointManager:
         keystore: str | os.PathLike[str] | KeyStore | None = None,
         ledger: str | os.PathLike[str] | None = None,
         audit_log: str | os.PathLike[str] | None = None,
+        async_save: bool = False,
+        max_in_flight: int = 1,
+        if_busy: str = "wait",
         threads: int | None = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         segment_size: int = DEFAULT_SEGMENT_SIZE,
@@ -215,60 +211,135 @@ class CheckpointManager:
             if audit_on
             else None
         )
+        if max_in_flight < 1 or if_busy not in ("wait", "skip"):
+            raise UsageError(
+                f"max_in_flight must be >= 1 and if_busy 'wait' or 'skip', got {max_in_flight}, {if_busy!r}"
+            )
+        self.async_save = async_save
+        self.max_in_flight = max_in_flight
+        self.if_busy = if_busy
+        self.stats = SaveStats()
+        self._staging = StagingPool(max_in_flight)
+        self._in_flight: list[SaveHandle] = []
+        self._pool: ThreadPoolExecutor | None = None
         self._parent: str | None = None
         self._closed = False
 
     # -- saving ------------------------------------------------------------------------
 
-    def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
-        """Save ``state`` as a new generation of ``step``; durable when this returns."""
+    def save(self, step: int, state: Mapping[str, Any], blocking: bool | None = None) -> SaveHandle:
+        """Save ``state`` as a new generation of ``step``.
+
+        Synchronous (the default unless ``async_save=True``): the generation is durable
+        when this returns. Asynchronous (``blocking=False``): returns as soon as the
+        state is copied into staging buffers; writing and publishing happen in the
+        background, and an error surfaces from the handle, the next ``save``,
+        ``wait`` or ``close``.
+        """
         step = _validate_step(step)
         self._check_open()
+        self._raise_background_error()
+        blocking = not self.async_save if blocking is None else blocking
         started = time.perf_counter()
         if self._keystore is not None:
             self._keystore.ensure_usable(self.run_id)  # KeyDestroyedError after crypto-erase
         captured = capture_state(state)  # unsupported values fail here, before any I/O
         self.store.acquire_writer()
-        self.store.remove_stale_staging()
-        generation_id = new_generation_id()
-        staging = self.store.begin_generation(generation_id)
+        self.stats.saves_started += 1
+        if blocking:
+            self._drain()  # generations publish in the order they were asked for
+            info = self._publish_generation(step, captured)
+            seconds = time.perf_counter() - started
+            self.stats.last_stall_seconds = self.stats.last_save_seconds = seconds
+            return SaveHandle.completed(info, seconds)
+        if not self._make_room(step):
+            return SaveHandle(step, None, time.perf_counter() - started, skipped=True)
+        slot = self._staging.next_slot()
+        staged = CapturedState(captured.tree, slot.stage(captured.tensors))
+        self.stats.staging_allocations = self._staging.allocations
+        stall = time.perf_counter() - started
+        self.stats.last_stall_seconds = stall
+        handle = SaveHandle(
+            step, self._executor().submit(self._publish_generation, step, staged), stall
+        )
+        self._in_flight.append(handle)
+        return handle
+
+    def _make_room(self, step: int) -> bool:
+        """Apply backpressure; False when the save is skipped (``if_busy="skip"``)."""
+        self._in_flight = [
+            h for h in self._in_flight if not h.done() or (h.failed() and not h.reported)
+        ]
+        busy = [h for h in self._in_flight if not h.done()]
+        if len(busy) < self.max_in_flight:
+            return True
+        if self.if_busy == "skip":
+            self.stats.saves_skipped += 1
+            warnings.warn(
+                f"ckptvault: skipped the save of step {step}: {len(busy)} save(s) still in flight "
+                f"(max_in_flight={self.max_in_flight}); save less often or raise max_in_flight",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return False
+        while len([h for h in self._in_flight if not h.done()]) >= self.max_in_flight:
+            oldest = next(h for h in self._in_flight if not h.done())
+            try:
+                oldest.result()
+            except BaseException:
+                oldest.reported = True
+                raise
+        return True
+
+    def _publish_generation(self, step: int, captured: CapturedState) -> GenerationInfo:
+        """Write, sign and publish one generation; runs inline or on the worker thread."""
+        started = time.perf_counter()
         try:
-            encryption = (
-                FileEncryption(self._keystore, self.run_id, generation_id, self.segment_size)
-                if self._keystore is not None
-                else None
-            )
-            writer = write_tensors(
-                captured.tensors, staging, self.chunk_size, self.threads, encryption
-            )
-            manifest = Manifest(
-                run_id=self.run_id,
-                step=step,
-                generation_id=generation_id,
-                created_at=generation_created_at(generation_id),
-                parent=self._parent,
-                chunk_size=self.chunk_size,
-                files=writer.file_records,
-                dcp=writer.dcp_json or {},
-                state=captured.tree,
-                contract=self._contract,
-                writer={"ckptvault": __version__, "world_size": 1},
-                encryption=self._encryption_section(writer.wrapped_keys) if encryption else None,
-            )
-            manifest_bytes = manifest.to_bytes()
-            signature = (
-                sign(self._signing_key, manifest_bytes, MANIFEST_DOMAIN)
-                if self._signing_key is not None
-                else None
-            )
-            ref = staging.publish(step, manifest_bytes, signature)
+            self.store.remove_stale_staging()
+            generation_id = new_generation_id()
+            staging = self.store.begin_generation(generation_id)
+            try:
+                encryption = (
+                    FileEncryption(self._keystore, self.run_id, generation_id, self.segment_size)
+                    if self._keystore is not None
+                    else None
+                )
+                writer = write_tensors(
+                    captured.tensors, staging, self.chunk_size, self.threads, encryption
+                )
+                manifest = Manifest(
+                    run_id=self.run_id,
+                    step=step,
+                    generation_id=generation_id,
+                    created_at=generation_created_at(generation_id),
+                    parent=self._parent,
+                    chunk_size=self.chunk_size,
+                    files=writer.file_records,
+                    dcp=writer.dcp_json or {},
+                    state=captured.tree,
+                    contract=self._contract,
+                    writer={"ckptvault": __version__, "world_size": 1},
+                    encryption=self._encryption_section(writer.wrapped_keys)
+                    if encryption
+                    else None,
+                )
+                manifest_bytes = manifest.to_bytes()
+                signature = (
+                    sign(self._signing_key, manifest_bytes, MANIFEST_DOMAIN)
+                    if self._signing_key is not None
+                    else None
+                )
+                ref = staging.publish(step, manifest_bytes, signature)
+            except BaseException:
+                staging.abort()
+                raise
         except BaseException:
-            staging.abort()
+            self.stats.saves_failed += 1
             raise
         self._parent = generation_id
-        info = GenerationInfo(
-            step, generation_id, ref.location, manifest.total_bytes, manifest.created_at
-        )
+        self.stats.saves_completed += 1
+        self.stats.bytes_written += manifest.total_bytes
+        self.stats.last_save_seconds = time.perf_counter() - started
         if self._audit is not None:
             self._audit.append(
                 "save",
@@ -280,7 +351,9 @@ class CheckpointManager:
                 signer=key_id(self._signing_key.public_key()) if self._signing_key else None,
                 kek_id=(manifest.encryption or {}).get("kek_id"),
             )
-        return SaveHandle(info, time.perf_counter() - started)
+        return GenerationInfo(
+            step, generation_id, ref.location, manifest.total_bytes, manifest.created_at
+        )
 
     def _encryption_section(self, wrapped_keys: dict[str, tuple[str, bytes]]) -> dict[str, Any]:
         kek_ids = {kek for kek, _ in wrapped_keys.values()}
@@ -299,7 +372,30 @@ class CheckpointManager:
         }
 
     def wait(self) -> None:
-        """Wait for saves in flight (synchronous saves never leave any)."""
+        """Wait for every save in flight; raise the first background error not yet raised."""
+        self._drain()
+        self._raise_background_error()
+
+    def _drain(self) -> None:
+        for handle in list(self._in_flight):
+            if handle._future is not None:
+                concurrent.futures.wait([handle._future])
+
+    def _raise_background_error(self) -> None:
+        for handle in self._in_flight:
+            if handle.failed() and not handle.reported:
+                handle.reported = True
+                error = handle.exception()
+                assert error is not None
+                raise error
+        self._in_flight = [h for h in self._in_flight if not h.done()]
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            # One worker: background saves publish in order, one at a time.
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptvault-save")
+            self._pool_finalizer = weakref.finalize(self, _shutdown_pool, self._pool)
+        return self._pool
 
     # -- restoring ---------------------------------------------------------------------
 
@@ -467,12 +563,20 @@ class CheckpointManager:
     # -- lifecycle ---------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for saves in flight and release the store's writer lock."""
+        """Wait for saves in flight and release the store's writer lock.
+
+        Raises the first background save error not raised before (after releasing)."""
         if self._closed:
             return
-        self.wait()
-        self.store.release_writer()
         self._closed = True
+        try:
+            self._drain()
+            self._raise_background_error()
+        finally:
+            if self._pool is not None:
+                self._pool_finalizer.detach()
+                self._pool.shutdown(wait=True)
+            self.store.release_writer()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -487,10 +591,25 @@ class CheckpointManager:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        if exc is None:
+            self.close()
+            return
+        try:  # do not mask the exception that is already propagating
+            self.close()
+        except Exception as background:
+            logger.error(
+                "a background save failed while %s was propagating: %s",
+                exc_type.__name__,
+                background,
+            )
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.store.location!r}, run_id={self.run_id!r})"
+
+
+def _shutdown_pool(pool: ThreadPoolExecutor) -> None:
+    """At interpreter exit (or when a manager is dropped unclosed): finish saves in flight."""
+    pool.shutdown(wait=True)
 
 
 def _summarize_steps(steps: list[int]) -> str:

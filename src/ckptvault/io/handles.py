@@ -1,0 +1,79 @@
+"""``SaveHandle``: the outcome of one ``save``, synchronous or in the background.
+
+A background save's error is never lost: ``result()`` raises it, and the manager
+raises it again from the next ``save()``, ``wait()`` or ``close()`` unless it was
+already raised once (``reported``).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from ckptvault.storage.listing import GenerationInfo
+
+
+@dataclass
+class SaveStats:
+    """Counters a training loop (or a metrics exporter) can read from ``mgr.stats``."""
+
+    saves_started: int = 0
+    saves_completed: int = 0
+    saves_failed: int = 0
+    saves_skipped: int = 0
+    bytes_written: int = 0
+    last_stall_seconds: float = 0.0
+    last_save_seconds: float = 0.0
+    staging_allocations: int = 0
+
+
+class SaveHandle:
+    """Done when returned for synchronous saves; for asynchronous ones, once published."""
+
+    def __init__(
+        self,
+        step: int,
+        future: Future[GenerationInfo] | None,
+        stall_seconds: float,
+        skipped: bool = False,
+    ) -> None:
+        self.step = step
+        self._future = future
+        self.stall_seconds = stall_seconds
+        self.skipped = skipped
+        self.reported = False
+        self._started = time.perf_counter()
+
+    @classmethod
+    def completed(cls, info: GenerationInfo, seconds: float) -> SaveHandle:
+        future: Future[GenerationInfo] = Future()
+        future.set_result(info)
+        return cls(info.step, future, seconds)
+
+    def done(self) -> bool:
+        return self._future is None or self._future.done()
+
+    def failed(self) -> bool:
+        return (
+            self._future is not None
+            and self._future.done()
+            and self._future.exception() is not None
+        )
+
+    def result(self, timeout: float | None = None) -> GenerationInfo | None:
+        """The published generation (None for a skipped save); raises the save's error."""
+        if self._future is None:
+            return None
+        try:
+            return self._future.result(timeout)
+        except BaseException:
+            self.reported = True
+            raise
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return None if self._future is None else self._future.exception(timeout)
+
+    def __repr__(self) -> str:
+        state = "skipped" if self.skipped else ("done" if self.done() else "in flight")
+        return f"SaveHandle(step={self.step}, {state})"
