@@ -298,3 +298,33 @@ def test_live_objects_the_checkpoint_lacks_are_kept_and_reported(store: Path):
         info = mgr.restore(state, strict=False)
     assert len(heads) == 2 and extras["gen"] is generator and extras["a"] == 1
     assert "state['heads'][1]" in info.missing
+
+
+@pytest.mark.parametrize("chunk_size", [7, 1000, 4096, 1 << 20])
+def test_restore_across_chunk_and_tensor_boundaries(tmp_path: Path, chunk_size: int):
+    torch.manual_seed(chunk_size)
+    tensors = {
+        "big": torch.randn(3000),
+        "odd": torch.randint(0, 100, (333,), dtype=torch.int16),
+        "many": {str(i): torch.randn(i % 5 + 1) for i in range(700)},  # > 512 pieces per chunk
+        "bf16": torch.randn(1001).to(torch.bfloat16),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+    }
+    store = tmp_path / f"s{chunk_size}"
+    with cv.CheckpointManager(store, run_id="r", chunk_size=chunk_size) as mgr:
+        path = Path(mgr.save(1, {"t": tensors}).result().path)
+        restored = {"t": {}}
+        mgr.restore(restored)
+        got = restored["t"]
+        assert torch.equal(got["big"], tensors["big"]) and torch.equal(got["odd"], tensors["odd"])
+        assert torch.equal(got["bf16"], tensors["bf16"]) and torch.equal(
+            got["scalar"], tensors["scalar"]
+        )
+        assert all(torch.equal(got["many"][k], v) for k, v in tensors["many"].items())
+        # A flipped byte anywhere in the data is caught.
+        shard = only_tensor_file(path)
+        data = bytearray(shard.read_bytes())
+        data[-50] ^= 0x10  # in the data region (the header is checked structurally)
+        writable(shard).write_bytes(bytes(data))
+        with pytest.raises(NoValidCheckpoint, match="digest-mismatch"):
+            mgr.restore({"t": {}})

@@ -35,19 +35,20 @@ class FileRecord:
 class FileDigester:
     """Computes a :class:`FileRecord` from a file's bytes, fed in order."""
 
-    def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+    def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE, whole_file: bool = True) -> None:
         if chunk_size <= 0:
             raise ValueError("chunk_size must be positive")
         self.chunk_size = chunk_size
         self.size = 0
-        self._whole = blake3()
+        self._whole = blake3() if whole_file else None
         self._chunk = blake3()
         self._chunk_fill = 0
         self._chunks: list[str] = []
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
-        self._whole.update(view)
+        if self._whole is not None:
+            self._whole.update(view)
         self.size += len(view)
         position = 0
         while position < len(view):
@@ -66,7 +67,8 @@ class FileDigester:
     def finish(self) -> FileRecord:
         if self._chunk_fill:
             self._close_chunk()
-        return FileRecord(self.size, self._whole.hexdigest(), tuple(self._chunks))
+        whole = self._whole.hexdigest() if self._whole is not None else ""
+        return FileRecord(self.size, whole, tuple(self._chunks))
 
 
 class ChunkVerifier:
@@ -76,10 +78,13 @@ class ChunkVerifier:
     caller never uses bytes of a chunk that did not verify.
     """
 
-    def __init__(self, record: FileRecord, chunk_size: int, where: str) -> None:
+    def __init__(
+        self, record: FileRecord, chunk_size: int, where: str, whole_file: bool = True
+    ) -> None:
         self.record = record
         self.where = where
-        self._digester = FileDigester(chunk_size)
+        self.whole_file = whole_file
+        self._digester = FileDigester(chunk_size, whole_file)
         self._checked = 0
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
@@ -117,7 +122,9 @@ class ChunkVerifier:
             )
         record = self._digester.finish()
         self._compare_closed_chunks()
-        if record.blake3 != self.record.blake3 or len(record.chunks) != len(self.record.chunks):
+        if len(record.chunks) != len(self.record.chunks) or (
+            self.whole_file and record.blake3 != self.record.blake3
+        ):
             raise IntegrityError(
                 f"{self.where}: whole-file BLAKE3 digest does not match the manifest"
             )
