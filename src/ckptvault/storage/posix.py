@@ -18,10 +18,12 @@ set plus the complete new one; a staging directory is never taken for a generati
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -38,6 +40,27 @@ from ckptvault.storage.base import EntryInfo, GenerationRef
 from ckptvault.storage.lock import WriterLock
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+WRITE_BEHIND_BYTES = 8 * 1024 * 1024
+
+
+def _load_sync_file_range() -> Callable[[int, int, int], None] | None:
+    """``sync_file_range(SYNC_FILE_RANGE_WRITE)`` where the C library has it: start
+    writing dirty pages back now, without waiting, so the disk works while the CPU
+    hashes the next piece and the final fsync has little left to do."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+
+    def start_writeback(fd: int, offset: int, count: int) -> None:
+        function(fd, offset, count, 2)  # SYNC_FILE_RANGE_WRITE; a failure only loses the hint
+
+    return start_writeback
+
+
+_start_writeback = _load_sync_file_range()
 
 
 def translate_os_error(exc: OSError, what: str) -> CheckpointError:
@@ -82,6 +105,8 @@ class PosixWritableFile:
         self._fd = os.open(
             path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644
         )
+        self._written = 0
+        self._flushed = 0  # bytes already handed to write-behind
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
@@ -91,6 +116,10 @@ class PosixWritableFile:
                 written += os.write(self._fd, view[written:])
         except OSError as exc:
             raise translate_os_error(exc, f"writing {self.path}") from exc
+        self._written += written
+        if _start_writeback is not None and self._written - self._flushed >= WRITE_BEHIND_BYTES:
+            _start_writeback(self._fd, self._flushed, self._written - self._flushed)
+            self._flushed = self._written
         return written
 
     def commit(self) -> None:

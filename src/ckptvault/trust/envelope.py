@@ -83,26 +83,37 @@ class EncryptingWriter:
         if self._written + len(view) > self.header.plaintext_size:
             raise FormatError("more plaintext than the container header announced")
         position = 0
+        segment = len(self._buffer)
         while position < len(view):
-            room = len(self._buffer) - self._fill
+            if (
+                self._fill == 0
+                and len(view) - position >= segment
+                and self._written + segment < self.header.plaintext_size
+            ):
+                # A whole, non-final segment straight from the caller's memory: no copy.
+                self._seal(view[position : position + segment], final=False)
+                position += segment
+                self._written += segment
+                continue
+            room = segment - self._fill
             piece = view[position : position + room]
             self._buffer[self._fill : self._fill + len(piece)] = piece
             self._fill += len(piece)
             position += len(piece)
             self._written += len(piece)
-            if self._fill == len(self._buffer) and self._written < self.header.plaintext_size:
-                self._seal(final=False)
+            if self._fill == segment and self._written < self.header.plaintext_size:
+                self._seal(memoryview(self._buffer), final=False)
         return len(view)
 
-    def _seal(self, final: bool) -> None:
+    def _seal(self, plain: memoryview, final: bool) -> None:
         nonce = os.urandom(NONCE_BYTES)
-        plain = memoryview(self._buffer)[: self._fill]
-        out = memoryview(self._sealed)[: self._fill + TAG_BYTES]
+        out = memoryview(self._sealed)[: len(plain) + TAG_BYTES]
         self._aead.encrypt_into(nonce, plain, segment_ad(self._context, self._index, final), out)
         self.sink.write(nonce)
         self.sink.write(out)
         self._index += 1
-        self._fill = 0
+        if plain.obj is self._buffer:
+            self._fill = 0
 
     def close(self) -> None:
         if self._written != self.header.plaintext_size:
@@ -110,7 +121,7 @@ class EncryptingWriter:
                 f"container got {self._written} plaintext bytes, "
                 f"announced {self.header.plaintext_size}"
             )
-        self._seal(final=True)
+        self._seal(memoryview(self._buffer)[: self._fill], final=True)
 
 
 class SegmentDecryptor:
