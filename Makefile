@@ -20,11 +20,11 @@ demo: $(STAMP)
 	$(PY) demo/demo.py
 
 test: $(STAMP)
-	$(PY) -m ruff check src tests demo
+	$(PY) -m ruff check src tests demo bench
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(PY) -m ruff check src tests demo
+	$(PY) -m ruff check src tests demo bench
 
 # Longer fault-injection budgets than CI runs.
 crash: $(STAMP)

@@ -171,7 +171,11 @@ def safetensors_save(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 def dcp_save(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     writer = dcp.FileSystemWriter(str(path), sync_files=True)
-    dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, storage_writer=writer, no_dist=True)
+    dcp.save(
+        {"model": model.state_dict(), "optimizer": opt.state_dict()},
+        storage_writer=writer,
+        no_dist=True,
+    )
 
 
 # -- the run -----------------------------------------------------------------------------
@@ -201,6 +205,103 @@ def timed(fn: Callable[[], object]) -> tuple[float, int]:
     return seconds, peak.extra
 
 
+def run_saves(
+    root: Path,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    tensors: dict[str, torch.Tensor],
+    keys: Path,
+) -> Iterator[tuple[str, tuple[float, int]]]:
+    """Durable saves of the same state by every contender."""
+    state = {"model": model, "optimizer": opt}
+    with scratch(root, "raw.bin") as path:
+        yield "raw write+fsync", timed(lambda: raw_write(path, tensors))
+    with scratch(root, "torch.pt") as path:
+        yield "torch.save+fsync", timed(lambda: torch_save(path, model, opt))
+    with scratch(root, "st.safetensors") as path:
+        yield "safetensors save_file+fsync", timed(lambda: safetensors_save(path, tensors))
+    with scratch(root, "dcp") as path:
+        yield "DCP save(sync_files=True)", timed(lambda: dcp_save(path, model, opt))
+    with scratch(root, "vault") as path, cv.CheckpointManager(path, run_id="bench") as mgr:
+        yield "ckptvault save", timed(lambda: mgr.save(1, state))
+    shutil.rmtree(keys, ignore_errors=True)
+    with (
+        scratch(root, "vault-enc") as path,
+        cv.CheckpointManager(path, run_id="bench", keystore=keys) as mgr,
+    ):
+        yield "ckptvault encrypted save", timed(lambda: mgr.save(1, state))
+
+
+def run_async(
+    root: Path, state: dict, tensors: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, tuple[float, int]]]:
+    """The stall of an asynchronous save against a clone and a copy of the state."""
+    yield "plain clone of the state", timed(lambda: {k: v.clone() for k, v in tensors.items()})
+    buffers = {k: torch.empty_like(v) for k, v in tensors.items()}
+    yield (
+        "copy into preallocated buffers",
+        timed(lambda: [buffers[k].copy_(v) for k, v in tensors.items()]),
+    )
+    buffers.clear()
+    with (
+        scratch(root, "vault-async") as path,
+        cv.CheckpointManager(path, run_id="bench", async_save=True) as mgr,
+    ):
+        yield "ckptvault async stall, first save", timed(lambda: mgr.save(1, state))
+        mgr.wait()
+        yield "ckptvault async stall, steady state", timed(lambda: mgr.save(2, state))
+        mgr.wait()
+
+
+def run_restores(
+    root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, size_gb: float
+) -> Iterator[tuple[str, tuple[float, int]]]:
+    """Cold-cache restores into freshly built objects."""
+    state = {"model": model, "optimizer": opt}
+    with scratch(root, "vault-restore") as path:
+        with cv.CheckpointManager(path, run_id="bench") as mgr:
+            mgr.save(1, state)
+        target_model, target_opt = fresh_like(size_gb)
+        drop_caches(path)
+
+        def vault_restore() -> None:
+            with cv.CheckpointManager(path, run_id="bench") as reader:
+                reader.restore({"model": target_model, "optimizer": target_opt})
+
+        yield "ckptvault restore (verified)", timed(vault_restore)
+        assert torch.equal(next(target_model.parameters()), next(model.parameters()))
+    with scratch(root, "torch-restore.pt") as path:
+        torch_save(path, model, opt)
+        target_model, target_opt = fresh_like(size_gb)
+        drop_caches(path)
+
+        def torch_restore() -> None:
+            loaded = torch.load(path, weights_only=True)
+            target_model.load_state_dict(loaded["model"])
+            target_opt.load_state_dict(loaded["optimizer"])
+
+        yield "torch.load(weights_only)+load_state_dict", timed(torch_restore)
+    with scratch(root, "dcp-restore") as path:
+        dcp_save(path, model, opt)
+        target_model, target_opt = fresh_like(size_gb)
+        drop_caches(path)
+
+        def dcp_restore() -> None:
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+            model_sd, opt_sd = get_state_dict(target_model, target_opt)
+            sd = {"model": model_sd, "optimizer": opt_sd}
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+            set_state_dict(
+                target_model,
+                target_opt,
+                model_state_dict=sd["model"],
+                optim_state_dict=sd["optimizer"],
+            )
+
+        yield "DCP load", timed(dcp_restore)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-gb", type=float, default=1.0)
@@ -216,7 +317,9 @@ def main() -> None:
     nbytes = state_bytes(model, opt)
     keys = Path(tempfile.mkdtemp(prefix="ckptvault-bench-keys-"))
     state = {"model": model, "optimizer": opt}
-    print(f"state: {nbytes / 1e9:.2f} GB in {len(tensors)} tensors; {args.reps} repetitions in {args.dir}")
+    print(
+        f"state: {nbytes / 1e9:.2f} GB in {len(tensors)} tensors; {args.reps} repetitions in {args.dir}"
+    )
 
     results: dict[str, list[tuple[float, int]]] = {}
 
@@ -225,83 +328,24 @@ def main() -> None:
 
     for rep in range(args.reps):
         print(f"repetition {rep + 1}/{args.reps}", flush=True)
-        # Durable saves.
-        with scratch(args.dir, "raw.bin") as path:
-            record("raw write+fsync", timed(lambda: raw_write(path, tensors)))
-        with scratch(args.dir, "torch.pt") as path:
-            record("torch.save+fsync", timed(lambda: torch_save(path, model, opt)))
-        with scratch(args.dir, "st.safetensors") as path:
-            record("safetensors save_file+fsync", timed(lambda: safetensors_save(path, tensors)))
-        with scratch(args.dir, "dcp") as path:
-            record("DCP save(sync_files=True)", timed(lambda: dcp_save(path, model, opt)))
-        with scratch(args.dir, "vault") as path:
-            with cv.CheckpointManager(path, run_id="bench") as mgr:
-                record("ckptvault save", timed(lambda: mgr.save(1, state)))
-        with scratch(args.dir, "vault-enc") as path:
-            shutil.rmtree(keys, ignore_errors=True)
-            with cv.CheckpointManager(path, run_id="bench", keystore=keys) as mgr:
-                record("ckptvault encrypted save", timed(lambda: mgr.save(1, state)))
-
-        # Async stall.
-        record("plain clone of the state", timed(lambda: {k: v.clone() for k, v in tensors.items()}))
-        buffers = {k: torch.empty_like(v) for k, v in tensors.items()}
-        record("copy into preallocated buffers", timed(lambda: [buffers[k].copy_(v) for k, v in tensors.items()]))
-        del buffers
-        with scratch(args.dir, "vault-async") as path:
-            with cv.CheckpointManager(path, run_id="bench", async_save=True) as mgr:
-                record("ckptvault async stall, first save", timed(lambda: mgr.save(1, state)))
-                mgr.wait()
-                record("ckptvault async stall, steady state", timed(lambda: mgr.save(2, state)))
-                mgr.wait()
-
-        # Cold restores into fresh objects.
-        with scratch(args.dir, "vault-restore") as path:
-            with cv.CheckpointManager(path, run_id="bench") as mgr:
-                mgr.save(1, state)
-            target_model, target_opt = fresh_like(args.size_gb)
-            drop_caches(path)
-
-            def vault_restore() -> None:
-                with cv.CheckpointManager(path, run_id="bench") as reader:
-                    reader.restore({"model": target_model, "optimizer": target_opt})
-
-            record("ckptvault restore (verified)", timed(vault_restore))
-            assert torch.equal(next(target_model.parameters()), next(model.parameters()))
-            del target_model, target_opt
-        with scratch(args.dir, "torch-restore.pt") as path:
-            torch_save(path, model, opt)
-            target_model, target_opt = fresh_like(args.size_gb)
-            drop_caches(path)
-
-            def torch_restore() -> None:
-                loaded = torch.load(path, weights_only=True)
-                target_model.load_state_dict(loaded["model"])
-                target_opt.load_state_dict(loaded["optimizer"])
-
-            record("torch.load(weights_only)+load_state_dict", timed(torch_restore))
-            del target_model, target_opt
-        with scratch(args.dir, "dcp-restore") as path:
-            dcp_save(path, model, opt)
-            target_model, target_opt = fresh_like(args.size_gb)
-            drop_caches(path)
-
-            def dcp_restore() -> None:
-                from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-                model_sd, opt_sd = get_state_dict(target_model, target_opt)
-                sd = {"model": model_sd, "optimizer": opt_sd}
-                dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
-                set_state_dict(target_model, target_opt, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
-
-            record("DCP load", timed(dcp_restore))
-            del target_model, target_opt
+        for name, measurement in run_saves(args.dir, model, opt, tensors, keys):
+            record(name, measurement)
+        for name, measurement in run_async(args.dir, state, tensors):
+            record(name, measurement)
+        for name, measurement in run_restores(args.dir, model, opt, args.size_gb):
+            record(name, measurement)
 
     report(results, nbytes, args)
     shutil.rmtree(keys, ignore_errors=True)
 
 
-def report(results: dict[str, list[tuple[float, int]]], nbytes: int, args: argparse.Namespace) -> None:
-    medians = {name: (statistics.median(s for s, _ in runs), max(m for _, m in runs)) for name, runs in results.items()}
+def report(
+    results: dict[str, list[tuple[float, int]]], nbytes: int, args: argparse.Namespace
+) -> None:
+    medians = {
+        name: (statistics.median(s for s, _ in runs), max(m for _, m in runs))
+        for name, runs in results.items()
+    }
     raw = medians["raw write+fsync"][0]
     clone = medians["plain clone of the state"][0]
     copy = medians["copy into preallocated buffers"][0]
@@ -310,7 +354,10 @@ def report(results: dict[str, list[tuple[float, int]]], nbytes: int, args: argpa
     for name, (seconds, peak) in medians.items():
         if "restore" in name or "load" in name:
             ratio = f"{torch_restore / seconds:.2f} x torch.load speed"
-        elif "stall" in name or name in ("plain clone of the state", "copy into preallocated buffers"):
+        elif "stall" in name or name in (
+            "plain clone of the state",
+            "copy into preallocated buffers",
+        ):
             ratio = f"{seconds / clone:.2f} x clone, {seconds / copy:.2f} x copy"
         else:
             ratio = f"{raw / seconds:.2f} x raw speed"
@@ -329,9 +376,15 @@ def report(results: dict[str, list[tuple[float, int]]], nbytes: int, args: argpa
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
-            {"bytes": nbytes, "machine": machine, "reps": args.reps,
-             "results": {n: {"seconds": runs, "median": medians[n][0]} for n, runs in results.items()},
-             "table": table},
+            {
+                "bytes": nbytes,
+                "machine": machine,
+                "reps": args.reps,
+                "results": {
+                    n: {"seconds": runs, "median": medians[n][0]} for n, runs in results.items()
+                },
+                "table": table,
+            },
             indent=2,
         )
     )

@@ -114,3 +114,57 @@ def test_appends_from_several_writers_stay_chained(tmp_path: Path):
         thread.join()
     report = verify_audit_log(tmp_path / "a.jsonl", ledger)
     assert report.ok and report.entries == 80, report.problems
+
+
+def test_appended_forged_entries_are_caught(logged):
+    from ckptvault.format.canonical import dumps_canonical
+    from ckptvault.trust.audit import entry_hash
+
+    log, ledger = logged
+    last = json.loads(lines(log)[-1])
+    forged = {
+        "seq": last["seq"] + 1,
+        "time": last["time"],
+        "event": "restore",
+        "run_id": "r",
+        "prev": last["hash"],
+    }
+    forged["hash"] = entry_hash(forged)
+    with open(log, "ab") as handle:
+        handle.write(dumps_canonical(forged) + b"\n")
+    assert verify_audit_log(log, None).ok  # the chain alone cannot tell...
+    code, report = audit_verify(log, ledger)
+    assert code == 1 and any("appended without the ledger" in p for p in report["problems"])
+
+
+def test_a_log_whose_head_is_unknown_fails_unless_allowed(logged, tmp_path):
+    log, _ = logged
+    other_ledger = tmp_path / "other.sqlite3"
+    Ledger(other_ledger).floor("x")  # exists, but holds no head for this log
+    result = run_cli("audit", "verify", str(log), "--ledger", str(other_ledger))
+    assert result.returncode == 1 and "holds no head" in result.stdout
+    allowed = run_cli(
+        "audit", "verify", str(log), "--ledger", str(other_ledger), "--allow-missing-head"
+    )
+    assert allowed.returncode == 0
+
+
+def test_a_damaged_log_is_a_typed_error_that_says_what_happened(store, tmp_path):
+    from ckptvault.errors import AuditError
+
+    log = tmp_path / "audit.jsonl"
+    options = {"run_id": "r", "ledger": tmp_path / "l.sqlite3", "audit_log": log}
+    with cv.CheckpointManager(store, **options) as mgr:
+        mgr.save(1, make_training_state())
+    log.write_bytes(log.read_bytes()[:-5])  # cut mid-entry
+    with cv.CheckpointManager(store, **options) as mgr:
+        with pytest.raises(
+            AuditError, match="was published, but recording it in the audit log failed"
+        ):
+            mgr.save(2, make_training_state())
+        assert [g.step for g in mgr.generations()] == [2, 1]
+
+
+def test_audit_log_inside_the_store_is_refused(store, tmp_path):
+    with pytest.raises(cv.errors.UsageError, match="audit log"):
+        cv.CheckpointManager(store, run_id="r", audit_log=store / "audit.jsonl")

@@ -91,4 +91,6 @@ def test_sigkill_during_saves_never_loses_a_returned_save(tmp_path: Path):
     assert durable > 0
     print(f"{mid_save_kills} of {kills} kills left a save in progress; last durable step {durable}")
     # The kills really landed while saves were in progress (staging areas left behind).
-    assert mid_save_kills >= kills // 2, f"only {mid_save_kills} of {kills} kills hit a save"
+    assert mid_save_kills >= max(1, kills // 4), (
+        f"only {mid_save_kills} of {kills} kills hit a save"
+    )

@@ -314,3 +314,57 @@ def test_key_store_interface_wraps_without_revealing_the_kek(keystore):
     with pytest.raises(KeyUnavailableError):
         store.unwrap("run", kek_id, wrapped, b"other context")
     assert [info.run_id for info in store.list_keys()] == ["run"]
+
+
+def test_destroyed_key_blocks_plaintext_generations_too(store, keystore, tmp_path):
+    with cv.CheckpointManager(store, run_id="r") as mgr:  # written before encryption was on
+        mgr.save(1, {"x": torch.ones(3)})
+    with encrypted_manager(store, keystore) as mgr:
+        mgr.save(2, {"x": torch.ones(3)})
+    LocalKeyStore(keystore).destroy("r")
+    with encrypted_manager(store, keystore) as mgr, pytest.raises(KeyDestroyedError):
+        mgr.restore({"x": torch.zeros(3)}, step=1)
+
+
+def test_a_plaintext_generation_planted_in_an_encrypted_run_is_refused(
+    store, keystore, encrypted, tmp_path
+):
+    planted = tmp_path / "planted"
+    with cv.CheckpointManager(planted, run_id="r") as mgr:  # same run id, no encryption
+        path = Path(mgr.save(9, make_training_state(width=64)).result().path)
+    path.rename(store / path.name)
+    assert restore_codes(store, keystore) == ["not-encrypted"]
+
+
+def test_key_store_with_unsafe_permissions_is_refused(store, keystore, encrypted):
+    from ckptvault.errors import KeyUnavailableError
+
+    kek = next(keystore.glob("*.kek"))
+    kek.chmod(0o644)
+    with encrypted_manager(store, keystore) as mgr:
+        with pytest.raises(NoValidCheckpoint, match="unsafe permissions"):
+            mgr.restore(make_training_state(width=64))
+        with pytest.raises(KeyUnavailableError, match="unsafe permissions"):
+            mgr.save(3, make_training_state(width=64))
+    kek.chmod(0o600)
+    keystore.chmod(0o777)
+    with (
+        encrypted_manager(store, keystore) as mgr,
+        pytest.raises(KeyUnavailableError, match="chmod 700"),
+    ):
+        mgr.save(3, make_training_state(width=64))
+
+
+def test_damaged_key_files_give_typed_errors(store, keystore, encrypted):
+    from ckptvault.errors import KeyUnavailableError
+
+    kek = next(keystore.glob("*.kek"))
+    kek.write_text("{not json")
+    with (
+        encrypted_manager(store, keystore) as mgr,
+        pytest.raises(KeyUnavailableError, match="malformed"),
+    ):
+        mgr.save(3, make_training_state(width=64))
+    (keystore / "foreign.kek").write_text("[1, 2]")
+    (keystore / "foreign.kek").chmod(0o600)
+    assert run_cli("keys", "list", "--keystore", str(keystore)).returncode == 0

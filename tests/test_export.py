@@ -137,3 +137,29 @@ def test_export_is_audited(store, tmp_path, trained, isolated_state_dir):
         json.loads(line) for line in (isolated_state_dir / "audit.jsonl").read_text().splitlines()
     ]
     assert entries[-1]["event"] == "export" and entries[-1]["step"] == 3
+
+
+def test_export_refuses_ambiguity_between_runs(tmp_path):
+    store = tmp_path / "store"
+    with cv.CheckpointManager(store, run_id="mine") as mgr:
+        mgr.save(5, {"model": torch.nn.Linear(2, 2)})
+    with cv.CheckpointManager(store, run_id="theirs") as mgr:
+        mgr.save(5, {"model": torch.nn.Linear(2, 2)})
+    with pytest.raises(cv.errors.UsageError, match="mine, theirs"):
+        export_weights(store, 5, tmp_path / "a.safetensors")
+    result = export_weights(store, 5, tmp_path / "b.safetensors", run_id="mine")
+    assert result.run_id == "mine"
+
+
+def test_a_bad_signing_key_leaves_the_previous_export_intact(store, tmp_path, trained):
+    out = tmp_path / "model.safetensors"
+    export_weights(store, 3, out, signing_key=tmp_path / "k.pem")
+    before = out.read_bytes()
+    (tmp_path / "broken.pem").write_text("not a key")
+    with pytest.raises(cv.errors.UsageError):
+        export_weights(store, 3, out, dtype="fp16", signing_key=tmp_path / "broken.pem")
+    assert out.read_bytes() == before
+    verify_export(out, [tmp_path / "k.pub"])
+    export_weights(store, 3, out, dtype="fp16")  # unsigned: the old manifest must go
+    with pytest.raises(cv.errors.FormatError, match="no signed export manifest"):
+        verify_export(out, [tmp_path / "k.pub"])

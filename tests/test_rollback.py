@@ -147,3 +147,41 @@ def test_trusted_keys_alone_turn_on_the_default_ledger(store, tmp_path, isolated
     assert Ledger(isolated_state_dir / "ledger.sqlite3").floor("r").step == 2
     with cv.CheckpointManager(store, **options) as mgr, pytest.raises(RollbackError):
         mgr.restore(make_training_state(), step=1)
+
+
+def test_an_emptied_store_cannot_restart_the_run_silently(store, three_steps, tmp_path):
+    import shutil
+
+    ledger, paths, _ = three_steps
+    with mgr_for(store, ledger) as mgr:
+        mgr.restore(make_training_state())
+    for path in paths.values():
+        shutil.move(path, tmp_path / path.name)
+    with (
+        mgr_for(store, ledger) as mgr,
+        pytest.raises(RollbackError, match="refusing to start over"),
+    ):
+        mgr.restore(make_training_state())
+
+
+def test_an_older_save_of_the_floor_step_is_a_rollback(store, tmp_path):
+    import shutil
+
+    ledger = tmp_path / "ledger.sqlite3"
+    with mgr_for(store, ledger) as mgr:
+        older = Path(mgr.save(300, make_training_state()).result().path)
+        newer = Path(mgr.save(300, make_training_state()).result().path)
+        assert mgr.restore(make_training_state()).generation_id == newer.name.split(".", 1)[1]
+    shutil.rmtree(newer)
+    with (
+        mgr_for(store, ledger) as mgr,
+        pytest.raises(RollbackError, match="older save of step 300"),
+    ):
+        mgr.restore(make_training_state())
+    assert older.exists()
+
+
+def test_step_and_allow_rollback_to_must_agree(store, three_steps):
+    ledger, _, _ = three_steps
+    with mgr_for(store, ledger) as mgr, pytest.raises(cv.errors.UsageError, match="disagree"):
+        mgr.restore(make_training_state(), step=200, allow_rollback_to=100)

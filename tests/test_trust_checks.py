@@ -336,3 +336,10 @@ def test_keys_generate_cli(tmp_path):
     assert b"PUBLIC KEY" in public.read_bytes() and b"PRIVATE KEY" in private.read_bytes()
     again = run_cli("keys", "generate", "--private", str(private), "--public", str(public))
     assert again.returncode == 2 and "refusing to overwrite" in again.stderr
+
+
+def test_a_single_trusted_key_may_be_given_alone(store, keys, tmp_path, signed):
+    with cv.CheckpointManager(
+        store, run_id="run42", trusted_keys=keys["trainer_pub"], ledger=tmp_path / "ledger.sqlite3"
+    ) as mgr:
+        assert mgr.restore(make_training_state()).step == 2000

@@ -88,6 +88,10 @@ class KeyUnavailableError(CheckpointError):
     """An encrypted generation's key cannot be obtained (no key store, unknown key)."""
 
 
+class AuditError(CheckpointError):
+    """The audit log cannot be read or appended to (damaged, unwritable)."""
+
+
 class ContractMismatch(CheckpointError):
     """The run contract (config, dataset identity, ...) differs from the stored one."""
 
@@ -129,6 +133,7 @@ class SaveFailedError(CheckpointError):
 
 
 __all__ = [
+    "AuditError",
     "CheckpointError",
     "ContractMismatch",
     "DecryptionError",

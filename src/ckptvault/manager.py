@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 
 from ckptvault._version import __version__
 from ckptvault.errors import (
+    AuditError,
     CheckpointError,
     KeyUnavailableError,
     NoValidCheckpoint,
@@ -180,12 +181,17 @@ class CheckpointManager:
         self._contract = build_contract(self._contract_fields, code_revision())
 
         self._signing_key = load_private_key(signing_key) if signing_key is not None else None
+        if isinstance(trusted_keys, (str, bytes, os.PathLike)) or hasattr(
+            trusted_keys, "public_bytes"
+        ):
+            trusted_keys = [trusted_keys]  # type: ignore[list-item]  # one key given alone
         self._trusted = TrustedKeys.load(trusted_keys) if trusted_keys is not None else None
         self._keystore = open_keystore(keystore) if keystore is not None else None
-        if isinstance(keystore, (str, os.PathLike)):
+        keystore_location = getattr(self._keystore, "location", None)
+        if keystore_location:
             _outside_store(
                 self.store.root,
-                Path(keystore),
+                Path(keystore_location),
                 "key store",
                 "keys must not live beside what they protect; a copy of the store would carry them",
             )
@@ -211,6 +217,13 @@ class CheckpointManager:
             if audit_on
             else None
         )
+        if self._audit is not None:
+            _outside_store(
+                self.store.root,
+                self._audit.path,
+                "audit log",
+                "whoever can write the store could then rewrite the record of what happened",
+            )
         if max_in_flight < 1 or if_busy not in ("wait", "skip"):
             raise UsageError(
                 f"max_in_flight must be >= 1 and if_busy 'wait' or 'skip', got {max_in_flight}, {if_busy!r}"
@@ -341,7 +354,8 @@ class CheckpointManager:
         self.stats.bytes_written += manifest.total_bytes
         self.stats.last_save_seconds = time.perf_counter() - started
         if self._audit is not None:
-            self._audit.append(
+            self._record(
+                f"generation {generation_id} (step {step}) was published",
                 "save",
                 run_id=self.run_id,
                 step=step,
@@ -355,11 +369,21 @@ class CheckpointManager:
             step, generation_id, ref.location, manifest.total_bytes, manifest.created_at
         )
 
+    def _record(self, done: str, event: str, **fields: Any) -> None:
+        """Append to the audit log after the fact; a failure says what already happened."""
+        assert self._audit is not None
+        try:
+            self._audit.append(event, **fields)
+        except AuditError as exc:
+            raise AuditError(f"{done}, but recording it in the audit log failed: {exc}") from exc
+
     def _encryption_section(self, wrapped_keys: dict[str, tuple[str, bytes]]) -> dict[str, Any]:
         kek_ids = {kek for kek, _ in wrapped_keys.values()}
         if len(kek_ids) > 1:
             raise KeyUnavailableError(
-                f"files of one generation were wrapped by different keys: {kek_ids}"
+                f"files of one generation were wrapped by different keys ({sorted(kek_ids)}): the "
+                "key store changed during the save. Nothing was published; check the key store "
+                "and save again"
             )
         return {
             "cipher": CIPHER,
@@ -423,16 +447,19 @@ class CheckpointManager:
         try:
             return self._restore(state, step, strict, allow_contract_change, allow_rollback_to)
         except CheckpointError as exc:
-            if self._audit is not None:
+            if self._audit is not None and not isinstance(exc, AuditError):
                 rejected = [list(r) for r in getattr(exc, "rejected", [])]
-                self._audit.append(
-                    "refusal",
-                    run_id=self.run_id,
-                    store=self.store.location,
-                    error=type(exc).__name__,
-                    reason=str(exc).splitlines()[0][:2000],
-                    rejected=rejected,
-                )
+                try:
+                    self._audit.append(
+                        "refusal",
+                        run_id=self.run_id,
+                        store=self.store.location,
+                        error=type(exc).__name__,
+                        reason=str(exc).splitlines()[0][:2000],
+                        rejected=rejected,
+                    )
+                except AuditError as audit_error:  # the refusal itself matters more
+                    logger.error("could not record a refusal in the audit log: %s", audit_error)
             raise
 
     def _restore(
@@ -444,6 +471,12 @@ class CheckpointManager:
         allow_rollback_to: int | None,
     ) -> RestoreInfo | None:
         started = time.perf_counter()
+        if self._keystore is not None:
+            self._keystore.ensure_usable(self.run_id)  # crypto-erased runs are gone for good
+        if allow_rollback_to is not None and step is not None and step != allow_rollback_to:
+            raise UsageError(
+                f"step={step} and allow_rollback_to={allow_rollback_to} disagree; give one"
+            )
         every = self.store.list_generations()
         floor = self._ledger.floor(self.run_id) if self._ledger is not None else None
         if allow_rollback_to is not None:
@@ -451,6 +484,12 @@ class CheckpointManager:
             if floor is not None:  # below the floor is the point; abandoned stays abandoned
                 floor = RestoreFloor(self.run_id, abandoned=floor.abandoned)
         candidates = every
+        if not candidates and floor is not None and floor.step is not None:
+            raise RollbackError(
+                f"store {self.store.location} holds no generation, but run {self.run_id!r} "
+                f"restored step {floor.step} before: refusing to start over silently. Restore "
+                "the store from a copy, or start a new run id"
+            )
         if not candidates:
             if step is not None:
                 raise NoValidCheckpoint(
@@ -501,10 +540,15 @@ class CheckpointManager:
         rejected = [tuple(s) for s in skipped]
         if refused_for_floor:
             assert floor is not None
+            above = (
+                f"at or above the restore floor (step {floor.step})"
+                if floor.step is not None
+                else "that was not abandoned"
+            )
             raise RollbackError(
-                f"no generation of run {self.run_id!r} at or above the restore floor (step "
-                f"{floor.step}) passed verification; refusing to roll back silently. Restore "
-                "from a good copy, or pass allow_rollback_to=STEP to roll back on purpose",
+                f"no generation of run {self.run_id!r} {above} passed verification; refusing to "
+                "roll back silently. Restore from a good copy, or pass allow_rollback_to=STEP to "
+                "roll back on purpose",
                 rejected,
             )
         raise NoValidCheckpoint(
@@ -527,7 +571,8 @@ class CheckpointManager:
                 abandoned = [(g.generation_id, g.step) for g in every if g.step > ref.step]
                 self._ledger.lower_floor(self.run_id, ref.step, ref.generation_id, abandoned)
                 if self._audit is not None:
-                    self._audit.append(
+                    self._record(
+                        f"the rollback to step {ref.step} was applied",
                         "rollback_allowed",
                         run_id=self.run_id,
                         store=self.store.location,
@@ -539,7 +584,8 @@ class CheckpointManager:
             else:
                 self._ledger.record_restore(self.run_id, ref.step, ref.generation_id)
         if self._audit is not None:
-            self._audit.append(
+            self._record(
+                f"generation {ref.generation_id} (step {ref.step}) was restored",
                 "restore",
                 run_id=self.run_id,
                 store=self.store.location,
@@ -551,7 +597,14 @@ class CheckpointManager:
     def _load_candidate(
         self, ref: GenerationRef, policy: TrustPolicy
     ) -> tuple[Manifest, dict[str, Any], str | None]:
-        loaded = load_verified(self.store, ref, policy, self._keystore, self.threads)
+        loaded = load_verified(
+            self.store,
+            ref,
+            policy,
+            self._keystore,
+            self.threads,
+            require_encryption=self._keystore is not None,
+        )
         return loaded.manifest, loaded.saved, loaded.signer
 
     # -- listing -----------------------------------------------------------------------

@@ -8,9 +8,7 @@ from typing import Annotated
 import typer
 
 from ckptvault.cli._common import human_bytes, out
-from ckptvault.trust.audit import AuditLog, default_audit_path
 from ckptvault.trust.keystore import LocalKeyStore
-from ckptvault.trust.ledger import Ledger, default_ledger_path
 
 
 def export(
@@ -31,6 +29,7 @@ def export(
     keystore: Annotated[Path | None, typer.Option(help="Key store of an encrypted run.")] = None,
     run_id: Annotated[str | None, typer.Option(help="Require this run id.")] = None,
     audit_log: Annotated[Path | None, typer.Option(help="Audit log to record in.")] = None,
+    ledger: Annotated[Path | None, typer.Option(help="Ledger of abandoned generations.")] = None,
 ) -> None:
     """Write the tensors of one state entry, and nothing else, as safetensors."""
     from ckptvault.cli._common import open_store
@@ -47,15 +46,8 @@ def export(
         signing_key=signing_key,
         trusted_keys=trusted_key,
         keystore=LocalKeyStore(keystore) if keystore else None,
-    )
-    AuditLog(audit_log or default_audit_path(), Ledger(default_ledger_path())).append(
-        "export",
-        run_id=result.run_id,
-        step=result.step,
-        generation_id=result.generation_id,
-        out=str(result.path),
-        blake3=result.blake3,
-        signed=result.manifest_path is not None,
+        audit_log=audit_log,
+        ledger=ledger,
     )
     out.print(
         f"exported {result.tensors} tensors ({human_bytes(result.bytes)}) of {key!r} from step "

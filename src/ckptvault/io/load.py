@@ -27,6 +27,7 @@ from ckptvault.trust.checks import (
     DIGEST_MISMATCH,
     KEY_UNAVAILABLE,
     MANIFEST_INVALID,
+    NOT_ENCRYPTED,
     TENSOR_FILE_INVALID,
     UNREADABLE,
     GenerationRejected,
@@ -47,7 +48,12 @@ class LoadedGeneration:
 
 
 def load_verified(
-    store: Store, ref: GenerationRef, policy: TrustPolicy, keystore: KeyStore | None, threads: int
+    store: Store,
+    ref: GenerationRef,
+    policy: TrustPolicy,
+    keystore: KeyStore | None,
+    threads: int,
+    require_encryption: bool = False,
 ) -> LoadedGeneration:
     """Verify ``ref`` completely and decode it.
 
@@ -56,6 +62,12 @@ def load_verified(
     """
     checked = check_structure(store, ref, policy)
     manifest = checked.manifest
+    if require_encryption and manifest.encryption is None:
+        # An encrypted run never writes plaintext: a plaintext generation was planted,
+        # or written before encryption was turned on.
+        raise GenerationRejected(
+            ref, [Problem(NOT_ENCRYPTED, "the generation is not encrypted, but this run encrypts")]
+        )
     data_keys = _data_keys(ref, manifest, keystore)
     try:
         tensors = read_tensors(store, ref, manifest, threads, data_keys=data_keys)

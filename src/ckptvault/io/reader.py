@@ -227,6 +227,10 @@ class VaultStorageReader(StorageReader):
         verifier.finish()
         if decryptor is not None:
             decryptor.finish()
+            if not header_check.done:
+                raise FormatError(
+                    f"{where}: the decrypted file is too short to hold a tensor header"
+                )
         for target in file_plan.targets:
             target.finish()
 

@@ -210,6 +210,7 @@ class VaultStorageWriter(StorageWriter):
                     self.encryption.context(name),
                     self.encryption.segment_size,
                     plaintext_size,
+                    where=name,
                 )
             out.write(header.header_bytes)
             for item in items:

@@ -22,14 +22,24 @@ import torch
 from blake3 import blake3
 from safetensors.torch import save_file
 
-from ckptvault.errors import FormatError, IntegrityError, NoValidCheckpoint, UsageError
+from ckptvault.errors import (
+    CheckpointError,
+    FormatError,
+    IntegrityError,
+    NoValidCheckpoint,
+    UsageError,
+)
 from ckptvault.format.canonical import dumps_canonical, loads_canonical
+from ckptvault.format.layout import MANIFEST_NAME
+from ckptvault.format.manifest import MAX_MANIFEST_BYTES, parse_manifest
 from ckptvault.io.load import load_verified
 from ckptvault.io.writer import default_threads
 from ckptvault.state.capture import StatefulPayload
 from ckptvault.storage.posix import PosixStore
+from ckptvault.trust.audit import AuditLog, default_audit_path
 from ckptvault.trust.checks import GenerationRejected, TrustPolicy
 from ckptvault.trust.keystore import KeyStore
+from ckptvault.trust.ledger import Ledger, RestoreFloor, default_ledger_path
 from ckptvault.trust.signing import (
     EXPORT_DOMAIN,
     PrivateKeyLike,
@@ -109,16 +119,32 @@ def export_weights(
     signing_key: PrivateKeyLike | None = None,
     trusted_keys: Iterable[PublicKeyLike] | None = None,
     keystore: KeyStore | None = None,
+    audit_log: str | os.PathLike[str] | None = None,
+    ledger: str | os.PathLike[str] | None = None,
 ) -> ExportResult:
-    """Export entry ``key`` of the newest verified generation of ``step`` to ``out``."""
+    """Export entry ``key`` of the newest verified generation of ``step`` to ``out``.
+
+    ``run_id`` defaults to the one run the store holds (ambiguity is an error, so
+    another run's generation planted in the store is never exported by accident);
+    generations the ledger records as abandoned are never exported. The export is
+    recorded in the audit log (default beside the ledger).
+    """
     if dtype is not None and dtype not in DTYPES:
         raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    private = (
+        load_private_key(signing_key) if signing_key is not None else None
+    )  # fail before writing
     store = PosixStore(store_dir)
+    run_id = run_id if run_id is not None else _only_run(store)
+    book = Ledger(ledger if ledger is not None else default_ledger_path())
+    abandoned = book.floor(run_id).abandoned if book.path.exists() else frozenset()
     refs = [ref for ref in store.list_generations() if ref.step == step]
     if not refs:
         raise NoValidCheckpoint(f"store {store.location} has no generation of step {step}")
     trusted = TrustedKeys.load(trusted_keys) if trusted_keys is not None else None
-    policy = TrustPolicy(run_id=run_id, trusted_keys=trusted)
+    policy = TrustPolicy(
+        run_id=run_id, trusted_keys=trusted, floor=RestoreFloor(run_id, abandoned=abandoned)
+    )
     rejected = []
     for ref in refs:
         try:
@@ -135,6 +161,9 @@ def export_weights(
     manifest = loaded.manifest
     out_path = Path(os.path.abspath(os.fspath(out)))
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    manifest_path, signature_path = export_manifest_paths(out_path)
+    for stale in (manifest_path, signature_path):  # never leave a manifest of another file
+        stale.unlink(missing_ok=True)
     temporary = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
     metadata = {
         "format": "pt",
@@ -149,9 +178,8 @@ def export_weights(
         os.replace(temporary, out_path)
     finally:
         temporary.unlink(missing_ok=True)
-    manifest_path = None
-    if signing_key is not None:
-        private = load_private_key(signing_key)
+    signed_path = None
+    if private is not None:
         document = dumps_canonical(
             {
                 "format": EXPORT_FORMAT,
@@ -169,9 +197,19 @@ def export_weights(
                 "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
             }
         )
-        manifest_path, signature_path = export_manifest_paths(out_path)
-        manifest_path.write_bytes(document)
-        signature_path.write_bytes(sign(private, document, EXPORT_DOMAIN))
+        _write_atomically(signature_path, sign(private, document, EXPORT_DOMAIN))
+        _write_atomically(manifest_path, document)
+        signed_path = manifest_path
+    AuditLog(audit_log if audit_log is not None else default_audit_path(), book).append(
+        "export",
+        run_id=manifest.run_id,
+        step=manifest.step,
+        generation_id=manifest.generation_id,
+        entry=key,
+        out=str(out_path),
+        blake3=digest,
+        signed=signed_path is not None,
+    )
     return ExportResult(
         out_path,
         len(tensors),
@@ -180,8 +218,36 @@ def export_weights(
         manifest.run_id,
         manifest.step,
         manifest.generation_id,
-        manifest_path,
+        signed_path,
     )
+
+
+def _only_run(store: PosixStore) -> str:
+    runs = set()
+    for ref in store.list_generations():
+        try:
+            runs.add(
+                parse_manifest(
+                    store.read_bytes(ref, MANIFEST_NAME, MAX_MANIFEST_BYTES), ref.location
+                ).run_id
+            )
+        except (OSError, CheckpointError):
+            continue
+    if len(runs) != 1:
+        found = ", ".join(sorted(runs)) or "none"
+        raise UsageError(
+            f"store {store.location} holds generations of runs: {found}; pass --run-id"
+        )
+    return runs.pop()
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(temporary, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
 
 
 @dataclass(frozen=True)

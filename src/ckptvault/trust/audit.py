@@ -22,6 +22,7 @@ from typing import Any
 
 from blake3 import blake3
 
+from ckptvault.errors import AuditError
 from ckptvault.format.canonical import dumps_canonical
 from ckptvault.trust.ledger import Ledger, default_state_dir
 
@@ -38,27 +39,44 @@ def entry_hash(entry: dict[str, Any]) -> str:
     return blake3(dumps_canonical(body)).hexdigest()
 
 
-def _last_entry(fd: int) -> dict[str, Any] | None:
+def _last_entry(fd: int, path: Path) -> dict[str, Any] | None:
     size = os.fstat(fd).st_size
     if size == 0:
         return None
     start = max(0, size - _TAIL_BYTES)
     tail = os.pread(fd, size - start, start)
-    lines = tail.rstrip(b"\n").split(b"\n")
-    return json.loads(lines[-1])
+    try:
+        if not tail.endswith(b"\n"):
+            raise ValueError("the last entry is cut off")
+        entry = json.loads(tail.rstrip(b"\n").split(b"\n")[-1])
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("seq"), int)
+            or "hash" not in entry
+        ):
+            raise ValueError("the last line is not an audit entry")
+    except ValueError as exc:
+        raise AuditError(
+            f"audit log {path} is damaged ({exc}); nothing more can be chained to it. Run "
+            "`ckptvault audit verify` on it, keep it as evidence, and point audit_log= at a new file"
+        ) from exc
+    return entry
 
 
 class AuditLog:
     def __init__(self, path: str | os.PathLike[str], ledger: Ledger | None) -> None:
-        self.path = Path(os.path.abspath(os.fspath(path)))
+        self.path = Path(os.path.realpath(os.fspath(path)))
         self.ledger = ledger
 
     def append(self, event: str, **fields: Any) -> dict[str, Any]:
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise AuditError(f"cannot open audit log {self.path}: {exc.strerror or exc}") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            last = _last_entry(fd)
+            last = _last_entry(fd, self.path)
             entry: dict[str, Any] = {
                 "seq": 0 if last is None else int(last["seq"]) + 1,
                 "time": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
@@ -90,7 +108,7 @@ class AuditReport:
 
 def verify_audit_log(path: str | os.PathLike[str], ledger: Ledger | None) -> AuditReport:
     """Check every link of the chain, and the tail against the ledger's head."""
-    log = Path(os.path.abspath(os.fspath(path)))
+    log = Path(os.path.realpath(os.fspath(path)))
     report = AuditReport(str(log))
     data = log.read_bytes()
     if data and not data.endswith(b"\n"):
@@ -99,9 +117,12 @@ def verify_audit_log(path: str | os.PathLike[str], ledger: Ledger | None) -> Aud
     for index, line in enumerate(data.split(b"\n")[:-1] if data else []):
         try:
             entry = json.loads(line)
+            if not isinstance(entry, dict):
+                raise ValueError("not an object")
         except ValueError:
-            report.problems.append(f"line {index + 1} is not JSON")
+            report.problems.append(f"line {index + 1} is not a JSON audit entry")
             previous = "?"
+            report.entries += 1
             continue
         if entry.get("seq") != index:
             report.problems.append(
@@ -126,12 +147,17 @@ def verify_audit_log(path: str | os.PathLike[str], ledger: Ledger | None) -> Aud
                 f"the log has {report.entries} entries but the ledger recorded {count}: "
                 "its tail was cut off"
             )
-        elif report.entries >= count and count > 0:
+        else:
+            if report.entries > count:
+                report.problems.append(
+                    f"the log has {report.entries - count} entries after the head the ledger "
+                    f"recorded (entry {count}): they were appended without the ledger"
+                )
             lines = data.split(b"\n")
             try:
-                recorded = json.loads(lines[count - 1]).get("hash")
-            except (ValueError, IndexError):
+                recorded = json.loads(lines[count - 1]).get("hash") if count else GENESIS
+            except (ValueError, IndexError, AttributeError):
                 recorded = None
-            if recorded != last_hash:
+            if count and recorded != last_hash:
                 report.problems.append(f"entry {count} differs from the head the ledger recorded")
     return report

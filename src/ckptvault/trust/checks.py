@@ -75,6 +75,7 @@ MANIFEST_INCONSISTENT = "manifest-inconsistent"
 DIGEST_MISMATCH = "digest-mismatch"
 AUTHENTICATION_FAILED = "authentication-failed"
 KEY_UNAVAILABLE = "key-unavailable"
+NOT_ENCRYPTED = "not-encrypted"
 UNREADABLE = "unreadable"
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin")

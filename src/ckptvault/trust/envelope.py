@@ -66,8 +66,10 @@ class EncryptingWriter:
         context: bytes,
         segment_size: int,
         plaintext_size: int,
+        where: str = "encrypted file",
     ) -> None:
         self.sink = sink
+        self.where = where
         self.header = build_container_header(segment_size, plaintext_size)
         self._aead = AESGCM(data_key)
         self._context = context
@@ -81,7 +83,10 @@ class EncryptingWriter:
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
         if self._written + len(view) > self.header.plaintext_size:
-            raise FormatError("more plaintext than the container header announced")
+            raise FormatError(
+                f"{self.where}: more plaintext than the container header announced (the state "
+                "changed while it was being saved)"
+            )
         position = 0
         segment = len(self._buffer)
         while position < len(view):
@@ -118,8 +123,8 @@ class EncryptingWriter:
     def close(self) -> None:
         if self._written != self.header.plaintext_size:
             raise FormatError(
-                f"container got {self._written} plaintext bytes, "
-                f"announced {self.header.plaintext_size}"
+                f"{self.where}: container got {self._written} plaintext bytes, announced "
+                f"{self.header.plaintext_size} (the state changed while it was being saved)"
             )
         self._seal(memoryview(self._buffer)[: self._fill], final=True)
 

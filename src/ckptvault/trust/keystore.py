@@ -108,9 +108,28 @@ class LocalKeyStore:
         if self.is_destroyed(run_id):
             raise self._destroyed_error(run_id)
 
+    def _check_private(self, path: Path, mode: int) -> None:
+        """Refuse a key store that others could have written: keys or directory that
+        are group/other-writable, or key files readable by others or owned by another
+        user (someone could have planted a KEK of their choosing)."""
+        info = path.stat()
+        if info.st_mode & mode or (hasattr(os, "getuid") and info.st_uid != os.getuid()):
+            raise KeyUnavailableError(
+                f"{path} has unsafe permissions ({oct(info.st_mode & 0o777)}, owner uid "
+                f"{info.st_uid}); a key store must be private to its user. Fix with chmod "
+                "700 on the directory and 600 on key files, or use another key store"
+            )
+
     def _tombstone(self, run_id: str) -> KeyInfo:
-        raw = json.loads(self._tombstone_path(run_id).read_text())
-        return KeyInfo(raw["run_id"], raw["kek_id"], raw["created_at"], raw["destroyed_at"])
+        path = self._tombstone_path(run_id)
+        try:
+            raw = json.loads(path.read_text())
+            return KeyInfo(raw["run_id"], raw["kek_id"], raw["created_at"], raw["destroyed_at"])
+        except (OSError, ValueError, KeyError, TypeError):
+            # A damaged tombstone still means destroyed: the key is never used again.
+            return KeyInfo(
+                run_id, "unknown", "unknown", f"unknown (tombstone {path.name} is damaged)"
+            )
 
     def _destroyed_error(self, run_id: str) -> KeyDestroyedError:
         info = self._tombstone(run_id)
@@ -121,15 +140,22 @@ class LocalKeyStore:
         )
 
     def _read_key(self, run_id: str) -> tuple[str, bytes] | None:
-        try:
-            raw = json.loads(self._key_path(run_id).read_text())
-        except FileNotFoundError:
+        path = self._key_path(run_id)
+        if not path.exists():
             return None
-        except (OSError, ValueError) as exc:
+        self._check_private(self.directory, 0o022)
+        self._check_private(path, 0o077)
+        try:
+            raw = json.loads(path.read_text())
+            key = base64.b64decode(raw["key"], validate=True)
+            if raw["run_id"] != run_id or len(key) != 32:
+                raise ValueError("it does not hold a 256-bit key for this run")
+            return str(raw["kek_id"]), key
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             raise KeyUnavailableError(
-                f"key file for run {run_id!r} in {self.location} is unreadable: {exc}"
+                f"key file {path} for run {run_id!r} is unreadable or malformed ({exc}); restore "
+                "it from the key store's backup: without it the run cannot be read"
             ) from exc
-        return raw["kek_id"], base64.b64decode(raw["key"])
 
     def _get_or_create(self, run_id: str) -> tuple[str, bytes]:
         if self.is_destroyed(run_id):
@@ -138,6 +164,7 @@ class LocalKeyStore:
         if existing is not None:
             return existing
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._check_private(self.directory, 0o022)
         kek_id = "kek-" + secrets.token_hex(8)
         key = AESGCM.generate_key(bit_length=256)
         document = {
@@ -191,11 +218,19 @@ class LocalKeyStore:
         if self.is_destroyed(run_id):
             info = self._tombstone(run_id)
         else:
-            found = self._read_key(run_id)
-            if found is None:
-                raise UsageError(f"key store {self.location} holds no key for run {run_id!r}")
-            raw = json.loads(self._key_path(run_id).read_text())
-            info = KeyInfo(run_id, found[0], raw.get("created_at", ""), _now())
+            try:
+                raw = json.loads(self._key_path(run_id).read_text())
+            except FileNotFoundError:
+                raise UsageError(
+                    f"key store {self.location} holds no key for run {run_id!r}"
+                ) from None
+            except (OSError, ValueError):
+                raw = {}  # destroy even a damaged key file
+            if not isinstance(raw, dict):
+                raw = {}
+            info = KeyInfo(
+                run_id, str(raw.get("kek_id", "unknown")), str(raw.get("created_at", "")), _now()
+            )
             # The tombstone is durable before the key goes: a crash in between still
             # reads as destroyed, and the next destroy finishes the job.
             tomb = self._tombstone_path(run_id)
@@ -223,16 +258,14 @@ class LocalKeyStore:
         for path in sorted(self.directory.iterdir()):
             try:
                 raw = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
+                run_id, kek_id = str(raw["run_id"]), str(raw["kek_id"])
+                created, destroyed = str(raw["created_at"]), raw.get("destroyed_at")
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                continue  # not one of ours
             if path.suffix == ".kek":
-                infos.setdefault(
-                    raw["run_id"], KeyInfo(raw["run_id"], raw["kek_id"], raw["created_at"])
-                )
+                infos.setdefault(run_id, KeyInfo(run_id, kek_id, created))
             elif path.suffix == ".tombstone":
-                infos[raw["run_id"]] = KeyInfo(
-                    raw["run_id"], raw["kek_id"], raw["created_at"], raw["destroyed_at"]
-                )
+                infos[run_id] = KeyInfo(run_id, kek_id, created, destroyed)
         return sorted(infos.values(), key=lambda info: info.run_id)
 
 

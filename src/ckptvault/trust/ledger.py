@@ -82,6 +82,17 @@ class RestoreFloor:
                 f"step {step} is below the restore floor {self.step} (generation "
                 f"{self.generation_id} was restored before): refusing to roll back"
             )
+        if (
+            self.step is not None
+            and step == self.step
+            and self.generation_id is not None
+            and generation_id < self.generation_id
+        ):
+            # Generation ids sort by creation time: an older save of the floor's step.
+            return (
+                f"generation {generation_id} is an older save of step {step} than "
+                f"{self.generation_id}, which was restored before: refusing to roll back"
+            )
         return None
 
 
