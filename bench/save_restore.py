@@ -170,12 +170,11 @@ def safetensors_save(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def dcp_save(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, opt_sd = get_state_dict(model, opt)  # DCP's own (FQN-keyed) state dicts
     writer = dcp.FileSystemWriter(str(path), sync_files=True)
-    dcp.save(
-        {"model": model.state_dict(), "optimizer": opt.state_dict()},
-        storage_writer=writer,
-        no_dist=True,
-    )
+    dcp.save({"model": model_sd, "optimizer": opt_sd}, storage_writer=writer, no_dist=True)
 
 
 # -- the run -----------------------------------------------------------------------------

@@ -368,3 +368,19 @@ def test_damaged_key_files_give_typed_errors(store, keystore, encrypted):
     (keystore / "foreign.kek").write_text("[1, 2]")
     (keystore / "foreign.kek").chmod(0o600)
     assert run_cli("keys", "list", "--keystore", str(keystore)).returncode == 0
+
+
+def test_concurrent_first_use_creates_one_key(tmp_path):
+    import threading
+
+    store = LocalKeyStore(tmp_path / "keys")
+    ids: list[str] = []
+    threads = [
+        threading.Thread(target=lambda: ids.append(store.wrap("r", b"k" * 32, b"c")[0]))
+        for _ in range(8)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(set(ids)) == 1 and len(list((tmp_path / "keys").glob("*.kek"))) == 1

@@ -173,16 +173,24 @@ class LocalKeyStore:
             "key": base64.b64encode(key).decode("ascii"),
             "created_at": _now(),
         }
+        # Write the whole key under a private name, then link it into place: link()
+        # fails if the name exists, so concurrent creators agree on one key and no
+        # reader ever sees a half-written file.
+        temporary = self.directory / f".{secrets.token_hex(8)}.tmp"
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            fd = os.open(self._key_path(run_id), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:  # another process created it first
-            created = self._read_key(run_id)
-            assert created is not None
-            return created
-        with os.fdopen(fd, "w") as handle:
-            json.dump(document, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
+            with os.fdopen(fd, "w") as handle:
+                json.dump(document, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            try:
+                os.link(temporary, self._key_path(run_id))
+            except FileExistsError:  # another writer created it first: use theirs
+                created = self._read_key(run_id)
+                assert created is not None
+                return created
+        finally:
+            temporary.unlink(missing_ok=True)
         _fsync_dir(self.directory)
         return kek_id, key
 
