@@ -246,8 +246,11 @@ class VaultStorageReader(StorageReader):
         bounce_view = memoryview(bounce.numpy())
         scatter = _Scatter([t for t in targets if not t.direct])
         first = 0
+        _advise(fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
         for lo in range(0, size, chunk_size):
             hi = min(lo + chunk_size, size)
+            # Ask the kernel to fetch the next chunks while this one is hashed.
+            _advise(fd, hi, 2 * chunk_size, "POSIX_FADV_WILLNEED")
             while first < len(targets) and targets[first].end <= lo:
                 first += 1
             pieces: list[memoryview] = []
@@ -298,6 +301,11 @@ class VaultStorageReader(StorageReader):
         verifier.finish()
         for target in targets:
             target.finish()
+
+
+def _advise(fd: int, offset: int, length: int, advice: str) -> None:
+    if hasattr(os, "posix_fadvise") and hasattr(os, advice):
+        os.posix_fadvise(fd, offset, length, getattr(os, advice))
 
 
 def _preadv_full(fd: int, pieces: list[memoryview], offset: int) -> int:
