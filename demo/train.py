@@ -1,10 +1,11 @@
 """The demo's training job: a small model trained with periodic checkpoints.
 
-    python demo/train.py STORE --steps N --save-every K [--restore-only]
+    python demo/train.py STORE --steps N --save-every K [--async-save] [--batch B] [--restore-only]
 
 On start it restores the newest valid generation of STORE (if any) and continues
 from there. It prints one JSON event per line: ``restored``, ``step``, ``saved``,
-``done`` (with a digest of the final weights).
+``done`` (with a digest of the final weights and the training loop's seconds).
+``--save-every 0`` trains without checkpoints (the baseline for the overhead).
 """
 
 from __future__ import annotations
@@ -65,13 +66,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--save-every", type=int, default=25)
     parser.add_argument("--restore-only", action="store_true")
+    parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--batch", type=int, default=CONFIG["batch"])
     args = parser.parse_args()
+    CONFIG["batch"] = args.batch
 
     state = build_state()
     features = torch.randn(4096, 32, generator=torch.Generator().manual_seed(0))
     targets = features[:, :4].sum(dim=1, keepdim=True).tanh()
     with cv.CheckpointManager(
-        args.store, run_id="demo", contract={"config": CONFIG, "dataset": "synthetic-v1"}
+        args.store,
+        run_id="demo",
+        contract={"config": CONFIG, "dataset": "synthetic-v1"},
+        async_save=args.async_save,
     ) as mgr:
         info = mgr.restore(state)
         emit(
@@ -83,6 +90,8 @@ def main() -> None:
         if args.restore_only:
             return
         model, opt, sched = state["model"], state["optimizer"], state["scheduler"]
+        loop_started = time.perf_counter()
+        stalls: list[float] = []
         while state["meta"]["next_step"] < args.steps:
             step = state["meta"]["next_step"]
             index = torch.from_numpy(state["sampler"].integers(0, len(features), CONFIG["batch"]))
@@ -94,11 +103,24 @@ def main() -> None:
             state["meta"]["next_step"] = step + 1
             state["meta"]["samples_seen"] += CONFIG["batch"]
             emit("step", step=step, loss=loss.item())
-            if (step + 1) % args.save_every == 0:
+            if args.save_every and (step + 1) % args.save_every == 0:
                 started = time.perf_counter()
-                saved = mgr.save(step, state).result()
-                emit("saved", step=step, seconds=time.perf_counter() - started, bytes=saved.bytes)
-        emit("done", step=state["meta"]["next_step"] - 1, weights=weights_digest(state["model"]))
+                handle = mgr.save(step, state)
+                stalls.append(time.perf_counter() - started)
+                if not args.async_save:
+                    saved = handle.result()
+                    emit("saved", step=step, seconds=stalls[-1], bytes=saved.bytes)
+        waited = time.perf_counter()
+        mgr.wait()  # the last background save is part of the loop's cost
+        stalls.append(time.perf_counter() - waited)
+        emit(
+            "done",
+            step=state["meta"]["next_step"] - 1,
+            weights=weights_digest(state["model"]),
+            loop_seconds=time.perf_counter() - loop_started,
+            saves=mgr.stats.saves_completed,
+            stall_seconds=sum(stalls),
+        )
 
 
 if __name__ == "__main__":
