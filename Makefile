@@ -31,7 +31,7 @@ crash: $(STAMP)
 	CKPTVAULT_CRASH_KILLS=200 $(PY) -m pytest -q tests/test_crash_safety.py
 
 bench: $(STAMP)
-	$(PY) -m bench.save_restore --size-gb 1
+	$(PY) -m bench.save_restore --size-gb 1 --reps 7
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

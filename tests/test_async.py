@@ -199,3 +199,19 @@ def test_synchronous_save_memory_is_bounded():
     assert result.returncode == 0, result.stderr
     growth = int(result.stdout.strip().splitlines()[-1])
     assert growth < 64 * 1024 * 1024 + 16 * 64 * 1024, f"peak RSS grew by {growth / 2**20:.1f} MiB"
+
+
+def test_plans_are_reused_while_the_layout_holds(store: Path):
+    model = torch.nn.Linear(8, 8)
+    with cv.CheckpointManager(store, run_id="r", async_save=True) as mgr:
+        for step in range(3):
+            mgr.save(step, {"model": model})
+        mgr.wait()
+        assert mgr.stats.plans_reused == 2
+        bigger = {"model": model, "extra": torch.arange(5.0)}  # the layout changes: replan
+        mgr.save(3, bigger).result()
+        assert mgr.stats.plans_reused == 2
+        target = {"model": torch.nn.Linear(8, 8), "extra": torch.zeros(5)}
+        assert mgr.restore(target).step == 3
+    assert torch.equal(target["extra"], torch.arange(5.0))
+    assert torch.equal(target["model"].weight, model.weight)

@@ -19,6 +19,7 @@ import base64
 import concurrent.futures
 import logging
 import os
+import secrets
 import time
 import warnings
 import weakref
@@ -44,6 +45,7 @@ from ckptvault.format.manifest import MAX_CHUNK_SIZE, Manifest
 from ckptvault.io.dcp_io import write_tensors
 from ckptvault.io.handles import SaveHandle, SaveStats
 from ckptvault.io.load import load_verified
+from ckptvault.io.planners import forget_cached_plans
 from ckptvault.io.staging import StagingPool
 from ckptvault.io.writer import default_threads
 from ckptvault.state.apply import plan_restore
@@ -236,6 +238,7 @@ class CheckpointManager:
         self._in_flight: list[SaveHandle] = []
         self._pool: ThreadPoolExecutor | None = None
         self._parent: str | None = None
+        self._plan_cache_key = secrets.token_hex(8)
         self._closed = False
 
     # -- saving ------------------------------------------------------------------------
@@ -318,8 +321,14 @@ class CheckpointManager:
                     else None
                 )
                 writer = write_tensors(
-                    captured.tensors, staging, self.chunk_size, self.threads, encryption
+                    captured.tensors,
+                    staging,
+                    self.chunk_size,
+                    self.threads,
+                    encryption,
+                    plan_cache_key=self._plan_cache_key,
                 )
+                self.stats.plans_reused += int(writer.reused_plan)
                 manifest = Manifest(
                     run_id=self.run_id,
                     step=step,
@@ -630,6 +639,7 @@ class CheckpointManager:
                 self._pool_finalizer.detach()
                 self._pool.shutdown(wait=True)
             self.store.release_writer()
+            forget_cached_plans(self._plan_cache_key)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -47,6 +47,7 @@ def write_tensors(
     chunk_size: int,
     threads: int | None,
     encryption: FileEncryption | None = None,
+    plan_cache_key: str | None = None,
 ) -> VaultStorageWriter:
     """Write tensors as safetensors files (or encrypted containers of them); the
     returned writer holds the DCP metadata JSON, file records and wrapped keys."""
@@ -55,7 +56,9 @@ def write_tensors(
     )
     if tensors:
         try:
-            dcp.save(tensors, storage_writer=writer, planner=TensorOnlySavePlanner(), no_dist=True)
+            planner = TensorOnlySavePlanner(plan_cache_key)
+            dcp.save(tensors, storage_writer=writer, planner=planner, no_dist=True)
+            writer.reused_plan = planner.reused_plan
         except CheckpointException as exc:
             _reraise(exc, SaveFailedError, "saving tensors")
     if writer.dcp_json is None:

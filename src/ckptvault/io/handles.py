@@ -26,6 +26,7 @@ class SaveStats:
     last_stall_seconds: float = 0.0
     last_save_seconds: float = 0.0
     staging_allocations: int = 0
+    plans_reused: int = 0
 
 
 class SaveHandle:

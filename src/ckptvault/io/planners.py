@@ -12,14 +12,48 @@ import io
 from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.planner import ReadItem, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
 
 from ckptvault.errors import FormatError
 
 
 class TensorOnlySavePlanner(DefaultSavePlanner):
-    def __init__(self, enable_plan_caching: bool = False) -> None:
-        super().__init__(flatten_state_dict=False, enable_plan_caching=enable_plan_caching)
+    """DCP's default planner, tensors only, with plans cached per ``cache_key``.
+
+    With a cache key, DCP reuses the previous save's plans while the state's layout
+    (names, shapes, dtypes) is unchanged, and replans when it changes; ``reused_plan``
+    tells which happened. Each manager uses its own key.
+    """
+
+    def __init__(self, cache_key: str | None = None) -> None:
+        super().__init__(flatten_state_dict=False, enable_plan_caching=cache_key is not None)
+        if cache_key is not None:
+            self._cached_plans_key = f"ckptvault:{cache_key}"
+        self.reused_plan = False
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        self.reused_plan = not plan.usable
+        return plan
+
+
+def forget_cached_plans(cache_key: str) -> None:
+    """Drop a manager's cached plans from DCP's class-level caches."""
+    key = f"ckptvault:{cache_key}"
+    for cache in (
+        SavePlanner._cached_save_plan,
+        SavePlanner._cached_all_plans,
+        SavePlanner._cached_global_plan,
+        SavePlanner._cached_metadata,
+        SavePlanner._cached_final_save_plan,
+    ):
+        cache.pop(key, None)
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
         if write_item.type == WriteItemType.BYTE_IO:

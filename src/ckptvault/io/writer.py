@@ -109,6 +109,7 @@ class VaultStorageWriter(StorageWriter):
         self.dcp_json: dict[str, Any] | None = None
         self.file_records: dict[str, FileRecord] = {}
         self.wrapped_keys: dict[str, tuple[str, bytes]] = {}
+        self.reused_plan = False
 
     # -- DCP protocol ------------------------------------------------------------------
 
