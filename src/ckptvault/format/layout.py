@@ -61,6 +61,11 @@ def format_timestamp(moment: datetime) -> str:
     return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def utc_now() -> str:
+    """Now, as the ISO-8601 UTC timestamp every ckptvault record uses."""
+    return format_timestamp(datetime.now(timezone.utc))
+
+
 def generation_dirname(step: int, generation_id: str) -> str:
     return f"step-{step:012d}.{generation_id}"
 

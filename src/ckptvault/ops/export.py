@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from ckptvault.errors import (
     UsageError,
 )
 from ckptvault.format.canonical import dumps_canonical, loads_canonical
-from ckptvault.format.layout import MANIFEST_NAME
+from ckptvault.format.layout import MANIFEST_NAME, utc_now
 from ckptvault.format.manifest import MAX_MANIFEST_BYTES, parse_manifest
 from ckptvault.io.load import load_verified
 from ckptvault.io.writer import default_threads
@@ -194,7 +193,7 @@ def export_weights(
                     "step": manifest.step,
                     "generation_id": manifest.generation_id,
                 },
-                "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+                "created_at": utc_now(),
             }
         )
         _write_atomically(signature_path, sign(private, document, EXPORT_DOMAIN))

@@ -16,7 +16,6 @@ import fcntl
 import json
 import os
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from blake3 import blake3
 
 from ckptvault.errors import AuditError
 from ckptvault.format.canonical import dumps_canonical
+from ckptvault.format.layout import utc_now
 from ckptvault.trust.ledger import Ledger, default_state_dir
 
 GENESIS = "0" * 64
@@ -79,7 +79,7 @@ class AuditLog:
             last = _last_entry(fd, self.path)
             entry: dict[str, Any] = {
                 "seq": 0 if last is None else int(last["seq"]) + 1,
-                "time": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+                "time": utc_now(),
                 "event": event,
                 **fields,
                 "prev": GENESIS if last is None else last["hash"],

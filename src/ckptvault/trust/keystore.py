@@ -17,7 +17,6 @@ import json
 import os
 import secrets
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Protocol
 
@@ -26,6 +25,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ckptvault.errors import KeyDestroyedError, KeyUnavailableError, UsageError
+from ckptvault.format.layout import utc_now as _now
+from ckptvault.storage.posix import fsync_directory as _fsync_dir
 
 _WRAP_DOMAIN = b"ckptvault key wrap v1\0"
 _NONCE_BYTES = 12
@@ -66,18 +67,6 @@ class KeyStore(Protocol):
     def destroy(self, run_id: str) -> KeyInfo: ...
 
     def list_keys(self) -> list[KeyInfo]: ...
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LocalKeyStore:

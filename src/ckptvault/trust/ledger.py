@@ -21,8 +21,9 @@ import os
 import sqlite3
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
+
+from ckptvault.format.layout import utc_now as _now
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS floors (
@@ -55,10 +56,6 @@ def default_state_dir() -> Path:
 
 def default_ledger_path() -> Path:
     return default_state_dir() / "ledger.sqlite3"
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 @dataclass(frozen=True)
