@@ -68,25 +68,6 @@ def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         assert torch.equal(a[key], b[key]), key
 
 
-def run_python(
-    code: str, *args: str, timeout: float = 300, env: dict | None = None
-) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter (the same venv); raises on failure."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), **(env or {})}
-    result = subprocess.run(
-        [sys.executable, "-c", code, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=full_env,
-    )
-    if result.returncode != 0:
-        raise AssertionError(
-            f"subprocess failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
-        )
-    return result
-
-
 def run_cli(*args: str, timeout: float = 120, env: dict | None = None) -> CompletedProcess:
     """Run the installed ``ckptvault`` command as a user would."""
     return subprocess.run(
