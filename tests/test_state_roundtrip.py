@@ -124,10 +124,10 @@ def test_generators_restored_in_place_and_save_draws_nothing(store: Path):
     np.random.seed(2)
     torch.manual_seed(3)
     state = {"np": np_gen, "mt": mt_gen, "tg": torch_gen, "rng": cv.RNGState()}
-    with cv.CheckpointManager(store, run_id="r") as mgr:
-        mgr.save(0, state)
-        # Saving drew from no generator: the next draws equal a copy's next draws.
-        expected = (
+
+    def next_draws() -> tuple:
+        """One draw from every generator in play, independent and global."""
+        return (
             np_gen.integers(0, 2**62, 4).tolist(),
             mt_gen.random(3).tolist(),
             torch.randint(0, 2**62, (4,), generator=torch_gen).tolist(),
@@ -135,21 +135,18 @@ def test_generators_restored_in_place_and_save_draws_nothing(store: Path):
             np.random.random(),
             torch.rand(2).tolist(),
         )
+
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        mgr.save(0, state)
+        # Saving drew from no generator: the next draws equal a copy's next draws.
+        expected = next_draws()
         np_gen.random(100)
         torch.rand(50, generator=torch_gen)
         random.seed(123)
         np.random.seed(456)
         torch.manual_seed(789)
         mgr.restore(state)
-    got = (
-        np_gen.integers(0, 2**62, 4).tolist(),
-        mt_gen.random(3).tolist(),
-        torch.randint(0, 2**62, (4,), generator=torch_gen).tolist(),
-        random.random(),
-        np.random.random(),
-        torch.rand(2).tolist(),
-    )
-    assert got == expected
+    assert next_draws() == expected
     assert state["np"] is np_gen and state["tg"] is torch_gen
 
 

@@ -241,49 +241,39 @@ class VaultStorageReader(StorageReader):
         straight into the destination tensors it covers (gaps into a bounce buffer),
         hashed from there, and compared before the next chunk is read."""
         chunk_size = self.manifest.chunk_size
-        targets = sorted(file_plan.targets, key=lambda t: t.start)
+        direct = sorted((t for t in file_plan.targets if t.direct), key=lambda t: t.start)
         bounce = torch.empty(chunk_size, dtype=torch.uint8)
         bounce_view = memoryview(bounce.numpy())
-        scatter = _Scatter([t for t in targets if not t.direct])
-        first = 0
+        to_copy = _Scatter([t for t in file_plan.targets if not t.direct])
+        direct_fallback = _Scatter(direct)  # for chunks with too many pieces for one preadv
+        first = 0  # the first direct target that may still overlap a chunk
         _advise(fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
         for lo in range(0, size, chunk_size):
             hi = min(lo + chunk_size, size)
             # Ask the kernel to fetch the next chunks while this one is hashed.
             _advise(fd, hi, 2 * chunk_size, "POSIX_FADV_WILLNEED")
-            while first < len(targets) and targets[first].end <= lo:
+            while first < len(direct) and direct[first].end <= lo:
                 first += 1
+            # Direct targets never overlap one another: walk them, filling gaps from bounce.
             pieces: list[memoryview] = []
             position = lo
             index = first
-            while position < hi:
-                target = targets[index] if index < len(targets) else None
-                if target is not None and target.direct and target.start <= position < target.end:
-                    upto = min(target.end, hi)
-                    pieces.append(
-                        memoryview(
-                            target.buffer[position - target.start : upto - target.start].numpy()
-                        )
-                    )
-                else:
-                    upto = hi
-                    while index < len(targets) and targets[index].end <= position:
-                        index += 1
-                    for later in targets[index:]:
-                        if later.direct and later.start > position:
-                            upto = min(upto, later.start)
-                            break
-                        if later.direct and later.start <= position < later.end:
-                            break
-                    pieces.append(bounce_view[position - lo : upto - lo])
-                position = upto
-                while index < len(targets) and targets[index].end <= position:
-                    index += 1
-            if len(pieces) > 512:  # too many iovecs: one plain read instead
+            while index < len(direct) and direct[index].start < hi:
+                target = direct[index]
+                index += 1
+                if target.start > position:
+                    pieces.append(bounce_view[position - lo : target.start - lo])
+                    position = target.start
+                upto = min(target.end, hi)
+                if upto > position:
+                    region = target.buffer[position - target.start : upto - target.start]
+                    pieces.append(memoryview(region.numpy()))
+                    position = upto
+            if position < hi:
+                pieces.append(bounce_view[position - lo : hi - lo])
+            fallback = len(pieces) > 512  # too many iovecs: one plain read, then copy
+            if fallback:
                 pieces = [bounce_view[: hi - lo]]
-                direct_pieces = False
-            else:
-                direct_pieces = True
             count = _preadv_full(fd, pieces, lo)
             if count != hi - lo:
                 raise IntegrityError(
@@ -291,15 +281,15 @@ class VaultStorageReader(StorageReader):
                 )
             for piece in pieces:
                 verifier.update(piece)  # raises before any byte of the chunk is used
-            if not direct_pieces:
-                _Scatter([t for t in targets if t.direct]).put(lo, bounce[: hi - lo])
-            scatter.put(lo, bounce[: hi - lo])
+            if fallback:
+                direct_fallback.put(lo, bounce[: hi - lo])
+            to_copy.put(lo, bounce[: hi - lo])
             if self.on_bytes is not None:
                 self.on_bytes(hi - lo)
         if os.pread(fd, 1, size):
             raise IntegrityError(f"{name}: file is longer than the {size} bytes recorded")
         verifier.finish()
-        for target in targets:
+        for target in file_plan.targets:
             target.finish()
 
 
