@@ -21,6 +21,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check src tests demo bench
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -33,9 +33,9 @@ def test_publish_protocol_order(store: Path, monkeypatch: pytest.MonkeyPatch):
         events.append(("fsync", fd_paths.get(fd, "?")))
         return real_fsync(fd)
 
-    def tracking_rename(src, dst):
+    def tracking_rename(src, dst, **dir_fds):
         events.append(("rename", f"{src} -> {dst}"))
-        return real_rename(src, dst)
+        return real_rename(src, dst, **dir_fds)
 
     monkeypatch.setattr(posix.os, "open", tracking_open)
     monkeypatch.setattr(posix.os, "fsync", tracking_fsync)
@@ -43,7 +43,6 @@ def test_publish_protocol_order(store: Path, monkeypatch: pytest.MonkeyPatch):
     with cv.CheckpointManager(store, run_id="r") as mgr:
         info = mgr.save(1, {"model": torch.nn.Linear(4, 4)}).result()
     monkeypatch.undo()
-    staging = store / ".staging"
     kinds = [(kind, Path(target.split(" -> ")[0]).name) for kind, target in events]
     rename_at = [i for i, (kind, _) in enumerate(kinds) if kind == "rename"]
     assert len(rename_at) == 1
@@ -52,7 +51,8 @@ def test_publish_protocol_order(store: Path, monkeypatch: pytest.MonkeyPatch):
     assert synced_before[-2:] == ["manifest.json", info.generation_id]  # manifest, then its dir
     assert any(name.endswith(".safetensors") for name in synced_before[:-2])
     assert ("fsync", store.name) in after  # the store directory, after the rename
-    assert events[rename_at[0]][1] == f"{staging / info.generation_id} -> {info.path}"
+    # Renamed relative to directory descriptors: .staging/<id> -> <store>/step-...
+    assert events[rename_at[0]][1] == f"{info.generation_id} -> {Path(info.path).name}"
 
 
 def test_staging_leftovers_are_ignored_then_removed(store: Path):

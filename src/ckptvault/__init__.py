@@ -17,12 +17,12 @@ from ckptvault import errors
 from ckptvault._version import __version__
 
 if TYPE_CHECKING:
-    from ckptvault.io.handles import SaveHandle, SaveStats
     from ckptvault.manager import (
         CheckpointManager,
         RestoreInfo,
         SkippedGeneration,
     )
+    from ckptvault.saving.handles import SaveHandle, SaveStats
     from ckptvault.state.rng import RNGState
     from ckptvault.storage.listing import GenerationInfo
 
@@ -30,8 +30,8 @@ _LAZY = {
     "CheckpointManager": "ckptvault.manager",
     "GenerationInfo": "ckptvault.storage.listing",
     "RestoreInfo": "ckptvault.manager",
-    "SaveHandle": "ckptvault.io.handles",
-    "SaveStats": "ckptvault.io.handles",
+    "SaveHandle": "ckptvault.saving.handles",
+    "SaveStats": "ckptvault.saving.handles",
     "SkippedGeneration": "ckptvault.manager",
     "RNGState": "ckptvault.state.rng",
 }

@@ -21,6 +21,12 @@ class IntegrityError(CheckpointError):
     """Bytes on storage do not match what the manifest promises (size or digest)."""
 
 
+class UnsafeEntryError(IntegrityError):
+    """An entry of the store is not what ckptvault wrote there: a symlink, a hard
+    link, a FIFO or a directory where a plain file or directory belongs. ckptvault
+    never follows, opens or writes through such an entry."""
+
+
 class DecryptionError(IntegrityError):
     """An encrypted segment failed authentication: edited, reordered, truncated, or
     moved from another file, generation or run."""
@@ -148,6 +154,7 @@ __all__ = [
     "StateMismatchError",
     "StorageFullError",
     "StoreLockedError",
+    "UnsafeEntryError",
     "UnsupportedValueError",
     "UsageError",
 ]

@@ -47,9 +47,11 @@ def main(argv: list[str] | None = None) -> int:
                 return _fail("aborted", 130)
             raise
         if type(exc).__name__ == "NoArgsIsHelpError":
+            # A click exception, possibly from typer's vendored copy of click: duck-typed.
             exc.show()  # type: ignore[attr-defined]
             return 0
-        return _fail(f"{exc.format_message()} (see --help)", exit_code)  # type: ignore[attr-defined]
+        message = exc.format_message()  # type: ignore[attr-defined]  # checked callable above
+        return _fail(f"{message} (see --help)", exit_code)
     return result if isinstance(result, int) else 0
 
 

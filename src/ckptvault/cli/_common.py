@@ -7,38 +7,35 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
 from ckptvault.errors import UsageError
-from ckptvault.storage.base import GenerationRef
-from ckptvault.storage.posix import PosixStore
+from ckptvault.restoring.selector import CandidateSelector
+from ckptvault.storage import open_store as _open_store
+from ckptvault.storage.base import GenerationRef, Store
+from ckptvault.trust.context import TrustContext
 
 out = Console(soft_wrap=True, highlight=False)
 err = Console(stderr=True, soft_wrap=True, highlight=False)
 
 
-def open_store(directory: Path) -> PosixStore:
-    if not directory.exists():
-        raise UsageError(f"no checkpoint store at {directory} (the directory does not exist)")
-    if not directory.is_dir():
-        raise UsageError(f"{directory} is not a directory")
-    return PosixStore(directory)
+def open_store(location: str) -> Store:
+    """The store a command reads; an error when nothing is there."""
+    return _open_store(location, must_exist=True)
 
 
-def select(store: PosixStore, step: int | None, every: bool) -> list[GenerationRef]:
+def select(
+    store: Store, step: int | None, every: bool, trust: TrustContext | None = None
+) -> list[GenerationRef]:
     """The generations a command acts on: the newest, those of ``step``, or all."""
-    refs = store.list_generations()
-    if not refs:
+    selection = CandidateSelector(store, None, trust or TrustContext()).select(step)
+    if not selection.candidates:
         raise UsageError(f"store {store.location} holds no generations")
-    if step is not None:
-        chosen = [ref for ref in refs if ref.step == step]
-        if not chosen:
-            raise UsageError(f"store {store.location} has no generation of step {step}")
-        return chosen
-    return refs if every else refs[:1]
+    if every or step is not None:
+        return selection.candidates
+    return selection.candidates[:1]
 
 
 def print_json(value: Any) -> None:

@@ -12,7 +12,7 @@ from ckptvault.trust.keystore import LocalKeyStore
 
 
 def export(
-    store: Annotated[Path, typer.Argument(help="The checkpoint store.")],
+    store: Annotated[str, typer.Argument(help="The checkpoint store (path or file:// URL).")],
     step: Annotated[int, typer.Option(help="The step to export.")],
     out_path: Annotated[Path, typer.Option("--out", help="The safetensors file to write.")],
     key: Annotated[str, typer.Option(help="The state entry to export.")] = "model",
@@ -32,10 +32,8 @@ def export(
     ledger: Annotated[Path | None, typer.Option(help="Ledger of abandoned generations.")] = None,
 ) -> None:
     """Write the tensors of one state entry, and nothing else, as safetensors."""
-    from ckptvault.cli._common import open_store
     from ckptvault.ops.export import export_weights  # imports torch
 
-    open_store(store)
     result = export_weights(
         store,
         step,

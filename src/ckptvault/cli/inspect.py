@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -17,12 +16,13 @@ from rich.table import Table
 
 from ckptvault.cli._common import human_bytes, open_store, out, print_json, select
 from ckptvault.errors import FormatError
+from ckptvault.format.manifest import Manifest
 from ckptvault.format.tensorfile import element_size
 from ckptvault.trust.checks import GenerationRejected, check_structure
 
 
 def inspect(
-    directory: Annotated[Path, typer.Argument(help="The checkpoint store.")],
+    directory: Annotated[str, typer.Argument(help="The checkpoint store (path or file:// URL).")],
     step: Annotated[
         int | None, typer.Option(help="Inspect the newest generation of this step.")
     ] = None,
@@ -35,28 +35,36 @@ def inspect(
         manifest = check_structure(store, ref).manifest
     except GenerationRejected as rejected:
         raise FormatError(f"cannot inspect {ref.location}: {rejected.reason}") from rejected
+    report = _report(manifest, ref.location)
+    if as_json:
+        print_json(report)
+    else:
+        _print_report(report)
+
+
+def _report(manifest: Manifest, location: str) -> dict[str, Any]:
+    """Everything ``inspect`` shows, as JSON-able data."""
     tensors = manifest.dcp.get("tensors", {})
-    tensor_rows = [
-        {
-            "key": key,
-            "dtype": info["dtype"],
-            "shape": info["shape"],
-            "bytes": math.prod(info["shape"]) * element_size(info["dtype"]),
-        }
-        for key, info in sorted(tensors.items())
-    ]
-    report = {
+    return {
         "generation": {
             "step": manifest.step,
             "generation_id": manifest.generation_id,
             "run_id": manifest.run_id,
-            "path": ref.location,
+            "path": location,
             "created_at": manifest.created_at,
             "parent": manifest.parent,
             "format_version": manifest.format_version,
             "bytes": manifest.total_bytes,
         },
-        "tensors": tensor_rows,
+        "tensors": [
+            {
+                "key": key,
+                "dtype": info["dtype"],
+                "shape": info["shape"],
+                "bytes": math.prod(info["shape"]) * element_size(info["dtype"]),
+            }
+            for key, info in sorted(tensors.items())
+        ],
         "state": _describe(manifest.state, tensors),
         "contract": manifest.contract,
         "files": {
@@ -64,29 +72,29 @@ def inspect(
             for name, rec in manifest.files.items()
         },
     }
-    if as_json:
-        print_json(report)
-        return
+
+
+def _print_report(report: dict[str, Any]) -> None:
     gen = report["generation"]
     out.print(
         f"[bold]step {gen['step']}[/bold]  {gen['generation_id']}  run {gen['run_id']}  "
         f"{human_bytes(gen['bytes'])}  created {gen['created_at']}"
     )
-    table = Table(title="tensors", box=None, pad_edge=False, title_justify="left")
+    tensors = Table(title="tensors", box=None, pad_edge=False, title_justify="left")
     for column in ("key", "dtype", "shape", "bytes"):
-        table.add_column(column, justify="right" if column == "bytes" else "left")
-    for row in tensor_rows:
-        table.add_row(row["key"], row["dtype"], str(row["shape"]), human_bytes(row["bytes"]))
-    out.print(table)
+        tensors.add_column(column, justify="right" if column == "bytes" else "left")
+    for row in report["tensors"]:
+        tensors.add_row(row["key"], row["dtype"], str(row["shape"]), human_bytes(row["bytes"]))
+    out.print(tensors)
     out.print("[bold]state[/bold] (tensors shown as <dtype\\[shape]>)")
     out.print(json.dumps(report["state"], indent=2, ensure_ascii=False), markup=False)
     out.print("[bold]contract[/bold]")
-    out.print(json.dumps(manifest.contract, indent=2, ensure_ascii=False), markup=False)
+    out.print(json.dumps(report["contract"], indent=2, ensure_ascii=False), markup=False)
     files = Table(title="files", box=None, pad_edge=False, title_justify="left")
     for column in ("name", "size", "blake3"):
         files.add_column(column)
-    for name, rec in sorted(manifest.files.items()):
-        files.add_row(name, human_bytes(rec.size), rec.blake3)
+    for name, record in sorted(report["files"].items()):
+        files.add_row(name, human_bytes(record["size"]), record["blake3"])
     out.print(files)
 
 

@@ -17,9 +17,8 @@ from rich.table import Table
 
 from ckptvault.cli._common import out, print_json
 from ckptvault.errors import UsageError
-from ckptvault.trust.audit import AuditLog, default_audit_path
+from ckptvault.trust.context import TrustContext
 from ckptvault.trust.keystore import LocalKeyStore
-from ckptvault.trust.ledger import Ledger, default_ledger_path
 from ckptvault.trust.signing import generate_keypair
 
 app = typer.Typer(help="Signing keys and per-run encryption keys.", no_args_is_help=True)
@@ -70,9 +69,10 @@ def destroy(
             f"destroying the key of run {run!r} makes every generation and copy of it unreadable "
             "forever; pass --yes to confirm"
         )
-    info = LocalKeyStore(keystore).destroy(run)
-    log = AuditLog(audit_log or default_audit_path(), Ledger(ledger or default_ledger_path()))
-    log.append("key_destroyed", run_id=run, kek_id=info.kek_id, keystore=str(keystore.resolve()))
+    trust = TrustContext.configure(
+        keystore=LocalKeyStore(keystore), audit_log=audit_log, ledger=ledger, always_audit=True
+    )
+    info = trust.destroy_run_key(run)
     out.print(
         f"destroyed key {info.kek_id} of run {run!r}; every generation of it is now unreadable"
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -13,7 +12,7 @@ from ckptvault.storage.listing import list_generation_infos
 
 
 def ls(
-    directory: Annotated[Path, typer.Argument(help="The checkpoint store.")],
+    directory: Annotated[str, typer.Argument(help="The checkpoint store (path or file:// URL).")],
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list on stdout.")] = False,
 ) -> None:
     """List generations (step, id, path, size, creation time), newest first."""

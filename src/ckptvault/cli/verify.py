@@ -13,15 +13,17 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from ckptvault.cli._common import err, human_bytes, open_store, out, print_json, select
-from ckptvault.errors import UsageError
+from ckptvault.errors import CheckpointError, UsageError
+from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import TrustPolicy, VerificationReport, verify_generation
+from ckptvault.trust.context import TrustContext
 from ckptvault.trust.signing import TrustedKeys
 
 PROGRESS_THRESHOLD = 64 * 1024 * 1024  # show a bar only when hashing is not instant
 
 
 def verify(
-    directory: Annotated[Path, typer.Argument(help="The checkpoint store.")],
+    directory: Annotated[str, typer.Argument(help="The checkpoint store (path or file:// URL).")],
     step: Annotated[int | None, typer.Option(help="Check the generations of this step.")] = None,
     every: Annotated[bool, typer.Option("--all", help="Check every generation.")] = False,
     run_id: Annotated[str | None, typer.Option(help="Also require this run id.")] = None,
@@ -35,10 +37,9 @@ def verify(
     if step is not None and every:
         raise UsageError("--step and --all are mutually exclusive")
     store = open_store(directory)
-    policy = TrustPolicy(
-        run_id=run_id, trusted_keys=TrustedKeys.load(trusted_key) if trusted_key else None
-    )
-    reports = [_verify_one(store, ref, policy) for ref in select(store, step, every)]
+    trust = TrustContext(trusted=TrustedKeys.load(trusted_key) if trusted_key else None)
+    policy = trust.policy(run_id, floor=None)
+    reports = [_verify_one(store, ref, policy) for ref in select(store, step, every, trust)]
     if as_json:
         print_json([_report_json(report) for report in reports])
     else:
@@ -48,12 +49,10 @@ def verify(
         raise typer.Exit(1)
 
 
-def _verify_one(store: Any, ref: Any, policy: TrustPolicy) -> VerificationReport:
+def _verify_one(store: Store, ref: GenerationRef, policy: TrustPolicy) -> VerificationReport:
     try:
-        total = sum(
-            entry.size for entry in store.list_entries(ref).values() if entry.kind == "file"
-        )
-    except OSError:
+        total = sum(e.size for e in store.list_entries(ref).values() if e.unsafe is None)
+    except (OSError, CheckpointError):
         total = 0  # verify_generation reports why the generation cannot be listed
     with Progress(
         TextColumn(f"verifying step {ref.step}"),

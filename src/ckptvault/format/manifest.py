@@ -15,6 +15,7 @@ Top-level keys (format version 1):
   ``{"$tensor": key}`` references into ``dcp``)
 - ``contract``: the run contract (user fields, code revision, versions)
 - ``writer``: who wrote it (ckptvault version, world size)
+- ``encryption`` (encrypted generations only): see :class:`EncryptionSection`
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from blake3 import blake3
 from ckptvault.errors import FormatError
 from ckptvault.format.canonical import dumps_canonical, loads_canonical
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, is_generation_id
-from ckptvault.trust.digests import FileRecord
+from ckptvault.format.records import EncryptionSection, FileRecord
 
 FORMAT_VERSION = 1
 MAX_CHUNK_SIZE = 1 << 30
@@ -40,7 +41,6 @@ MAX_MANIFEST_BYTES = 512 * 1024 * 1024
 # A file name inside a generation: one plain path component, never hidden, never a
 # traversal, never one of the reserved names.
 _FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
-_HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
 RESERVED_NAMES = frozenset({MANIFEST_NAME, SIGNATURE_NAME})
 
 
@@ -50,6 +50,10 @@ class ManifestDigestError(FormatError):
 
 class UnsafeNameError(FormatError):
     """A manifest names a file with an absolute path, ``..``, or another unsafe name."""
+
+
+class UnsupportedFormatVersion(FormatError):
+    """The manifest was written in a format version this ckptvault does not read."""
 
 
 def is_safe_file_name(name: str) -> bool:
@@ -69,7 +73,7 @@ class Manifest:
     state: dict[str, Any]
     contract: dict[str, Any]
     writer: dict[str, Any] = field(default_factory=dict)
-    encryption: dict[str, Any] | None = None
+    encryption: EncryptionSection | None = None
     format_version: int = FORMAT_VERSION
 
     @property
@@ -92,7 +96,7 @@ class Manifest:
             "writer": self.writer,
         }
         if self.encryption is not None:
-            document["encryption"] = self.encryption
+            document["encryption"] = self.encryption.to_json()
         return document
 
     def to_bytes(self) -> bytes:
@@ -118,27 +122,14 @@ def check_format_version(version: object, where: str) -> int:
     if version not in READABLE_FORMAT_VERSIONS:
         newest = max(READABLE_FORMAT_VERSIONS)
         if version > newest:
-            raise FormatError(
+            raise UnsupportedFormatVersion(
                 f"{where}: written in format version {version}, but this ckptvault reads "
                 f"versions up to {newest}; upgrade ckptvault to restore it"
             )
-        raise FormatError(f"{where}: format version {version} is not one this ckptvault reads")
+        raise UnsupportedFormatVersion(
+            f"{where}: format version {version} is not one this ckptvault reads"
+        )
     return version
-
-
-def _parse_file_record(name: str, raw: Any, where: str) -> FileRecord:
-    if not isinstance(raw, dict):
-        raise FormatError(f"{where}: entry for file {name!r} is not an object")
-    size = _require(raw, "size", int, f"{where} file {name!r}")
-    digest = _require(raw, "blake3", str, f"{where} file {name!r}")
-    chunks = _require(raw, "chunks", list, f"{where} file {name!r}")
-    if (
-        size < 0
-        or not _HEX64_RE.match(digest)
-        or not all(isinstance(c, str) and _HEX64_RE.match(c) for c in chunks)
-    ):
-        raise FormatError(f"{where}: entry for file {name!r} has an invalid size or digest")
-    return FileRecord(size=size, blake3=digest, chunks=tuple(chunks))
 
 
 def parse_manifest(data: bytes, where: str) -> Manifest:
@@ -181,7 +172,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
                 f"{where}: file name {name!r} is not a plain relative name (absolute paths, "
                 "'..', hidden and reserved names are refused)"
             )
-        files[name] = _parse_file_record(name, record, where)
+        files[name] = FileRecord.parse(name, record, where)
         expected_chunks = -(-files[name].size // chunk_size)
         if len(files[name].chunks) != expected_chunks:
             raise FormatError(f"{where}: file {name!r} lists the wrong number of chunk digests")
@@ -198,28 +189,9 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         state=_require(raw, "state", dict, where),
         contract=_require(raw, "contract", dict, where),
         writer=_require(raw, "writer", dict, where),
-        encryption=_parse_encryption(raw.get("encryption"), files, where),
+        encryption=(
+            EncryptionSection.parse(raw["encryption"], files, where)
+            if raw.get("encryption") is not None
+            else None
+        ),
     )
-
-
-def _parse_encryption(raw: Any, files: dict[str, FileRecord], where: str) -> dict[str, Any] | None:
-    """Validate the ``encryption`` section: KEK id, segment size, a wrapped key per
-    encrypted file (never a plaintext key)."""
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise FormatError(f"{where}: encryption must be an object")
-    _require(raw, "kek_id", str, f"{where} encryption")
-    _require(raw, "cipher", str, f"{where} encryption")
-    segment_size = _require(raw, "segment_size", int, f"{where} encryption")
-    wrapped = _require(raw, "files", dict, f"{where} encryption")
-    if segment_size <= 0:
-        raise FormatError(f"{where}: encryption segment_size must be positive")
-    for name, entry in wrapped.items():
-        if (
-            name not in files
-            or not isinstance(entry, dict)
-            or not isinstance(entry.get("wrapped_key"), str)
-        ):
-            raise FormatError(f"{where}: encryption entry for {name!r} is malformed")
-    return raw

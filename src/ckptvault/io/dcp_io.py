@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptvault.errors import CheckpointError, FormatError, SaveFailedError
 from ckptvault.format.manifest import Manifest
-from ckptvault.io.dcp_metadata import metadata_from_json
+from ckptvault.io.dcp_metadata import metadata_from_json, tensor_metadata
 from ckptvault.io.planners import TensorOnlyLoadPlanner, TensorOnlySavePlanner
 from ckptvault.io.reader import VaultStorageReader
 from ckptvault.io.writer import VaultStorageWriter
@@ -48,11 +48,13 @@ def write_tensors(
     threads: int | None,
     encryption: FileEncryption | None = None,
     plan_cache_key: str | None = None,
+    rank: int = 0,
 ) -> VaultStorageWriter:
-    """Write tensors as safetensors files (or encrypted containers of them); the
-    returned writer holds the DCP metadata JSON, file records and wrapped keys."""
+    """Write tensors as safetensors files (or encrypted containers of them), named
+    after ``rank``; the returned writer holds the DCP metadata JSON, file records and
+    wrapped keys."""
     writer = VaultStorageWriter(
-        staging, chunk_size=chunk_size, threads=threads, encryption=encryption
+        staging, chunk_size=chunk_size, threads=threads, encryption=encryption, rank=rank
     )
     if tensors:
         try:
@@ -70,10 +72,10 @@ def allocate_destinations(
     manifest: Manifest, where: str
 ) -> tuple[dict[str, torch.Tensor], Any, Any]:
     metadata, locations = metadata_from_json(manifest.dcp, where)
-    destinations = {
-        fqn: torch.empty(tuple(info.size), dtype=info.properties.dtype)  # type: ignore[union-attr]
-        for fqn, info in metadata.state_dict_metadata.items()
-    }
+    destinations = {}
+    for fqn in metadata.state_dict_metadata:
+        info = tensor_metadata(metadata, fqn)
+        destinations[fqn] = torch.empty(tuple(info.size), dtype=info.properties.dtype)
     return destinations, metadata, locations
 
 

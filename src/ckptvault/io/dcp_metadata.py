@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -47,6 +48,14 @@ def dtype_from_name(name: str, where: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise FormatError(f"{where}: unknown dtype {name!r}")
     return dtype
+
+
+def tensor_metadata(metadata: Metadata, fqn: str) -> TensorStorageMetadata:
+    """The storage metadata of tensor ``fqn`` (ckptvault stores nothing else in DCP)."""
+    info = metadata.state_dict_metadata[fqn]
+    if not isinstance(info, TensorStorageMetadata):
+        raise FormatError(f"entry {fqn!r} is not a tensor; ckptvault stores only tensors in DCP")
+    return info
 
 
 def metadata_to_json(
@@ -83,7 +92,7 @@ def metadata_from_json(
     raw: dict[str, Any], where: str
 ) -> tuple[Metadata, dict[MetadataIndex, StoredChunk]]:
     try:
-        state_dict_metadata: dict[str, TensorStorageMetadata] = {}
+        state_dict_metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         locations: dict[MetadataIndex, StoredChunk] = {}
         for fqn, info in raw["tensors"].items():
             dtype = dtype_from_name(info["dtype"], where)

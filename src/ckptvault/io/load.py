@@ -7,7 +7,6 @@ through exactly the same rules.
 
 from __future__ import annotations
 
-import base64
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +16,7 @@ from ckptvault.errors import (
     IntegrityError,
     KeyDestroyedError,
     KeyUnavailableError,
+    UnsafeEntryError,
 )
 from ckptvault.format.manifest import Manifest
 from ckptvault.io.dcp_io import read_tensors
@@ -30,6 +30,7 @@ from ckptvault.trust.checks import (
     NOT_ENCRYPTED,
     TENSOR_FILE_INVALID,
     UNREADABLE,
+    UNSAFE_ENTRY,
     GenerationRejected,
     Problem,
     TrustPolicy,
@@ -73,6 +74,8 @@ def load_verified(
         tensors = read_tensors(store, ref, manifest, threads, data_keys=data_keys)
     except DecryptionError as exc:
         raise GenerationRejected(ref, [Problem(AUTHENTICATION_FAILED, str(exc))]) from exc
+    except UnsafeEntryError as exc:
+        raise GenerationRejected(ref, [Problem(UNSAFE_ENTRY, str(exc))]) from exc
     except IntegrityError as exc:
         raise GenerationRejected(ref, [Problem(DIGEST_MISMATCH, str(exc))]) from exc
     except FormatError as exc:
@@ -99,13 +102,12 @@ def _data_keys(
         )
     section = manifest.encryption
     keys = {}
-    for name, entry in section["files"].items():
+    for name, wrapped in section.wrapped_keys.items():
         try:
-            wrapped = base64.b64decode(entry["wrapped_key"], validate=True)
             context = binding(manifest.run_id, manifest.generation_id, name)
-            keys[name] = keystore.unwrap(manifest.run_id, section["kek_id"], wrapped, context)
+            keys[name] = keystore.unwrap(manifest.run_id, section.kek_id, wrapped, context)
         except KeyDestroyedError:
             raise
-        except (KeyUnavailableError, ValueError) as exc:
+        except KeyUnavailableError as exc:
             raise GenerationRejected(ref, [Problem(KEY_UNAVAILABLE, str(exc), name)]) from exc
     return keys

@@ -42,6 +42,14 @@ class TensorOnlySavePlanner(DefaultSavePlanner):
         self.reused_plan = not plan.usable
         return plan
 
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:
+        """DCP's hook for serializing non-tensors (with ``torch.save``): refused."""
+        if write_item.type == WriteItemType.BYTE_IO:
+            raise FormatError(
+                f"{write_item.index.fqn!r} is not a tensor; ckptvault never pickles state"
+            )
+        return object
+
 
 def forget_cached_plans(cache_key: str) -> None:
     """Drop a manager's cached plans from DCP's class-level caches."""
@@ -54,13 +62,6 @@ def forget_cached_plans(cache_key: str) -> None:
         SavePlanner._cached_final_save_plan,
     ):
         cache.pop(key, None)
-
-    def transform_object(self, write_item: WriteItem, object: Any) -> Any:
-        if write_item.type == WriteItemType.BYTE_IO:
-            raise FormatError(
-                f"{write_item.index.fqn!r} is not a tensor; ckptvault never pickles state"
-            )
-        return object
 
 
 class TensorOnlyLoadPlanner(DefaultLoadPlanner):

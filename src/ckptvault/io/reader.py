@@ -30,7 +30,7 @@ from torch.futures import Future
 from ckptvault.errors import FormatError, IntegrityError
 from ckptvault.format.manifest import Manifest
 from ckptvault.format.tensorfile import header_length, parse_header
-from ckptvault.io.dcp_metadata import StoredChunk, dtype_from_name
+from ckptvault.io.dcp_metadata import StoredChunk, dtype_from_name, tensor_metadata
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import check_chunk_locations
 from ckptvault.trust.digests import ChunkVerifier, read_full
@@ -132,9 +132,9 @@ class VaultStorageReader(StorageReader):
         self, location: StoredChunk, items: list[ReadItem], planner: LoadPlanner
     ) -> _Target:
         fqn = items[0].storage_index.fqn
-        info = self.metadata.state_dict_metadata[fqn]
-        chunk_meta = info.chunks[_chunk_index(info.chunks, items[0].storage_index)]  # type: ignore[union-attr]
-        dtype = dtype_from_name(str(info.properties.dtype).removeprefix("torch."), fqn)  # type: ignore[union-attr]
+        info = tensor_metadata(self.metadata, fqn)
+        chunk_meta = info.chunks[_chunk_index(info.chunks, items[0].storage_index)]
+        dtype = dtype_from_name(str(info.properties.dtype).removeprefix("torch."), fqn)
         sizes = list(chunk_meta.sizes)
         end = location.start + location.length
         if len(items) == 1:
@@ -203,7 +203,7 @@ class VaultStorageReader(StorageReader):
             context = binding(self.manifest.run_id, self.manifest.generation_id, name)
             decryptor = SegmentDecryptor(self.data_keys[name], context, where, emit)
         block = torch.empty(chunk_size, dtype=torch.uint8)
-        block_view = memoryview(block.numpy())
+        block_view = block.numpy().data
         position = 0
         with self.store.open_file(self.ref, name) as stream:
             while position < record.size:
@@ -243,7 +243,7 @@ class VaultStorageReader(StorageReader):
         chunk_size = self.manifest.chunk_size
         direct = sorted((t for t in file_plan.targets if t.direct), key=lambda t: t.start)
         bounce = torch.empty(chunk_size, dtype=torch.uint8)
-        bounce_view = memoryview(bounce.numpy())
+        bounce_view = bounce.numpy().data
         to_copy = _Scatter([t for t in file_plan.targets if not t.direct])
         direct_fallback = _Scatter(direct)  # for chunks with too many pieces for one preadv
         first = 0  # the first direct target that may still overlap a chunk
@@ -267,7 +267,7 @@ class VaultStorageReader(StorageReader):
                 upto = min(target.end, hi)
                 if upto > position:
                     region = target.buffer[position - target.start : upto - target.start]
-                    pieces.append(memoryview(region.numpy()))
+                    pieces.append(region.numpy().data)
                     position = upto
             if position < hi:
                 pieces.append(bounce_view[position - lo : hi - lo])

@@ -18,17 +18,24 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptvault.errors import FormatError
 from ckptvault.format.container import ENCRYPTED_SUFFIX
 from ckptvault.format.layout import tensor_file_name
+from ckptvault.format.records import FileRecord
 from ckptvault.format.tensorfile import build_header
 from ckptvault.io.dcp_metadata import StoredChunk, dtype_name, metadata_to_json
 from ckptvault.storage.base import StagingArea, WritableFile
-from ckptvault.trust.digests import FileDigester, FileRecord
+from ckptvault.trust.digests import FileDigester
 from ckptvault.trust.envelope import EncryptingWriter, FileEncryption
 
 WRITE_PIECE = 8 * 1024 * 1024  # bytes handed to write()/hash at a time
@@ -77,7 +84,13 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
         tensor = tensor.cpu()
     tensor = tensor.resolve_conj().resolve_neg().contiguous()
     flat = tensor.reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy())
+    return flat.numpy().data
+
+
+def _tensor_data(item: WriteItem) -> TensorWriteData:
+    """A tensor write item's properties (BYTE_IO items were refused before)."""
+    assert item.tensor_data is not None
+    return item.tensor_data
 
 
 def _bucket(items: list[WriteItem], files: int) -> list[list[WriteItem]]:
@@ -98,13 +111,14 @@ class VaultStorageWriter(StorageWriter):
         chunk_size: int,
         threads: int | None = None,
         encryption: FileEncryption | None = None,
+        rank: int = 0,
     ) -> None:
         super().__init__()
         self.staging = staging
         self.chunk_size = chunk_size
         self.threads = threads or default_threads()
         self.encryption = encryption
-        self.rank = 0
+        self.rank = rank
         self.is_coordinator = True
         self.dcp_json: dict[str, Any] | None = None
         self.file_records: dict[str, FileRecord] = {}
@@ -120,7 +134,9 @@ class VaultStorageWriter(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
-        self.rank = int(kwargs.get("rank", 0) or 0)
+        rank = kwargs.get("rank")
+        if isinstance(rank, int):
+            self.rank = rank
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -180,16 +196,15 @@ class VaultStorageWriter(StorageWriter):
     ) -> list[WriteResult]:
         # Wider elements first keeps every tensor naturally aligned, as safetensors does.
         items = sorted(
-            items,
-            key=lambda i: (-i.tensor_data.properties.dtype.itemsize, chunk_name(i)),  # type: ignore[union-attr]
+            items, key=lambda i: (-_tensor_data(i).properties.dtype.itemsize, chunk_name(i))
         )
         header = build_header(
             (
                 (
                     chunk_name(i),
-                    dtype_name(i.tensor_data.properties.dtype),
-                    tuple(i.tensor_data.chunk.sizes),
-                )  # type: ignore[union-attr]
+                    dtype_name(_tensor_data(i).properties.dtype),
+                    tuple(_tensor_data(i).chunk.sizes),
+                )
                 for i in items
             ),
             {"format": "pt", "writer": "ckptvault"},
@@ -215,7 +230,12 @@ class VaultStorageWriter(StorageWriter):
                 )
             out.write(header.header_bytes)
             for item in items:
-                data = tensor_bytes(planner.resolve_data(item))  # type: ignore[arg-type]
+                resolved = planner.resolve_data(item)
+                if not isinstance(resolved, torch.Tensor):
+                    raise FormatError(
+                        f"{item.index.fqn!r} is not a tensor; ckptvault never pickles"
+                    )
+                data = tensor_bytes(resolved)
                 entry = header.entries[chunk_name(item)]
                 if len(data) != entry.nbytes:
                     raise FormatError(

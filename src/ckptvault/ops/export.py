@@ -19,8 +19,10 @@ from typing import Any
 
 import torch
 from blake3 import blake3
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from safetensors.torch import save_file
 
+from ckptvault.durable import atomic_path, write_atomically
 from ckptvault.errors import (
     CheckpointError,
     FormatError,
@@ -30,21 +32,20 @@ from ckptvault.errors import (
 )
 from ckptvault.format.canonical import dumps_canonical, loads_canonical
 from ckptvault.format.layout import MANIFEST_NAME, utc_now
-from ckptvault.format.manifest import MAX_MANIFEST_BYTES, parse_manifest
-from ckptvault.io.load import load_verified
+from ckptvault.format.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from ckptvault.io.load import LoadedGeneration, load_verified
 from ckptvault.io.writer import default_threads
+from ckptvault.restoring.selector import CandidateSelector
 from ckptvault.state.capture import StatefulPayload
-from ckptvault.storage.posix import PosixStore
-from ckptvault.trust.audit import AuditLog, default_audit_path
-from ckptvault.trust.checks import GenerationRejected, TrustPolicy
+from ckptvault.storage import StoreLocation, open_store
+from ckptvault.storage.base import Store
+from ckptvault.trust.context import TrustContext
 from ckptvault.trust.keystore import KeyStore
-from ckptvault.trust.ledger import Ledger, RestoreFloor, default_ledger_path
 from ckptvault.trust.signing import (
     EXPORT_DOMAIN,
     PrivateKeyLike,
     PublicKeyLike,
     TrustedKeys,
-    load_private_key,
     sign,
     verify,
 )
@@ -108,7 +109,7 @@ def select_weights(
 
 
 def export_weights(
-    store_dir: str | os.PathLike[str],
+    store_dir: StoreLocation,
     step: int,
     out: str | os.PathLike[str],
     *,
@@ -130,76 +131,30 @@ def export_weights(
     """
     if dtype is not None and dtype not in DTYPES:
         raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    private = (
-        load_private_key(signing_key) if signing_key is not None else None
-    )  # fail before writing
-    store = PosixStore(store_dir)
-    run_id = run_id if run_id is not None else _only_run(store)
-    book = Ledger(ledger if ledger is not None else default_ledger_path())
-    abandoned = book.floor(run_id).abandoned if book.path.exists() else frozenset()
-    refs = [ref for ref in store.list_generations() if ref.step == step]
-    if not refs:
-        raise NoValidCheckpoint(f"store {store.location} has no generation of step {step}")
-    trusted = TrustedKeys.load(trusted_keys) if trusted_keys is not None else None
-    policy = TrustPolicy(
-        run_id=run_id, trusted_keys=trusted, floor=RestoreFloor(run_id, abandoned=abandoned)
+    trust = TrustContext.configure(  # loads the signing key: fails before writing
+        signing_key=signing_key,
+        trusted_keys=trusted_keys,
+        keystore=keystore,
+        ledger=ledger,
+        audit_log=audit_log,
+        always_ledger=True,
+        always_audit=True,
     )
-    rejected = []
-    for ref in refs:
-        try:
-            loaded = load_verified(store, ref, policy, keystore, default_threads())
-            break
-        except GenerationRejected as exc:
-            rejected.append((ref.generation_id, ref.step, exc.reason))
-    else:
-        raise NoValidCheckpoint(
-            f"no generation of step {step} in {store.location} verifies", rejected
-        )
-
+    store = open_store(store_dir, must_exist=True)
+    trust.check_outside(store)
+    run_id = run_id if run_id is not None else _only_run(store)
+    loaded = _load_source(store, run_id, step, trust)
     tensors = select_weights(loaded.saved, key, dtype)
     manifest = loaded.manifest
     out_path = Path(os.path.abspath(os.fspath(out)))
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    manifest_path, signature_path = export_manifest_paths(out_path)
-    for stale in (manifest_path, signature_path):  # never leave a manifest of another file
-        stale.unlink(missing_ok=True)
-    temporary = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
-    metadata = {
-        "format": "pt",
-        "ckptvault_run_id": manifest.run_id,
-        "ckptvault_step": str(manifest.step),
-        "ckptvault_generation_id": manifest.generation_id,
-        "ckptvault_entry": key,
-    }
-    try:
-        save_file(tensors, str(temporary), metadata=metadata)
-        digest, size = _digest(temporary, sync=True)
-        os.replace(temporary, out_path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    digest, size = _write_weights(out_path, tensors, manifest, key)
     signed_path = None
-    if private is not None:
-        document = dumps_canonical(
-            {
-                "format": EXPORT_FORMAT,
-                "file": out_path.name,
-                "size": size,
-                "blake3": digest,
-                "entry": key,
-                "dtype": dtype,
-                "tensors": len(tensors),
-                "source": {
-                    "run_id": manifest.run_id,
-                    "step": manifest.step,
-                    "generation_id": manifest.generation_id,
-                },
-                "created_at": utc_now(),
-            }
+    if trust.signer is not None:
+        signed_path = _write_export_manifest(
+            trust.signer, out_path, size, digest, key, dtype, len(tensors), manifest
         )
-        _write_atomically(signature_path, sign(private, document, EXPORT_DOMAIN))
-        _write_atomically(manifest_path, document)
-        signed_path = manifest_path
-    AuditLog(audit_log if audit_log is not None else default_audit_path(), book).append(
+    trust.record(
+        f"step {manifest.step} was exported to {out_path}",
         "export",
         run_id=manifest.run_id,
         step=manifest.step,
@@ -221,7 +176,76 @@ def export_weights(
     )
 
 
-def _only_run(store: PosixStore) -> str:
+def _load_source(store: Store, run_id: str, step: int, trust: TrustContext) -> LoadedGeneration:
+    """The newest generation of ``step`` that verifies, through restore's own path.
+
+    Export never rewinds a run, so the floor does not apply; abandoned generations
+    stay refused."""
+    selector = CandidateSelector(store, run_id, trust)
+    selection = selector.select(step, floor_applies=False)
+    if not selection.candidates:
+        raise NoValidCheckpoint(f"store {store.location} holds no generation")
+    _ref, loaded = selector.first_verified(
+        selection,
+        lambda ref, policy: load_verified(store, ref, policy, trust.keystore, default_threads()),
+    )
+    return loaded
+
+
+def _write_weights(
+    out_path: Path, tensors: dict[str, torch.Tensor], manifest: Manifest, key: str
+) -> tuple[str, int]:
+    """Write the safetensors file atomically; returns its BLAKE3 digest and size."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in export_manifest_paths(out_path):  # never leave a manifest of another file
+        stale.unlink(missing_ok=True)
+    metadata = {
+        "format": "pt",
+        "ckptvault_run_id": manifest.run_id,
+        "ckptvault_step": str(manifest.step),
+        "ckptvault_generation_id": manifest.generation_id,
+        "ckptvault_entry": key,
+    }
+    with atomic_path(out_path) as temporary:
+        save_file(tensors, str(temporary), metadata=metadata)
+        return _digest(temporary)
+
+
+def _write_export_manifest(
+    signer: Ed25519PrivateKey,
+    out_path: Path,
+    size: int,
+    digest: str,
+    key: str,
+    dtype: str | None,
+    tensors: int,
+    manifest: Manifest,
+) -> Path:
+    """Write the signed export manifest beside the output; returns its path."""
+    manifest_path, signature_path = export_manifest_paths(out_path)
+    document = dumps_canonical(
+        {
+            "format": EXPORT_FORMAT,
+            "file": out_path.name,
+            "size": size,
+            "blake3": digest,
+            "entry": key,
+            "dtype": dtype,
+            "tensors": tensors,
+            "source": {
+                "run_id": manifest.run_id,
+                "step": manifest.step,
+                "generation_id": manifest.generation_id,
+            },
+            "created_at": utc_now(),
+        }
+    )
+    write_atomically(signature_path, sign(signer, document, EXPORT_DOMAIN))
+    write_atomically(manifest_path, document)
+    return manifest_path
+
+
+def _only_run(store: Store) -> str:
     runs = set()
     for ref in store.list_generations():
         try:
@@ -238,15 +262,6 @@ def _only_run(store: PosixStore) -> str:
             f"store {store.location} holds generations of runs: {found}; pass --run-id"
         )
     return runs.pop()
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
 
 
 @dataclass(frozen=True)
@@ -286,14 +301,12 @@ def verify_export(
     return ExportVerification(signer, raw["source"], digest)
 
 
-def _digest(path: Path, sync: bool = False) -> tuple[str, int]:
-    """BLAKE3 and size of a file; ``sync`` also makes it durable."""
+def _digest(path: Path) -> tuple[str, int]:
+    """BLAKE3 and size of a file."""
     hasher = blake3()
     size = 0
-    with open(path, "rb+" if sync else "rb") as handle:
+    with open(path, "rb") as handle:
         while chunk := handle.read(8 << 20):
             hasher.update(chunk)
             size += len(chunk)
-        if sync:
-            os.fsync(handle.fileno())
     return hasher.hexdigest(), size

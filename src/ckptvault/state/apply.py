@@ -117,8 +117,7 @@ def _contains_placeholder(value: Any) -> bool:
 
 
 class _Planner:
-    def __init__(self, strict: bool) -> None:
-        self.strict = strict
+    def __init__(self) -> None:
         self.plan = RestorePlan()
 
     # Each resolve_* returns the value the parent container should hold afterwards.
@@ -272,6 +271,8 @@ class _Planner:
             (k, v) for k, v in state.items() if k not in drop
         )
         if saved.module_metadata is not None:
+            # state_dict() carries per-module versions as an attribute of the dict;
+            # load_state_dict reads it back from there. Typeshed's OrderedDict has no slot.
             loadable._metadata = saved.module_metadata  # type: ignore[attr-defined]
         exact = not (missing or drop)
         self.plan.actions.append(lambda: module.load_state_dict(loadable, strict=exact))
@@ -356,15 +357,18 @@ class _Planner:
                 f"{where}: checkpoint generator on {saved.device}, state on {current.device}"
             )
             return current
-        self.plan.rng_actions.append(lambda: current.set_state(saved.state))
+
+        def set_state() -> None:
+            current.set_state(saved.state)
+
+        self.plan.rng_actions.append(set_state)
         return current
 
 
-def plan_restore(
-    state: MutableMapping[str, Any], saved: dict[str, Any], strict: bool
-) -> RestorePlan:
-    """Match ``saved`` (decoded) against ``state``; changes nothing."""
-    planner = _Planner(strict)
+def plan_restore(state: MutableMapping[str, Any], saved: dict[str, Any]) -> RestorePlan:
+    """Match ``saved`` (decoded) against ``state``; changes nothing. The caller
+    decides whether an unclean plan (missing, unexpected, mismatched) is an error."""
+    planner = _Planner()
     plan = planner.plan
     for key, value in saved.items():
         if key not in state:

@@ -68,10 +68,6 @@ class CapturedState:
     tree: dict[str, Any]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    @property
-    def tensor_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
 
 class _TensorCollector:
     def __init__(self) -> None:

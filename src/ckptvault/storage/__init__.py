@@ -1,1 +1,45 @@
-"""Where bytes live and how a generation becomes visible."""
+"""Where bytes live: the :class:`~ckptvault.storage.base.Store` seam and its backends.
+
+:func:`open_store` is the one way to turn what a user typed (a path, a ``file://``
+URL, later ``s3://bucket/prefix``) into a store; the manager, export and every CLI
+command use it.
+"""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import unquote, urlsplit
+
+from ckptvault.errors import UsageError
+from ckptvault.storage.base import Store
+from ckptvault.storage.posix import PosixStore
+
+StoreLocation = str | os.PathLike[str]
+
+
+def open_store(location: StoreLocation | Store, *, must_exist: bool = False) -> Store:
+    """The store at ``location``: a local path, ``file:///abs/path``, or a store object.
+
+    ``must_exist=True`` (tools that only read) raises :class:`UsageError` when there
+    is nothing there, instead of treating it as an empty store.
+    """
+    if isinstance(location, Store):
+        return location
+    text = os.fspath(location)
+    scheme = urlsplit(text).scheme if "://" in text else ""
+    if scheme == "file":
+        parts = urlsplit(text)
+        if parts.netloc not in ("", "localhost"):
+            raise UsageError(f"{text}: file:// URLs name a local path (file:///abs/path)")
+        text = unquote(parts.path)
+    elif scheme:
+        raise UsageError(
+            f"{text}: unsupported store URL scheme {scheme!r}; give a local path or file:// URL"
+        )
+    store = PosixStore(text)
+    if must_exist:
+        if not store.root.exists():
+            raise UsageError(f"no checkpoint store at {text} (the directory does not exist)")
+        if not store.root.is_dir():
+            raise UsageError(f"{text} is not a directory")
+    return store

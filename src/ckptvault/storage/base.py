@@ -1,17 +1,32 @@
 """The seam between ckptvault and where bytes live.
 
-A :class:`Store` lists published generations, opens their files, and turns a
-:class:`StagingArea` into a published generation atomically. Everything above this
-layer (writer, reader, checks, manager) talks only to these protocols, so an object
-store backend is an addition, not a rewrite.
+A :class:`Store` lists published generations, reports and opens their entries, and
+hands out a :class:`StagingArea` per save attempt, which its backend's
+:class:`PublishRule` turns into a visible generation atomically. Everything above
+this layer (writer, reader, restore checks, manager, CLI) talks only to these
+protocols: it never sees a directory, a hard-link count or a rename. Those are facts
+of one backend, checked inside it. A new backend implements these protocols and
+passes the conformance suite (``tests/test_store_conformance.py``).
+
+Rules every backend keeps (DESIGN rule 5, the store is hostile ground):
+
+- listing never returns staging areas or the store's own control entries;
+- an entry that is not a plain file the backend wrote (a link, a special file, a
+  nested container) is reported with ``EntryInfo.unsafe`` and never opened;
+- opening a file checks what was opened, not only what was listed;
+- nothing outside the store is ever written, deleted or followed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import BinaryIO, Protocol
+from io import RawIOBase
+from pathlib import Path
+from typing import Protocol, TypeVar, runtime_checkable
 
 from ckptvault.format.layout import GenerationName
+
+AreaT = TypeVar("AreaT", contravariant=True)
 
 
 @dataclass(frozen=True)
@@ -32,12 +47,16 @@ class GenerationRef:
 
 @dataclass(frozen=True)
 class EntryInfo:
-    """One entry of a generation as the store sees it, without following links."""
+    """One entry of a generation as its store sees it, without following anything.
+
+    ``unsafe`` is ``None`` for a plain file the store would serve; otherwise it says
+    what the entry is instead ("is a symlink", "is hard-linked (2 names share it)"),
+    and the store refuses to open it.
+    """
 
     name: str
     size: int
-    kind: str  # "file", "symlink", "dir" or "other"
-    links: int = 1  # hard-link count; more than one means another name shares the bytes
+    unsafe: str | None = None
 
 
 class WritableFile(Protocol):
@@ -53,37 +72,72 @@ class WritableFile(Protocol):
 
 
 class StagingArea(Protocol):
-    """Where one generation is written before it becomes visible."""
+    """Where one save attempt writes a generation before it becomes visible."""
 
     generation_id: str
 
-    def create_file(self, name: str) -> WritableFile: ...
+    def create_file(self, name: str) -> WritableFile:
+        """A new, empty file; ``name`` is a plain name never used before in this area."""
 
     def publish(self, step: int, manifest: bytes, signature: bytes | None = None) -> GenerationRef:
         """Write the manifest (and its signature) last and make the generation
-        visible atomically."""
+        visible atomically, by the store's publish rule."""
 
     def abort(self) -> None:
-        """Remove everything written; nothing becomes visible."""
+        """Remove everything written; nothing becomes visible. Safe to call twice."""
 
 
+class PublishRule(Protocol[AreaT]):
+    """How a backend turns a fully written staging area into a visible generation.
+
+    POSIX: write the manifest, fsync, rename the staging directory into place
+    (:class:`ckptvault.storage.posix.AtomicRename`). An object store has no rename:
+    its rule writes the manifest object last, conditionally. A staging area hands
+    itself to its store's rule, so the rule is the one place a backend's publish
+    order is written down.
+    """
+
+    def publish(
+        self, area: AreaT, step: int, manifest: bytes, signature: bytes | None
+    ) -> GenerationRef: ...
+
+
+@runtime_checkable
 class Store(Protocol):
-    location: str
+    """A checkpoint store: published generations plus one staging area per save."""
+
+    location: str  # a path or URL, for messages
+
+    # -- reading (never needs the writer lock, never changes anything) ------------------
 
     def list_generations(self) -> list[GenerationRef]:
         """Published generations, newest first (by step, then creation)."""
 
-    def generation_kind(self, ref: GenerationRef) -> str:
-        """``"dir"`` for a plain generation directory; anything else is refused."""
+    def list_entries(self, ref: GenerationRef) -> dict[str, EntryInfo]:
+        """Every entry of a generation. Raises :class:`UnsafeEntryError` when the
+        generation itself is not what the store publishes (a link, say), and
+        ``OSError`` when it cannot be listed."""
 
-    def list_entries(self, ref: GenerationRef) -> dict[str, EntryInfo]: ...
+    def open_file(self, ref: GenerationRef, name: str) -> RawIOBase:
+        """Open a plain file of a generation for reading, checking what was opened;
+        ``UnsafeEntryError`` for anything else."""
 
-    def open_file(self, ref: GenerationRef, name: str) -> BinaryIO: ...
+    def read_range(self, ref: GenerationRef, name: str, offset: int, length: int) -> bytes:
+        """Up to ``length`` bytes from ``offset`` (fewer only at the end of the file)."""
 
-    def read_bytes(self, ref: GenerationRef, name: str, limit: int) -> bytes: ...
+    def read_bytes(self, ref: GenerationRef, name: str, limit: int) -> bytes:
+        """The whole file; ``OSError`` (EFBIG) when it is longer than ``limit``."""
+
+    def holds_path(self, path: Path) -> bool:
+        """Whether a local path lies inside this store. Control-plane state (keys,
+        ledger, audit log) must not: a copy of the store would carry it, and whoever
+        can write the store could change it."""
+
+    # -- writing ----------------------------------------------------------------------
 
     def acquire_writer(self) -> None:
-        """Take the single-writer lock; raises StoreLockedError when held elsewhere."""
+        """Take the single-writer lock (creating the store if needed); raises
+        StoreLockedError when another live process holds it."""
 
     def release_writer(self) -> None: ...
 

@@ -44,8 +44,8 @@ def list_generation_infos(store: Store) -> list[GenerationInfo]:
             size, created_at = manifest.total_bytes, manifest.created_at
         except (OSError, CheckpointError):
             try:
-                size = sum(e.size for e in store.list_entries(ref).values() if e.kind == "file")
-            except OSError:
+                size = sum(e.size for e in store.list_entries(ref).values() if e.unsafe is None)
+            except (OSError, CheckpointError):
                 size = 0
         infos.append(GenerationInfo(ref.step, ref.generation_id, ref.location, size, created_at))
     return infos

@@ -13,15 +13,18 @@ import json
 import os
 import socket
 import weakref
+from collections.abc import Callable
 from datetime import datetime, timezone
-from pathlib import Path
 
 from ckptvault.errors import StoreLockedError
 
 
 class WriterLock:
-    def __init__(self, path: Path, store_location: str) -> None:
-        self.path = path
+    """The lock of one store; ``open_lock_file`` opens (creating) the lock file safely
+    and returns its descriptor."""
+
+    def __init__(self, open_lock_file: Callable[[], int], store_location: str) -> None:
+        self._open_lock_file = open_lock_file
         self.store_location = store_location
         self._fd: int | None = None
 
@@ -32,7 +35,7 @@ class WriterLock:
     def acquire(self) -> None:
         if self._fd is not None:
             return
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = self._open_lock_file()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

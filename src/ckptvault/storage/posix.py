@@ -9,25 +9,40 @@ Layout of a store directory::
       .staging/<generation id>/            saves in progress or left by a crash
       .writer.lock                         the single-writer lock
 
-Publishing a generation: every file is fsync'd as it is closed; the manifest is
-written and fsync'd last; the staging directory is fsync'd; it is renamed to its
-final name (same filesystem, so the rename is atomic); the store directory is
-fsync'd. A crash at any point leaves either the old set of generations or the old
-set plus the complete new one; a staging directory is never taken for a generation.
+Publishing a generation (:class:`AtomicRename`): every file is fsync'd as it is
+closed; the manifest is written and fsync'd last; the staging directory is fsync'd;
+it is renamed to its final name (same filesystem, so the rename is atomic); the
+store directory is fsync'd. A crash at any point leaves either the old set of
+generations or the old set plus the complete new one; a staging directory is never
+taken for a generation.
+
+Whoever can write the store may plant links and special files in it. So every entry
+below the store's root is opened relative to a directory descriptor with
+``O_NOFOLLOW`` and checked with ``fstat`` after opening: a symlinked ``.staging`` or
+``.writer.lock`` is never followed out of the store, a FIFO never blocks a reader,
+and cleanup deletes only what lies inside the store. (The root itself is the path
+the user chose, and may be a symlink.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
-import shutil
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from io import FileIO
 from pathlib import Path
-from typing import BinaryIO
 
-from ckptvault.errors import CheckpointError, SaveFailedError, StorageFullError, UsageError
+from ckptvault.durable import make_dirs_durable
+from ckptvault.errors import (
+    CheckpointError,
+    SaveFailedError,
+    StorageFullError,
+    UnsafeEntryError,
+    UsageError,
+)
 from ckptvault.format.layout import (
     MANIFEST_NAME,
     SIGNATURE_NAME,
@@ -41,6 +56,9 @@ from ckptvault.storage.lock import WriterLock
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 WRITE_BEHIND_BYTES = 8 * 1024 * 1024
+MAX_CLEANUP_DEPTH = 16  # staging areas are flat; deeper trees were planted
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _load_sync_file_range() -> Callable[[int, int, int], None] | None:
@@ -74,36 +92,79 @@ def translate_os_error(exc: OSError, what: str) -> CheckpointError:
     return SaveFailedError(f"{what}: {exc.strerror or exc} ({type(exc).__name__})")
 
 
-def fsync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _describe_unsafe(info: os.stat_result) -> str | None:
+    """Why an entry is not a plain, singly linked file, or None when it is one."""
+    mode = info.st_mode
+    if stat.S_ISLNK(mode):
+        return "is a symlink"
+    if stat.S_ISDIR(mode):
+        return "is a directory"
+    if not stat.S_ISREG(mode):
+        return "is a FIFO, socket or device"
+    if info.st_nlink != 1:
+        return f"is hard-linked ({info.st_nlink} names share it)"
+    return None
+
+
+@contextlib.contextmanager
+def _opened(fd: int) -> Iterator[int]:
     try:
-        os.fsync(fd)
+        yield fd
     finally:
         os.close(fd)
 
 
-def make_dirs_durable(path: Path) -> None:
-    """``mkdir -p`` whose new entries survive a crash: fsync each new directory's parent."""
-    missing = []
-    current = path
-    while not current.exists():
-        missing.append(current)
-        current = current.parent
-    for directory in reversed(missing):
-        try:
-            directory.mkdir()
-        except FileExistsError:
-            continue
-        fsync_directory(directory.parent)
+def _open_dir(name: str, dir_fd: int, where: str) -> int:
+    """Open a directory entry without following a link; UnsafeEntryError if it is not one."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafeEntryError(
+                f"{where} is not a directory (a symlink or file was put in its place); "
+                "ckptvault does not follow it. Remove it, or restore the store from a copy"
+            ) from exc
+        raise
+
+
+def remove_tree(parent_fd: int, name: str, depth: int = 0) -> None:
+    """Delete ``name`` below ``parent_fd``, never following a link out of it.
+
+    A symlink is unlinked, not followed; directories are walked through descriptors.
+    Trees deeper than staging areas ever are stop the walk (and stay) rather than
+    exhaust the stack.
+    """
+    try:
+        info = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(info.st_mode):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=parent_fd)
+        return
+    if depth >= MAX_CLEANUP_DEPTH:
+        return
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except OSError:
+        return  # swapped for a link meanwhile: leave it
+    with _opened(fd):
+        for child in os.listdir(fd):
+            remove_tree(fd, child, depth + 1)
+    with contextlib.suppress(OSError):
+        os.rmdir(name, dir_fd=parent_fd)
 
 
 class PosixWritableFile:
-    """An unbuffered file in a staging directory; ``commit`` makes it durable."""
+    """An unbuffered new file in a staging directory; ``commit`` makes it durable."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, dir_fd: int, name: str, where: str) -> None:
+        self.where = where
         self._fd = os.open(
-            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644
+            name,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+            0o644,
+            dir_fd=dir_fd,
         )
         self._written = 0
         self._flushed = 0  # bytes already handed to write-behind
@@ -115,7 +176,7 @@ class PosixWritableFile:
             while written < len(view):
                 written += os.write(self._fd, view[written:])
         except OSError as exc:
-            raise translate_os_error(exc, f"writing {self.path}") from exc
+            raise translate_os_error(exc, f"writing {self.where}") from exc
         self._written += written
         if _start_writeback is not None and self._written - self._flushed >= WRITE_BEHIND_BYTES:
             _start_writeback(self._fd, self._flushed, self._written - self._flushed)
@@ -128,7 +189,7 @@ class PosixWritableFile:
             os.fchmod(self._fd, 0o444)
             os.fsync(self._fd)
         except OSError as exc:
-            raise translate_os_error(exc, f"syncing {self.path}") from exc
+            raise translate_os_error(exc, f"syncing {self.where}") from exc
         finally:
             self._close()
 
@@ -142,40 +203,73 @@ class PosixWritableFile:
 
 
 class PosixStagingArea:
+    """``.staging/<generation id>/``, held open by descriptor while it is written."""
+
     def __init__(self, store: PosixStore, generation_id: str) -> None:
         self.store = store
         self.generation_id = generation_id
-        self.path = store.staging_root / generation_id
-        self.path.mkdir(mode=0o755)
+        self.location = os.path.join(store.location, STAGING_DIR, generation_id)
+        self.staging_fd = store.open_staging_dir()
+        try:
+            os.mkdir(generation_id, 0o755, dir_fd=self.staging_fd)
+            self.fd = _open_dir(generation_id, self.staging_fd, self.location)
+        except BaseException:
+            os.close(self.staging_fd)
+            raise
+        self._open = True
 
     def create_file(self, name: str) -> PosixWritableFile:
-        return PosixWritableFile(self.path / name)
+        return PosixWritableFile(self.fd, name, os.path.join(self.location, name))
 
     def publish(self, step: int, manifest: bytes, signature: bytes | None = None) -> GenerationRef:
-        final = self.store.root / generation_dirname(step, self.generation_id)
-        try:
-            for name, data in ((MANIFEST_NAME, manifest), (SIGNATURE_NAME, signature)):
-                if data is None:
-                    continue
-                small_file = PosixWritableFile(self.path / name)
-                try:
-                    small_file.write(data)
-                except BaseException:
-                    small_file.abort()
-                    raise
-                small_file.commit()
-            fsync_directory(self.path)
-            os.rename(self.path, final)
-            fsync_directory(self.store.root)
-            fsync_directory(self.store.staging_root)
-        except OSError as exc:
-            raise translate_os_error(exc, f"publishing {final}") from exc
-        name = parse_generation_dirname(final.name)
-        assert name is not None
-        return GenerationRef(name=name, location=str(final))
+        ref = self.store.publish_rule.publish(self, step, manifest, signature)
+        self._close()  # on failure the caller aborts, which removes what was written
+        return ref
 
     def abort(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+        if self._open:
+            remove_tree(self.staging_fd, self.generation_id)
+            self._close()
+
+    def _close(self) -> None:
+        if self._open:
+            self._open = False
+            os.close(self.fd)
+            os.close(self.staging_fd)
+
+
+class AtomicRename:
+    """The POSIX publish rule: manifest last, fsync, rename into place, fsync the parent."""
+
+    def publish(
+        self, area: PosixStagingArea, step: int, manifest: bytes, signature: bytes | None
+    ) -> GenerationRef:
+        final = generation_dirname(step, area.generation_id)
+        where = os.path.join(area.store.location, final)
+        try:
+            for file_name, data in ((MANIFEST_NAME, manifest), (SIGNATURE_NAME, signature)):
+                if data is not None:
+                    _write_new_file(area, file_name, data)
+            os.fsync(area.fd)
+            with _opened(area.store.open_root()) as root_fd:
+                os.rename(area.generation_id, final, src_dir_fd=area.staging_fd, dst_dir_fd=root_fd)
+                os.fsync(root_fd)
+            os.fsync(area.staging_fd)
+        except OSError as exc:
+            raise translate_os_error(exc, f"publishing {where}") from exc
+        name = parse_generation_dirname(final)
+        assert name is not None  # generation_dirname always parses
+        return GenerationRef(name=name, location=where)
+
+
+def _write_new_file(area: PosixStagingArea, name: str, data: bytes) -> None:
+    small_file = area.create_file(name)
+    try:
+        small_file.write(data)
+    except BaseException:
+        small_file.abort()
+        raise
+    small_file.commit()
 
 
 class PosixStore:
@@ -184,13 +278,66 @@ class PosixStore:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(os.path.abspath(os.fspath(root)))
         self.location = str(self.root)
-        self.staging_root = self.root / STAGING_DIR
-        self._lock = WriterLock(self.root / WRITER_LOCK, self.location)
+        self.publish_rule = AtomicRename()
+        self._lock = WriterLock(self._open_lock_file, self.location)
+
+    # -- descriptors ----------------------------------------------------------------
+
+    def open_root(self) -> int:
+        return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def _open_generation(self, ref: GenerationRef) -> int:
+        with _opened(self.open_root()) as root_fd:
+            return _open_dir(ref.name.dirname, root_fd, ref.location)
+
+    def open_staging_dir(self) -> int:
+        """``.staging``, created if missing; a link planted there is removed, not followed."""
+        where = os.path.join(self.location, STAGING_DIR)
+        with _opened(self.open_root()) as root_fd:
+            for _attempt in range(3):
+                try:
+                    return _open_dir(STAGING_DIR, root_fd, where)
+                except FileNotFoundError:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(STAGING_DIR, 0o755, dir_fd=root_fd)
+                        os.fsync(root_fd)
+                except UnsafeEntryError:
+                    os.unlink(STAGING_DIR, dir_fd=root_fd)  # removes the link itself only
+        raise UnsafeEntryError(f"{where} keeps being replaced; ckptvault will not write there")
+
+    def _open_lock_file(self) -> int:
+        where = os.path.join(self.location, WRITER_LOCK)
+        with _opened(self.open_root()) as root_fd:
+            try:
+                fd = os.open(
+                    WRITER_LOCK,
+                    os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                    0o644,
+                    dir_fd=root_fd,
+                )
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise UnsafeEntryError(
+                        f"{where} is a symlink; ckptvault never writes through a link. Remove "
+                        "it (the lock file is recreated on the next save)"
+                    ) from exc
+                raise
+        unsafe = _describe_unsafe(os.fstat(fd))
+        if unsafe is not None:
+            os.close(fd)
+            raise UnsafeEntryError(
+                f"{where} {unsafe}; remove it (it is recreated on the next save)"
+            )
+        return fd
 
     # -- reading ---------------------------------------------------------------------
 
     def exists(self) -> bool:
         return self.root.is_dir()
+
+    def holds_path(self, path: Path) -> bool:
+        resolved, root = Path(os.path.realpath(path)), Path(os.path.realpath(self.root))
+        return resolved == root or root in resolved.parents
 
     def list_generations(self) -> list[GenerationRef]:
         try:
@@ -201,39 +348,60 @@ class PosixStore:
         for entry in names:
             parsed = parse_generation_dirname(entry)
             if parsed is not None:
-                refs.append(GenerationRef(name=parsed, location=str(self.root / entry)))
+                refs.append(GenerationRef(name=parsed, location=os.path.join(self.location, entry)))
         refs.sort(key=lambda ref: ref.name, reverse=True)
         return refs
 
-    def generation_kind(self, ref: GenerationRef) -> str:
-        return _kind(os.lstat(self._path(ref)).st_mode)
-
     def list_entries(self, ref: GenerationRef) -> dict[str, EntryInfo]:
         entries = {}
-        with os.scandir(self._path(ref)) as scan:
-            for entry in scan:
-                info = entry.stat(follow_symlinks=False)
-                entries[entry.name] = EntryInfo(
-                    name=entry.name,
-                    size=info.st_size,
-                    kind=_kind(info.st_mode),
-                    links=info.st_nlink,
-                )
+        with _opened(self._open_generation(ref)) as fd:
+            for name in os.listdir(fd):
+                info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                entries[name] = EntryInfo(name, info.st_size, _describe_unsafe(info))
         return entries
 
-    def open_file(self, ref: GenerationRef, name: str) -> BinaryIO:
-        fd = os.open(self._path(ref) / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    def open_file(self, ref: GenerationRef, name: str) -> FileIO:
+        where = os.path.join(ref.location, name)
+        with _opened(self._open_generation(ref)) as dir_fd:
+            try:
+                # O_NONBLOCK: a FIFO swapped in after listing must not hang the reader.
+                fd = os.open(
+                    name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd
+                )
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise UnsafeEntryError(
+                        f"{where} is a symlink; ckptvault does not follow it"
+                    ) from exc
+                raise
+        unsafe = _describe_unsafe(os.fstat(fd))
+        if unsafe is not None:
+            os.close(fd)
+            raise UnsafeEntryError(f"{where} {unsafe}, not a plain file; refusing to read it")
+        os.set_blocking(fd, True)
         return os.fdopen(fd, "rb", buffering=0)
+
+    def read_range(self, ref: GenerationRef, name: str, offset: int, length: int) -> bytes:
+        with self.open_file(ref, name) as stream:
+            parts = []
+            while length > 0:
+                piece = os.pread(stream.fileno(), length, offset)
+                if not piece:
+                    break
+                parts.append(piece)
+                offset += len(piece)
+                length -= len(piece)
+        return b"".join(parts)
 
     def read_bytes(self, ref: GenerationRef, name: str, limit: int) -> bytes:
         with self.open_file(ref, name) as stream:
+            size = os.fstat(stream.fileno()).st_size
+            if size > limit:
+                raise OSError(errno.EFBIG, f"{name} is larger than {limit} bytes")
             data = stream.read(limit + 1)
         if len(data) > limit:
             raise OSError(errno.EFBIG, f"{name} is larger than {limit} bytes")
         return data
-
-    def _path(self, ref: GenerationRef) -> Path:
-        return self.root / ref.name.dirname
 
     # -- writing ---------------------------------------------------------------------
 
@@ -252,33 +420,14 @@ class PosixStore:
             raise UsageError(
                 "removing staging leftovers needs the writer lock; call acquire_writer() first"
             )
-        try:
-            stale = sorted(os.listdir(self.staging_root))
-        except FileNotFoundError:
-            return []
-        for name in stale:
-            path = self.staging_root / name
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
+        with _opened(self.open_staging_dir()) as staging_fd:
+            stale = sorted(os.listdir(staging_fd))
+            for name in stale:
+                remove_tree(staging_fd, name)
         return stale
 
     def begin_generation(self, generation_id: str) -> PosixStagingArea:
         try:
-            if not self.staging_root.is_dir():
-                self.staging_root.mkdir(mode=0o755, exist_ok=True)
-                fsync_directory(self.root)
             return PosixStagingArea(self, generation_id)
         except OSError as exc:
             raise translate_os_error(exc, f"creating a staging area in {self.root}") from exc
-
-
-def _kind(mode: int) -> str:
-    if stat.S_ISREG(mode):
-        return "file"
-    if stat.S_ISLNK(mode):
-        return "symlink"
-    if stat.S_ISDIR(mode):
-        return "dir"
-    return "other"

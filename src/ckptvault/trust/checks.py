@@ -3,9 +3,9 @@
 One function, :func:`check_structure`, applies the rules in this order, each with
 its own reason code:
 
-1. the generation is a plain directory; no entry is a symlink, hard link, directory
-   or special file (``unsafe-entry``); no entry has a pickle extension
-   (``pickle-file``);
+1. the store reports the generation and every entry as safe: no symlink, hard link,
+   nested directory or special file (``unsafe-entry``; what counts as unsafe is the
+   backend's business); no entry has a pickle extension (``pickle-file``);
 2. with trusted keys: ``manifest.sig`` exists (``signature-missing``), is made by a
    trusted key (``signature-untrusted``) and matches the manifest's exact bytes
    (``signature-invalid``) — checked before the manifest is even parsed;
@@ -27,12 +27,17 @@ stage while it reads, see ``ckptvault.io.reader``. Nothing here imports torch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptvault.errors import CheckpointError, FormatError, IntegrityError, SignatureError
+from ckptvault.errors import (
+    CheckpointError,
+    FormatError,
+    IntegrityError,
+    SignatureError,
+    UnsafeEntryError,
+)
 from ckptvault.format.container import (
     ENCRYPTED_SUFFIX,
     container_header_length,
@@ -44,13 +49,20 @@ from ckptvault.format.manifest import (
     Manifest,
     ManifestDigestError,
     UnsafeNameError,
+    UnsupportedFormatVersion,
     parse_manifest,
 )
 from ckptvault.format.tensorfile import TensorFileHeader, header_length, parse_header
 from ckptvault.storage.base import EntryInfo, GenerationRef, Store
 from ckptvault.trust.digests import verify_stream
 from ckptvault.trust.ledger import RestoreFloor
-from ckptvault.trust.signing import MANIFEST_DOMAIN, TrustedKeys, parse_signature, verify
+from ckptvault.trust.signing import (
+    MANIFEST_DOMAIN,
+    TrustedKeys,
+    UntrustedKeyError,
+    parse_signature,
+    verify,
+)
 
 # Problem codes: one per rule, stable for tooling.
 UNSAFE_ENTRY = "unsafe-entry"
@@ -138,12 +150,9 @@ def check_structure(
     """Apply rules 1-6; raise :class:`GenerationRejected` listing what failed."""
     policy = policy or TrustPolicy()
     try:
-        kind = store.generation_kind(ref)
-        if kind != "dir":
-            raise GenerationRejected(
-                ref, [Problem(UNSAFE_ENTRY, f"{ref.location} is a {kind}, not a directory")]
-            )
         entries = store.list_entries(ref)
+    except UnsafeEntryError as exc:
+        raise GenerationRejected(ref, [Problem(UNSAFE_ENTRY, str(exc))]) from exc
     except OSError as exc:
         raise GenerationRejected(
             ref, [Problem(UNREADABLE, f"cannot list {ref.location}: {exc}")]
@@ -162,6 +171,8 @@ def check_structure(
             if SIGNATURE_NAME in entries
             else None
         )
+    except UnsafeEntryError as exc:
+        raise GenerationRejected(ref, [Problem(UNSAFE_ENTRY, str(exc))]) from exc
     except OSError as exc:
         raise GenerationRejected(
             ref, [Problem(UNREADABLE, f"cannot read the manifest: {exc}")]
@@ -174,9 +185,12 @@ def check_structure(
         raise GenerationRejected(ref, [Problem(UNSAFE_PATH, str(exc), MANIFEST_NAME)]) from exc
     except ManifestDigestError as exc:
         raise GenerationRejected(ref, [Problem(MANIFEST_CORRUPT, str(exc), MANIFEST_NAME)]) from exc
+    except UnsupportedFormatVersion as exc:
+        raise GenerationRejected(
+            ref, [Problem(FORMAT_UNSUPPORTED, str(exc), MANIFEST_NAME)]
+        ) from exc
     except FormatError as exc:
-        code = FORMAT_UNSUPPORTED if "format version" in str(exc) else MANIFEST_INVALID
-        raise GenerationRejected(ref, [Problem(code, str(exc), MANIFEST_NAME)]) from exc
+        raise GenerationRejected(ref, [Problem(MANIFEST_INVALID, str(exc), MANIFEST_NAME)]) from exc
 
     problems = _check_identity(ref, manifest, policy)
     problems += _check_file_set(manifest, entries)
@@ -198,14 +212,8 @@ def _check_entries(entries: dict[str, EntryInfo]) -> list[Problem]:
                     PICKLE_FILE, f"{name} has a pickle extension; loading pickles runs code", name
                 )
             )
-        elif entry.kind != "file":
-            problems.append(
-                Problem(UNSAFE_ENTRY, f"{name} is a {entry.kind}, not a plain file", name)
-            )
-        elif entry.links != 1:
-            problems.append(
-                Problem(UNSAFE_ENTRY, f"{name} is hard-linked ({entry.links} names share it)", name)
-            )
+        elif entry.unsafe is not None:
+            problems.append(Problem(UNSAFE_ENTRY, f"{name} {entry.unsafe}, not a plain file", name))
     return problems
 
 
@@ -232,11 +240,14 @@ def _check_signature(
         )
     try:
         return verify(signature, manifest_bytes, trusted, MANIFEST_DOMAIN, SIGNATURE_NAME)
+    except UntrustedKeyError as exc:
+        raise GenerationRejected(
+            ref, [Problem(SIGNATURE_UNTRUSTED, str(exc), SIGNATURE_NAME)]
+        ) from exc
     except SignatureError as exc:
-        code = (
-            SIGNATURE_UNTRUSTED if "not among the trusted keys" in str(exc) else SIGNATURE_INVALID
-        )
-        raise GenerationRejected(ref, [Problem(code, str(exc), SIGNATURE_NAME)]) from exc
+        raise GenerationRejected(
+            ref, [Problem(SIGNATURE_INVALID, str(exc), SIGNATURE_NAME)]
+        ) from exc
 
 
 def _check_identity(ref: GenerationRef, manifest: Manifest, policy: TrustPolicy) -> list[Problem]:
@@ -285,7 +296,7 @@ def _check_file_set(manifest: Manifest, entries: dict[str, Any]) -> list[Problem
 def _check_own_formats(store: Store, checked: CheckedGeneration) -> list[Problem]:
     """Every file must parse as a tensor file or an encrypted container."""
     manifest, ref = checked.manifest, checked.ref
-    encrypted = (manifest.encryption or {}).get("files", {})
+    encrypted = manifest.encryption.wrapped_keys if manifest.encryption else {}
     problems = []
     for name, record in sorted(manifest.files.items()):
         try:
@@ -312,6 +323,8 @@ def _check_own_formats(store: Store, checked: CheckedGeneration) -> list[Problem
                 )
         except FormatError as exc:
             problems.append(Problem(TENSOR_FILE_INVALID, str(exc), name))
+        except UnsafeEntryError as exc:
+            problems.append(Problem(UNSAFE_ENTRY, str(exc), name))
         except OSError as exc:
             problems.append(Problem(UNREADABLE, f"cannot read {name}: {exc}", name))
     if problems:
@@ -363,6 +376,13 @@ def check_chunk_locations(
     return problems
 
 
+def _volume(sizes: list[int]) -> int:
+    volume = 1
+    for size in sizes:
+        volume *= size
+    return volume
+
+
 def _tiling_problem(info: dict[str, Any]) -> str | None:
     """Why a tensor's chunks do not cover its shape exactly once, or None."""
     shape = [int(d) for d in info["shape"]]
@@ -375,15 +395,15 @@ def _tiling_problem(info: dict[str, Any]) -> str | None:
         if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
             return f"chunk {offsets}+{sizes} lies outside the shape {shape}"
         boxes.append((offsets, sizes))
-    if sum(math.prod(s) for _, s in boxes) != math.prod(shape) or (math.prod(shape) and not boxes):
+    if sum(_volume(s) for _, s in boxes) != _volume(shape) or (_volume(shape) and not boxes):
         return f"its chunks do not cover the shape {shape} exactly"
     if len(boxes) <= 256:
         for i, (o1, s1) in enumerate(boxes):
             for o2, s2 in boxes[i + 1 :]:
                 if (
                     all(a < c + t and c < a + s for a, s, c, t in zip(o1, s1, o2, s2, strict=True))
-                    and math.prod(s1)
-                    and math.prod(s2)
+                    and _volume(s1)
+                    and _volume(s2)
                 ):
                     return f"chunks {o1} and {o2} overlap"
     return None
@@ -401,6 +421,8 @@ def check_digests(
         try:
             with store.open_file(ref, name) as stream:
                 verify_stream(stream, record, manifest.chunk_size, name, on_bytes)
+        except UnsafeEntryError as exc:
+            problems.append(Problem(UNSAFE_ENTRY, str(exc), name))
         except IntegrityError as exc:
             problems.append(Problem(DIGEST_MISMATCH, str(exc), name))
         except OSError as exc:

@@ -8,28 +8,16 @@ the whole-file digest matches what ``b3sum`` prints, for operators.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import BinaryIO
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from blake3 import blake3
 
 from ckptvault.errors import IntegrityError
+from ckptvault.format.records import FileRecord
 
 DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024
 READ_BLOCK = DEFAULT_CHUNK_SIZE
-
-
-@dataclass(frozen=True)
-class FileRecord:
-    """What the manifest promises about one file."""
-
-    size: int
-    blake3: str
-    chunks: tuple[str, ...]
-
-    def to_json(self) -> dict[str, object]:
-        return {"size": self.size, "blake3": self.blake3, "chunks": list(self.chunks)}
 
 
 class FileDigester:
@@ -59,14 +47,23 @@ class FileDigester:
             if self._chunk_fill == self.chunk_size:
                 self._close_chunk()
 
+    @property
+    def chunk_digests(self) -> Sequence[str]:
+        """Digests of the chunks closed so far, in order."""
+        return self._chunks
+
+    def close_partial_chunk(self) -> None:
+        """Close a chunk shorter than ``chunk_size`` (the file's last) now."""
+        if self._chunk_fill:
+            self._close_chunk()
+
     def _close_chunk(self) -> None:
         self._chunks.append(self._chunk.hexdigest())
         self._chunk = blake3()
         self._chunk_fill = 0
 
     def finish(self) -> FileRecord:
-        if self._chunk_fill:
-            self._close_chunk()
+        self.close_partial_chunk()
         whole = self._whole.hexdigest() if self._whole is not None else ""
         return FileRecord(self.size, whole, tuple(self._chunks))
 
@@ -94,14 +91,14 @@ class ChunkVerifier:
                 "records"
             )
         self._digester.update(data)
-        if self._digester.size == self.record.size and self._digester._chunk_fill:
+        if self._digester.size == self.record.size:
             # The file's last, shorter chunk is complete: check it now, before any of
             # its bytes is used, not at finish().
-            self._digester._close_chunk()
+            self._digester.close_partial_chunk()
         self._compare_closed_chunks()
 
     def _compare_closed_chunks(self) -> None:
-        closed = self._digester._chunks
+        closed = self._digester.chunk_digests
         expected = self.record.chunks
         while self._checked < len(closed):
             index = self._checked
@@ -130,11 +127,15 @@ class ChunkVerifier:
             )
 
 
-def read_full(stream: BinaryIO, buffer: memoryview) -> int:
+class ReadableInto(Protocol):
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
+
+
+def read_full(stream: ReadableInto, buffer: memoryview) -> int:
     """Fill ``buffer`` from ``stream``; returns the byte count (short only at EOF)."""
     filled = 0
     while filled < len(buffer):
-        count = stream.readinto(buffer[filled:])  # type: ignore[attr-defined]
+        count = stream.readinto(buffer[filled:])
         if not count:
             break
         filled += count
@@ -142,7 +143,7 @@ def read_full(stream: BinaryIO, buffer: memoryview) -> int:
 
 
 def verify_stream(
-    stream: BinaryIO,
+    stream: ReadableInto,
     record: FileRecord,
     chunk_size: int,
     where: str,

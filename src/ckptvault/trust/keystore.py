@@ -24,9 +24,9 @@ from blake3 import blake3
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from ckptvault.durable import fsync_directory, write_atomically
 from ckptvault.errors import KeyDestroyedError, KeyUnavailableError, UsageError
 from ckptvault.format.layout import utc_now as _now
-from ckptvault.storage.posix import fsync_directory as _fsync_dir
 
 _WRAP_DOMAIN = b"ckptvault key wrap v1\0"
 _NONCE_BYTES = 12
@@ -162,25 +162,20 @@ class LocalKeyStore:
             "key": base64.b64encode(key).decode("ascii"),
             "created_at": _now(),
         }
-        # Write the whole key under a private name, then link it into place: link()
-        # fails if the name exists, so concurrent creators agree on one key and no
-        # reader ever sees a half-written file.
-        temporary = self.directory / f".{secrets.token_hex(8)}.tmp"
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        # The whole key is written under a private name, then linked into place:
+        # link() fails if the name exists, so concurrent creators agree on one key and
+        # no reader ever sees a half-written file.
         try:
-            with os.fdopen(fd, "w") as handle:
-                json.dump(document, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            try:
-                os.link(temporary, self._key_path(run_id))
-            except FileExistsError:  # another writer created it first: use theirs
-                created = self._read_key(run_id)
-                assert created is not None
-                return created
-        finally:
-            temporary.unlink(missing_ok=True)
-        _fsync_dir(self.directory)
+            write_atomically(
+                self._key_path(run_id),
+                json.dumps(document).encode(),
+                mode=0o600,
+                replace=False,
+            )
+        except FileExistsError:  # another writer created it first: use theirs
+            created = self._read_key(run_id)
+            assert created is not None
+            return created
         return kek_id, key
 
     # -- the KeyStore protocol -----------------------------------------------------------
@@ -230,13 +225,9 @@ class LocalKeyStore:
             )
             # The tombstone is durable before the key goes: a crash in between still
             # reads as destroyed, and the next destroy finishes the job.
-            tomb = self._tombstone_path(run_id)
-            fd = os.open(tomb, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as handle:
-                json.dump(info.to_json(), handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            _fsync_dir(self.directory)
+            write_atomically(
+                self._tombstone_path(run_id), json.dumps(info.to_json()).encode(), mode=0o600
+            )
         key_path = self._key_path(run_id)
         if key_path.exists():
             size = key_path.stat().st_size
@@ -245,7 +236,7 @@ class LocalKeyStore:
                 handle.flush()
                 os.fsync(handle.fileno())
             key_path.unlink()
-            _fsync_dir(self.directory)
+            fsync_directory(self.directory)
         return info
 
     def list_keys(self) -> list[KeyInfo]:

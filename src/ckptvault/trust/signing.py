@@ -34,6 +34,10 @@ PrivateKeyLike = Ed25519PrivateKey | str | os.PathLike | bytes
 PublicKeyLike = Ed25519PublicKey | Ed25519PrivateKey | str | os.PathLike | bytes
 
 
+class UntrustedKeyError(SignatureError):
+    """The signature was made by a key that is not among the trusted keys."""
+
+
 def key_id(public_key: Ed25519PublicKey) -> str:
     """A short, stable name for a public key: ``ed25519:<32 hex>``."""
     raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
@@ -156,7 +160,7 @@ def verify(document: bytes, message: bytes, trusted: TrustedKeys, domain: bytes,
         raise SignatureError(str(exc)) from exc
     public = trusted.keys.get(signer)
     if public is None:
-        raise SignatureError(
+        raise UntrustedKeyError(
             f"{where}: signed by key {signer}, which is not among the trusted keys "
             f"({', '.join(sorted(trusted.keys))})"
         )

@@ -7,7 +7,6 @@ already raised once (``reported``).
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -40,11 +39,10 @@ class SaveHandle:
         skipped: bool = False,
     ) -> None:
         self.step = step
-        self._future = future
+        self.future = future
         self.stall_seconds = stall_seconds
         self.skipped = skipped
         self.reported = False
-        self._started = time.perf_counter()
 
     @classmethod
     def completed(cls, info: GenerationInfo, seconds: float) -> SaveHandle:
@@ -53,27 +51,25 @@ class SaveHandle:
         return cls(info.step, future, seconds)
 
     def done(self) -> bool:
-        return self._future is None or self._future.done()
+        return self.future is None or self.future.done()
 
     def failed(self) -> bool:
         return (
-            self._future is not None
-            and self._future.done()
-            and self._future.exception() is not None
+            self.future is not None and self.future.done() and self.future.exception() is not None
         )
 
     def result(self, timeout: float | None = None) -> GenerationInfo | None:
         """The published generation (None for a skipped save); raises the save's error."""
-        if self._future is None:
+        if self.future is None:
             return None
         try:
-            return self._future.result(timeout)
+            return self.future.result(timeout)
         except BaseException:
             self.reported = True
             raise
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        return None if self._future is None else self._future.exception(timeout)
+        return None if self.future is None else self.future.exception(timeout)
 
     def __repr__(self) -> str:
         state = "skipped" if self.skipped else ("done" if self.done() else "in flight")

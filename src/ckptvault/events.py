@@ -1,0 +1,93 @@
+"""What happened to a store, told to whoever listens.
+
+The manager's parts emit an event after each thing that happened: a generation was
+published, restored, refused (or, later, deleted). Subscribers turn events into
+their own records: the rollback ledger raises its floor, the audit log appends an
+entry; the catalog, metrics, replication and retention subscribe the same way. A
+new feature is a new subscriber, not a new branch in the manager.
+
+Subscribers run in the order they subscribed. An exception from one stops the rest
+and propagates to whoever emitted the event: the event has *already happened*, so
+a subscriber's error message should say so (``event.summary``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Published:
+    """A generation became visible in the store."""
+
+    run_id: str
+    store: str
+    step: int
+    generation_id: str
+    location: str
+    bytes: int
+    seconds: float
+    signer: str | None = None
+    kek_id: str | None = None
+
+    @property
+    def summary(self) -> str:
+        return f"generation {self.generation_id} (step {self.step}) was published"
+
+
+@dataclass(frozen=True)
+class RollbackApplied:
+    """``restore(allow_rollback_to=...)`` went below the floor on purpose."""
+
+    previous_floor: int | None
+    abandoned: Sequence[tuple[str, int]]  # (generation id, step) of every newer generation
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A verified generation was applied to the caller's state."""
+
+    run_id: str
+    store: str
+    step: int
+    generation_id: str
+    skipped: Sequence[tuple[str, int, str]] = ()  # (generation id, step, reason), newer ones
+    rollback: RollbackApplied | None = None
+
+    @property
+    def summary(self) -> str:
+        return f"generation {self.generation_id} (step {self.step}) was restored"
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A restore raised: nothing was applied."""
+
+    run_id: str
+    store: str
+    error: str  # the exception's class name
+    reason: str  # its first line
+    rejected: Sequence[tuple[str, int, str]] = field(default_factory=tuple)
+
+    @property
+    def summary(self) -> str:
+        return f"a restore from {self.store} was refused ({self.error})"
+
+
+Event = Published | Restored | Refused
+Subscriber = Callable[[Event], None]
+
+
+class EventBus:
+    """Delivers each event to every subscriber, in subscription order."""
+
+    def __init__(self, subscribers: Sequence[Subscriber] = ()) -> None:
+        self._subscribers: list[Subscriber] = list(subscribers)
+
+    def subscribe(self, subscriber: Subscriber) -> None:
+        self._subscribers.append(subscriber)
+
+    def emit(self, event: Event) -> None:
+        for subscriber in self._subscribers:
+            subscriber(event)

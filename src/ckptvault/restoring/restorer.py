@@ -1,0 +1,164 @@
+"""Restore: choose a generation, verify all of it, then apply it in place.
+
+The selector picks candidates newest first; :func:`load_verified` checks each one
+completely (signature, run, floor, files, every digest, decryption) into private
+buffers; the first that passes is matched against the live objects (contract,
+keys, shapes) and only then applied, RNG last. A restore that raises leaves the
+caller's state untouched; every outcome is told to the event subscribers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptvault.coordinator import Coordinator
+from ckptvault.errors import AuditError, CheckpointError
+from ckptvault.events import EventBus, Refused, Restored, RollbackApplied
+from ckptvault.io.load import LoadedGeneration, load_verified
+from ckptvault.restoring.selector import CandidateSelector, Selection, SkippedGeneration
+from ckptvault.state.apply import plan_restore
+from ckptvault.state.contract import compare_contracts
+from ckptvault.storage.base import GenerationRef, Store
+from ckptvault.trust.checks import TrustPolicy
+from ckptvault.trust.context import TrustContext
+
+logger = logging.getLogger("ckptvault")
+
+
+@dataclass(frozen=True)
+class RestoreInfo:
+    """What ``restore`` applied, and every newer generation it rejected and why."""
+
+    step: int
+    generation_id: str
+    path: str
+    skipped: list[SkippedGeneration] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+    bytes: int = 0
+    seconds: float = 0.0
+    signer: str | None = None
+
+
+class Restorer:
+    def __init__(
+        self,
+        store: Store,
+        run_id: str,
+        trust: TrustContext,
+        coordinator: Coordinator,
+        events: EventBus,
+        threads: int,
+        contract_fields: Mapping[str, Any] | None,
+    ) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.trust = trust
+        self.coordinator = coordinator
+        self.events = events
+        self.threads = threads
+        self.contract_fields = contract_fields
+        self.selector = CandidateSelector(store, run_id, trust)
+
+    def restore(
+        self,
+        state: MutableMapping[str, Any],
+        step: int | None = None,
+        strict: bool = True,
+        allow_contract_change: bool = False,
+        allow_rollback_to: int | None = None,
+    ) -> RestoreInfo | None:
+        """See :meth:`ckptvault.CheckpointManager.restore`."""
+        try:
+            return self._restore(state, step, strict, allow_contract_change, allow_rollback_to)
+        except CheckpointError as exc:
+            if not isinstance(exc, AuditError):
+                self._report_refusal(exc)
+            raise
+
+    def _restore(
+        self,
+        state: MutableMapping[str, Any],
+        step: int | None,
+        strict: bool,
+        allow_contract_change: bool,
+        allow_rollback_to: int | None,
+    ) -> RestoreInfo | None:
+        started = time.perf_counter()
+        self.trust.ensure_key_usable(self.run_id)  # crypto-erased runs are gone for good
+        selection = self.selector.select(step, rollback_to=allow_rollback_to)
+        if not selection.candidates:
+            return None
+        ref, loaded = self.selector.first_verified(selection, self._load)
+        where = f"generation {ref.generation_id} (step {ref.step})"
+        if self.contract_fields is not None and not allow_contract_change:
+            compare_contracts(loaded.manifest.contract, self.contract_fields, where)
+        plan = plan_restore(state, loaded.saved)
+        if strict and not plan.clean:
+            raise plan.mismatch_error(where)
+        plan.apply(where)
+        self._report_restored(ref, selection)
+        return RestoreInfo(
+            step=ref.step,
+            generation_id=ref.generation_id,
+            path=ref.location,
+            skipped=selection.skipped,
+            missing=plan.missing,
+            unexpected=plan.unexpected,
+            mismatched=plan.mismatched,
+            bytes=loaded.manifest.total_bytes,
+            seconds=time.perf_counter() - started,
+            signer=loaded.signer,
+        )
+
+    def _load(self, ref: GenerationRef, policy: TrustPolicy) -> LoadedGeneration:
+        return load_verified(
+            self.store,
+            ref,
+            policy,
+            self.trust.keystore,
+            self.threads,
+            require_encryption=self.trust.keystore is not None,
+        )
+
+    def _report_restored(self, ref: GenerationRef, selection: Selection) -> None:
+        rollback = None
+        if selection.rollback_to is not None:
+            previous = selection.previous_floor
+            rollback = RollbackApplied(
+                previous_floor=previous.step if previous is not None else None,
+                abandoned=[
+                    (g.generation_id, g.step) for g in selection.listed if g.step > ref.step
+                ],
+            )
+        if self.coordinator.is_coordinator:  # the job's records are written once
+            self.events.emit(
+                Restored(
+                    run_id=self.run_id,
+                    store=self.store.location,
+                    step=ref.step,
+                    generation_id=ref.generation_id,
+                    skipped=list(selection.skipped),
+                    rollback=rollback,
+                )
+            )
+
+    def _report_refusal(self, exc: CheckpointError) -> None:
+        if not self.coordinator.is_coordinator:
+            return
+        event = Refused(
+            run_id=self.run_id,
+            store=self.store.location,
+            error=type(exc).__name__,
+            reason=str(exc).splitlines()[0][:2000] if str(exc) else type(exc).__name__,
+            rejected=list(getattr(exc, "rejected", [])),
+        )
+        try:
+            self.events.emit(event)
+        except CheckpointError as failure:  # the refusal itself matters more
+            logger.error("could not record a refusal: %s", failure)

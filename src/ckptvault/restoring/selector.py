@@ -1,0 +1,164 @@
+"""Which generations a reader may take, and in what order: the one candidate loop.
+
+Restore, the weights-only export and ``ckptvault verify`` all choose through a
+:class:`CandidateSelector`, so they agree on what "the newest generation of step N"
+means, on the rollback floor and its override, and on what an empty store means.
+:meth:`CandidateSelector.first_verified` then tries candidates newest first with a
+caller's load function until one verifies, collecting why each newer one was
+skipped. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, TypeVar
+
+from ckptvault.errors import NoValidCheckpoint, RollbackError, UsageError
+from ckptvault.storage.base import GenerationRef, Store
+from ckptvault.trust.checks import ROLLBACK, GenerationRejected, TrustPolicy
+from ckptvault.trust.context import TrustContext
+from ckptvault.trust.ledger import RestoreFloor
+
+T = TypeVar("T")
+logger = logging.getLogger("ckptvault")
+
+
+class SkippedGeneration(NamedTuple):
+    generation_id: str
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The candidates to try, newest first, and the rules they are held to."""
+
+    candidates: list[GenerationRef]
+    listed: list[GenerationRef]  # every generation in the store
+    policy: TrustPolicy
+    previous_floor: RestoreFloor | None = None  # the floor before a rollback override
+    rollback_to: int | None = None
+    skipped: list[SkippedGeneration] = field(default_factory=list)
+
+
+def validate_step(step: Any, what: str = "step") -> int:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise UsageError(f"{what} must be a non-negative int, got {step!r}")
+    return step
+
+
+def summarize_steps(steps: list[int]) -> str:
+    if len(steps) <= 12:
+        return ", ".join(str(s) for s in steps)
+    return ", ".join(str(s) for s in steps[:5]) + ", ..., " + ", ".join(str(s) for s in steps[-5:])
+
+
+class CandidateSelector:
+    """Chooses among a store's generations for one run under one trust context.
+
+    ``run_id=None`` accepts any run (``verify`` without ``--run-id``).
+    """
+
+    def __init__(self, store: Store, run_id: str | None, trust: TrustContext) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.trust = trust
+
+    def select(
+        self,
+        step: int | None = None,
+        *,
+        rollback_to: int | None = None,
+        floor_applies: bool = True,
+    ) -> Selection:
+        """The generations to try: all, or those of ``step``, newest first.
+
+        ``rollback_to=STEP`` selects STEP even below the floor (abandoned generations
+        stay refused). ``floor_applies=False`` enforces only abandonment (export may
+        read an old step; it never rewinds a run). An empty store gives an empty
+        selection, except that a run that restored before refuses to start over
+        (``RollbackError``); a missing step is ``NoValidCheckpoint``.
+        """
+        if rollback_to is not None:
+            rollback_to = validate_step(rollback_to, "allow_rollback_to")
+            if step is not None and step != rollback_to:
+                raise UsageError(
+                    f"step={step} and allow_rollback_to={rollback_to} disagree; give one"
+                )
+            step = rollback_to
+        if step is not None:
+            step = validate_step(step)
+        listed = self.store.list_generations()
+        previous = self.trust.floor(self.run_id) if self.run_id is not None else None
+        floor = previous
+        if previous is not None and (rollback_to is not None or not floor_applies):
+            # Below the floor is the point; abandoned stays abandoned.
+            floor = RestoreFloor(previous.run_id, abandoned=previous.abandoned)
+        policy = self.trust.policy(self.run_id, floor)
+        if not listed:
+            self._refuse_empty_store(floor, step)
+        candidates = listed if step is None else [ref for ref in listed if ref.step == step]
+        if listed and not candidates:
+            present = summarize_steps(sorted({ref.step for ref in listed}))
+            raise NoValidCheckpoint(
+                f"store {self.store.location} has no generation of step {step}; "
+                f"steps present: {present}"
+            )
+        return Selection(candidates, listed, policy, previous, rollback_to)
+
+    def _refuse_empty_store(self, floor: RestoreFloor | None, step: int | None) -> None:
+        if floor is not None and floor.step is not None:
+            raise RollbackError(
+                f"store {self.store.location} holds no generation, but run {self.run_id!r} "
+                f"restored step {floor.step} before: refusing to start over silently. Restore "
+                "the store from a copy, or start a new run id"
+            )
+        if step is not None:
+            raise NoValidCheckpoint(
+                f"store {self.store.location} holds no generation (asked for step {step})"
+            )
+
+    def first_verified(
+        self, selection: Selection, load: Callable[[GenerationRef, TrustPolicy], T]
+    ) -> tuple[GenerationRef, T]:
+        """Try candidates newest first; the first that ``load`` accepts wins.
+
+        ``load`` raises :class:`GenerationRejected` for a generation that fails a
+        check; it is recorded in ``selection.skipped`` and the next one is tried.
+        When none verifies: ``RollbackError`` if any was refused for the floor,
+        otherwise ``NoValidCheckpoint``, each listing every rejection.
+        """
+        refused_for_floor = False
+        for ref in selection.candidates:
+            try:
+                return ref, load(ref, selection.policy)
+            except GenerationRejected as rejected:
+                logger.warning("skipping %s: %s", ref.location, rejected.reason)
+                selection.skipped.append(
+                    SkippedGeneration(ref.generation_id, ref.step, rejected.reason)
+                )
+                refused_for_floor |= ROLLBACK in rejected.codes
+        raise self._none_verified(selection, refused_for_floor)
+
+    def _none_verified(self, selection: Selection, refused_for_floor: bool) -> NoValidCheckpoint:
+        rejected = [(s.generation_id, s.step, s.reason) for s in selection.skipped]
+        floor = selection.policy.floor
+        if refused_for_floor and floor is not None:
+            above = (
+                f"at or above the restore floor (step {floor.step})"
+                if floor.step is not None
+                else "that was not abandoned"
+            )
+            return RollbackError(
+                f"no generation of run {self.run_id!r} {above} passed verification; refusing to "
+                "roll back silently. Restore from a good copy, or pass allow_rollback_to=STEP to "
+                "roll back on purpose",
+                rejected,
+            )
+        return NoValidCheckpoint(
+            f"no generation in {self.store.location} passed verification; nothing was loaded "
+            "and state is unchanged. Run `ckptvault verify --all` on the store for details",
+            rejected,
+        )

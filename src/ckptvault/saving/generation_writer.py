@@ -1,0 +1,174 @@
+"""One save attempt, start to finish: captured state -> a published generation.
+
+Steps, in order: remove staging leftovers of crashed saves; open a staging area
+under a fresh generation id; write every tensor through DCP (hashed, optionally
+encrypted, fsync'd); build the manifest over every file; sign its exact bytes;
+publish atomically by the store's rule; tell the event subscribers. Any failure
+before publish aborts the staging area, so nothing becomes visible and earlier
+generations are untouched.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ckptvault._version import __version__
+from ckptvault.coordinator import Coordinator
+from ckptvault.errors import KeyUnavailableError
+from ckptvault.events import EventBus, Published
+from ckptvault.format.container import CIPHER
+from ckptvault.format.layout import generation_created_at, new_generation_id
+from ckptvault.format.manifest import Manifest
+from ckptvault.format.records import EncryptionSection
+from ckptvault.io.dcp_io import write_tensors
+from ckptvault.io.planners import forget_cached_plans
+from ckptvault.io.writer import VaultStorageWriter
+from ckptvault.state.capture import CapturedState
+from ckptvault.storage.base import StagingArea, Store
+from ckptvault.storage.listing import GenerationInfo
+from ckptvault.trust.context import TrustContext
+from ckptvault.trust.envelope import FileEncryption
+
+
+@dataclass(frozen=True)
+class WriteSettings:
+    threads: int
+    chunk_size: int  # bytes per digest chunk
+    segment_size: int  # plaintext bytes per encrypted segment
+
+
+@dataclass(frozen=True)
+class WrittenGeneration:
+    info: GenerationInfo
+    seconds: float
+    reused_plan: bool  # DCP reused the previous save's plan
+
+
+class GenerationWriter:
+    """Writes and publishes generations of one run into one store."""
+
+    def __init__(
+        self,
+        store: Store,
+        run_id: str,
+        trust: TrustContext,
+        coordinator: Coordinator,
+        events: EventBus,
+        contract: dict[str, Any],
+        settings: WriteSettings,
+    ) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.trust = trust
+        self.coordinator = coordinator
+        self.events = events
+        self.contract = contract
+        self.settings = settings
+        self.parent: str | None = None  # the generation last saved or restored
+        self._plan_cache_key = secrets.token_hex(8)
+
+    def write(self, step: int, captured: CapturedState) -> WrittenGeneration:
+        """Write, sign and publish one generation (the caller holds the writer lock)."""
+        started = time.perf_counter()
+        self.store.remove_stale_staging()
+        generation_id = new_generation_id()
+        staging = self.store.begin_generation(generation_id)
+        try:
+            tensors = self._write_tensors(staging, generation_id, captured)
+            manifest = self._manifest(step, generation_id, captured, tensors)
+            manifest_bytes = manifest.to_bytes()
+            ref = staging.publish(step, manifest_bytes, self.trust.sign_manifest(manifest_bytes))
+        except BaseException:
+            staging.abort()
+            raise
+        self.parent = generation_id
+        seconds = time.perf_counter() - started
+        info = GenerationInfo(
+            step, generation_id, ref.location, manifest.total_bytes, manifest.created_at
+        )
+        if self.coordinator.is_coordinator:
+            self.events.emit(
+                Published(
+                    run_id=self.run_id,
+                    store=self.store.location,
+                    step=step,
+                    generation_id=generation_id,
+                    location=ref.location,
+                    bytes=manifest.total_bytes,
+                    seconds=seconds,
+                    signer=self.trust.signer_id,
+                    kek_id=manifest.encryption.kek_id if manifest.encryption else None,
+                )
+            )
+        return WrittenGeneration(info, seconds, tensors.reused_plan)
+
+    def close(self) -> None:
+        forget_cached_plans(self._plan_cache_key)
+
+    def _write_tensors(
+        self, staging: StagingArea, generation_id: str, captured: CapturedState
+    ) -> VaultStorageWriter:
+        keystore = self.trust.keystore
+        encryption = (
+            FileEncryption(keystore, self.run_id, generation_id, self.settings.segment_size)
+            if keystore is not None
+            else None
+        )
+        return write_tensors(
+            captured.tensors,
+            staging,
+            self.settings.chunk_size,
+            self.settings.threads,
+            encryption,
+            plan_cache_key=self._plan_cache_key,
+            rank=self.coordinator.rank,
+        )
+
+    def _manifest(
+        self,
+        step: int,
+        generation_id: str,
+        captured: CapturedState,
+        tensors: VaultStorageWriter,
+    ) -> Manifest:
+        encryption = (
+            encryption_section(tensors.wrapped_keys, self.settings.segment_size)
+            if self.trust.keystore is not None
+            else None
+        )
+        return Manifest(
+            run_id=self.run_id,
+            step=step,
+            generation_id=generation_id,
+            created_at=generation_created_at(generation_id),
+            parent=self.parent,
+            chunk_size=self.settings.chunk_size,
+            files=tensors.file_records,
+            dcp=tensors.dcp_json or {},
+            state=captured.tree,
+            contract=self.contract,
+            writer={"ckptvault": __version__, "world_size": self.coordinator.world_size},
+            encryption=encryption,
+        )
+
+
+def encryption_section(
+    wrapped_keys: dict[str, tuple[str, bytes]], segment_size: int
+) -> EncryptionSection:
+    """The manifest's encryption section from each file's (KEK id, wrapped data key)."""
+    kek_ids = {kek for kek, _ in wrapped_keys.values()}
+    if len(kek_ids) > 1:
+        raise KeyUnavailableError(
+            f"files of one generation were wrapped by different keys ({sorted(kek_ids)}): the "
+            "key store changed during the save. Nothing was published; check the key store "
+            "and save again"
+        )
+    return EncryptionSection(
+        cipher=CIPHER,
+        kek_id=kek_ids.pop() if kek_ids else "",
+        segment_size=segment_size,
+        wrapped_keys={name: wrapped for name, (_kek, wrapped) in wrapped_keys.items()},
+    )

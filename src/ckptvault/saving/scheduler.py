@@ -1,0 +1,133 @@
+"""Scheduling saves: synchronous ones inline, asynchronous ones on one background
+worker, with bounded staging memory and errors that are never lost.
+
+An asynchronous save copies the state into reusable staging buffers (one slot per
+save allowed in flight) and returns; one worker writes and publishes in the order
+saves were asked for. When ``max_in_flight`` saves are running the next one waits
+for the oldest (``if_busy="wait"``) or is skipped with a warning (``"skip"``). A
+background error is raised by its handle's ``result()``, and by the next
+``save()``, ``wait()`` or ``close()`` unless it was already raised once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from ckptvault.io.staging import StagingPool
+from ckptvault.saving.generation_writer import WrittenGeneration
+from ckptvault.saving.handles import SaveHandle, SaveStats
+from ckptvault.state.capture import CapturedState
+from ckptvault.storage.listing import GenerationInfo
+
+WriteFunction = Callable[[int, CapturedState], WrittenGeneration]
+
+
+class SaveScheduler:
+    def __init__(self, write: WriteFunction, max_in_flight: int, if_busy: str) -> None:
+        self._write = write
+        self.max_in_flight = max_in_flight
+        self.if_busy = if_busy
+        self.stats = SaveStats()
+        self._staging = StagingPool(max_in_flight)
+        self._in_flight: list[SaveHandle] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_finalizer: weakref.finalize | None = None
+
+    def submit(
+        self, step: int, captured: CapturedState, blocking: bool, started: float
+    ) -> SaveHandle:
+        """Save now (``blocking``) or stage and save in the background."""
+        self.stats.saves_started += 1
+        if blocking:
+            self.drain()  # generations publish in the order they were asked for
+            info = self._run(step, captured)
+            seconds = time.perf_counter() - started
+            self.stats.last_stall_seconds = seconds
+            return SaveHandle.completed(info, seconds)
+        if not self._make_room(step):
+            return SaveHandle(step, None, time.perf_counter() - started, skipped=True)
+        staged = CapturedState(captured.tree, self._staging.next_slot().stage(captured.tensors))
+        self.stats.staging_allocations = self._staging.allocations
+        stall = time.perf_counter() - started
+        self.stats.last_stall_seconds = stall
+        handle = SaveHandle(step, self._executor().submit(self._run, step, staged), stall)
+        self._in_flight.append(handle)
+        return handle
+
+    def _run(self, step: int, captured: CapturedState) -> GenerationInfo:
+        """One save, inline or on the worker thread, counted in ``stats``."""
+        try:
+            written = self._write(step, captured)
+        except BaseException:
+            self.stats.saves_failed += 1
+            raise
+        self.stats.saves_completed += 1
+        self.stats.bytes_written += written.info.bytes
+        self.stats.plans_reused += int(written.reused_plan)
+        self.stats.last_save_seconds = written.seconds
+        return written.info
+
+    def _make_room(self, step: int) -> bool:
+        """Apply backpressure; False when the save is skipped (``if_busy="skip"``)."""
+        self._in_flight = [
+            h for h in self._in_flight if not h.done() or (h.failed() and not h.reported)
+        ]
+        busy = [h for h in self._in_flight if not h.done()]
+        if len(busy) < self.max_in_flight:
+            return True
+        if self.if_busy == "skip":
+            self.stats.saves_skipped += 1
+            warnings.warn(
+                f"ckptvault: skipped the save of step {step}: {len(busy)} save(s) still in flight "
+                f"(max_in_flight={self.max_in_flight}); save less often or raise max_in_flight",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return False
+        while len([h for h in self._in_flight if not h.done()]) >= self.max_in_flight:
+            oldest = next(h for h in self._in_flight if not h.done())
+            try:
+                oldest.result()
+            except BaseException:
+                oldest.reported = True
+                raise
+        return True
+
+    def drain(self) -> None:
+        """Wait for every save in flight (errors stay with their handles)."""
+        futures = [h.future for h in self._in_flight if h.future is not None]
+        concurrent.futures.wait(futures)
+
+    def raise_background_error(self) -> None:
+        """Raise the first background error not raised before; forget finished saves."""
+        for handle in self._in_flight:
+            if handle.failed() and not handle.reported:
+                handle.reported = True
+                error = handle.exception()
+                assert error is not None  # failed() says there is one
+                raise error
+        self._in_flight = [h for h in self._in_flight if not h.done()]
+
+    def close(self) -> None:
+        """Wait for saves in flight, stop the worker, then raise an unreported error."""
+        try:
+            self.drain()
+            self.raise_background_error()
+        finally:
+            if self._pool is not None:
+                assert self._pool_finalizer is not None
+                self._pool_finalizer.detach()
+                self._pool.shutdown(wait=True)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            # One worker: background saves publish in order, one at a time.
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptvault-save")
+            # At interpreter exit, or when dropped unclosed: finish the saves in flight.
+            self._pool_finalizer = weakref.finalize(self, self._pool.shutdown, wait=True)
+        return self._pool

@@ -1,0 +1,82 @@
+"""Event subscribers that keep the control plane current: the rollback ledger's
+floor and the audit log. They only record what the manager's parts already did."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ckptvault.events import Event, Published, Refused, Restored
+from ckptvault.trust.ledger import Ledger
+
+if TYPE_CHECKING:
+    from ckptvault.trust.context import TrustContext
+
+
+class FloorKeeper:
+    """Raises the run's restore floor on every restore; an allowed rollback lowers it
+    and abandons every newer generation."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def __call__(self, event: Event) -> None:
+        if not isinstance(event, Restored):
+            return
+        if event.rollback is not None:
+            self.ledger.lower_floor(
+                event.run_id, event.step, event.generation_id, event.rollback.abandoned
+            )
+        else:
+            self.ledger.record_restore(event.run_id, event.step, event.generation_id)
+
+
+class AuditRecorder:
+    """Appends one audit entry per event (two for an allowed rollback)."""
+
+    def __init__(self, trust: TrustContext) -> None:
+        self.trust = trust
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, Published):
+            self.trust.record(
+                event.summary,
+                "save",
+                run_id=event.run_id,
+                step=event.step,
+                generation_id=event.generation_id,
+                store=event.store,
+                bytes=event.bytes,
+                signer=event.signer,
+                kek_id=event.kek_id,
+            )
+        elif isinstance(event, Restored):
+            if event.rollback is not None:
+                self.trust.record(
+                    f"the rollback to step {event.step} was applied",
+                    "rollback_allowed",
+                    run_id=event.run_id,
+                    store=event.store,
+                    previous_floor=event.rollback.previous_floor,
+                    step=event.step,
+                    generation_id=event.generation_id,
+                    abandoned=[list(a) for a in event.rollback.abandoned],
+                )
+            self.trust.record(
+                event.summary,
+                "restore",
+                run_id=event.run_id,
+                store=event.store,
+                step=event.step,
+                generation_id=event.generation_id,
+                skipped=[list(s) for s in event.skipped],
+            )
+        elif isinstance(event, Refused):
+            self.trust.record(
+                event.summary,
+                "refusal",
+                run_id=event.run_id,
+                store=event.store,
+                error=event.error,
+                reason=event.reason,
+                rejected=[list(r) for r in event.rejected],
+            )
