@@ -60,7 +60,20 @@ def weights_digest(model: torch.nn.Module) -> str:
     return hasher.hexdigest()
 
 
+def pin_threads() -> None:
+    """Make the CPU kernels bit-reproducible from one process to the next.
+
+    Without an explicit thread count, MKL and OpenMP may settle on a different
+    number of threads in another process (importing torch.distributed is enough to
+    tip it), which changes the order of float sums and so the last bits of every
+    step. Exact resume needs the same kernels to give the same bits; ckptvault
+    restores the state, not the math library's choices.
+    """
+    torch.set_num_threads(torch.get_num_threads())
+
+
 def main() -> None:
+    pin_threads()
     parser = argparse.ArgumentParser()
     parser.add_argument("store")
     parser.add_argument("--steps", type=int, default=300)

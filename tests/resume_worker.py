@@ -22,6 +22,10 @@ from blake3 import blake3
 
 import ckptvault as cv
 
+# Same kernels, same bits: pin the thread count so MKL/OpenMP cannot settle on a
+# different one in the resuming process (see demo/train.py, pin_threads).
+torch.set_num_threads(torch.get_num_threads())
+
 DATA = torch.linspace(-1, 1, 256 * 6).reshape(256, 6)
 TARGET = DATA.sum(dim=1, keepdim=True).sin()
 
