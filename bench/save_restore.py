@@ -154,7 +154,7 @@ def raw_write_behind(path: Path, tensors: dict[str, torch.Tensor], files: int) -
     (sync_file_range), one fsync per file. No hashing, no format, no manifest."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ckptvault.storage.posix import PosixWritableFile
+    from ckptvault.storage.posix_files import PosixWritableFile
 
     path.mkdir()
     groups: list[list[torch.Tensor]] = [[] for _ in range(files)]
@@ -165,7 +165,11 @@ def raw_write_behind(path: Path, tensors: dict[str, torch.Tensor], files: int) -
         loads[target] += tensor.numel() * tensor.element_size()
 
     def write(index: int) -> None:
-        sink = PosixWritableFile(path / f"{index}.bin")
+        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            sink = PosixWritableFile(dir_fd, f"{index}.bin", str(path / f"{index}.bin"))
+        finally:
+            os.close(dir_fd)
         for tensor in groups[index]:
             view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
             for start in range(0, len(view), 8 << 20):

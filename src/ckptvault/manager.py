@@ -1,17 +1,11 @@
 """``CheckpointManager``: the front door. It wires the parts and forwards calls.
 
-- :class:`~ckptvault.saving.generation_writer.GenerationWriter` writes, signs and
-  publishes one generation;
-- :class:`~ckptvault.saving.scheduler.SaveScheduler` runs saves inline or in the
-  background, with backpressure and errors that are never lost;
-- :class:`~ckptvault.restoring.restorer.Restorer` chooses, verifies and applies a
-  generation;
-- :class:`~ckptvault.trust.context.TrustContext` holds keys, ledger and audit log;
-  its subscribers (and later catalog, metrics, replication, retention) hear about
-  every published, restored and refused generation through an
-  :class:`~ckptvault.events.EventBus`.
-
-The manager itself touches no bytes, manifest fields or trust details.
+Saving goes through the :class:`~ckptvault.saving.scheduler.SaveScheduler` to the
+:class:`~ckptvault.saving.generation_writer.GenerationWriter`; restoring through
+the :class:`~ckptvault.restoring.restorer.Restorer`. Both act in one
+:class:`~ckptvault.run_context.RunContext` (store, run id, trust context,
+coordinator, event bus). The manager touches no bytes, manifest fields or trust
+details; a new feature is a new part or an event subscriber.
 """
 
 from __future__ import annotations
@@ -31,6 +25,7 @@ from ckptvault.format.container import DEFAULT_SEGMENT_SIZE
 from ckptvault.io.writer import default_threads
 from ckptvault.restoring.restorer import RestoreInfo, Restorer
 from ckptvault.restoring.selector import SkippedGeneration, validate_step
+from ckptvault.run_context import RunContext
 from ckptvault.saving.generation_writer import GenerationWriter, WriteSettings
 from ckptvault.saving.handles import SaveHandle, SaveStats
 from ckptvault.saving.scheduler import SaveScheduler
@@ -121,25 +116,12 @@ class CheckpointManager:
         self.trust.check_outside(self.store)
         self.coordinator = coordinator or SingleProcess()
         self.events = EventBus(self.trust.subscribers())
-        self._writer = GenerationWriter(
-            self.store,
-            self.run_id,
-            self.trust,
-            self.coordinator,
-            self.events,
-            build_contract(self.config.contract, code_revision()),
-            WriteSettings(self.config.threads, chunk_size, segment_size),
-        )
+        run = RunContext(self.store, self.run_id, self.trust, self.coordinator, self.events)
+        contract_record = build_contract(self.config.contract, code_revision())
+        settings = WriteSettings(self.config.threads, chunk_size, segment_size)
+        self._writer = GenerationWriter(run, contract_record, settings)
         self._scheduler = SaveScheduler(self._writer.write, max_in_flight, if_busy)
-        self._restorer = Restorer(
-            self.store,
-            self.run_id,
-            self.trust,
-            self.coordinator,
-            self.events,
-            self.config.threads,
-            self.config.contract,
-        )
+        self._restorer = Restorer(run, self.config.threads, self.config.contract)
         self._closed = False
 
     @property
@@ -227,12 +209,12 @@ class CheckpointManager:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc is None:
-            self.close()
-            return
-        try:  # do not mask the exception that is already propagating
+        try:
             self.close()
         except Exception as background:
+            if exc is None:
+                raise
+            # Do not mask the exception that is already propagating.
             logger.error("a background save failed while %r was propagating: %s", exc, background)
 
     def __repr__(self) -> str:

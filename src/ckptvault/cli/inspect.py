@@ -18,7 +18,8 @@ from ckptvault.cli._common import human_bytes, open_store, out, print_json, sele
 from ckptvault.errors import FormatError
 from ckptvault.format.manifest import Manifest
 from ckptvault.format.tensorfile import element_size
-from ckptvault.trust.checks import GenerationRejected, check_structure
+from ckptvault.trust.checks import check_structure
+from ckptvault.trust.problems import GenerationRejected
 
 
 def inspect(

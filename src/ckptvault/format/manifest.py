@@ -132,6 +132,22 @@ def check_format_version(version: object, where: str) -> int:
     return version
 
 
+def _parse_files(raw_files: dict[str, Any], chunk_size: int, where: str) -> dict[str, FileRecord]:
+    """The ``files`` section: plain names only, one digest per chunk."""
+    files: dict[str, FileRecord] = {}
+    for name, record in raw_files.items():
+        if not is_safe_file_name(name):
+            raise UnsafeNameError(
+                f"{where}: file name {name!r} is not a plain relative name (absolute paths, "
+                "'..', hidden and reserved names are refused)"
+            )
+        files[name] = FileRecord.parse(name, record, where)
+        expected_chunks = -(-files[name].size // chunk_size)
+        if len(files[name].chunks) != expected_chunks:
+            raise FormatError(f"{where}: file {name!r} lists the wrong number of chunk digests")
+    return files
+
+
 def parse_manifest(data: bytes, where: str) -> Manifest:
     """Parse and validate manifest bytes; ``where`` names the generation for errors.
 
@@ -164,18 +180,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     chunk_size = _require(raw, "chunk_size", int, where)
     if not 0 < chunk_size <= MAX_CHUNK_SIZE:
         raise FormatError(f"{where}: chunk_size {chunk_size} is outside 1..{MAX_CHUNK_SIZE}")
-    raw_files = _require(raw, "files", dict, where)
-    files: dict[str, FileRecord] = {}
-    for name, record in raw_files.items():
-        if not is_safe_file_name(name):
-            raise UnsafeNameError(
-                f"{where}: file name {name!r} is not a plain relative name (absolute paths, "
-                "'..', hidden and reserved names are refused)"
-            )
-        files[name] = FileRecord.parse(name, record, where)
-        expected_chunks = -(-files[name].size // chunk_size)
-        if len(files[name].chunks) != expected_chunks:
-            raise FormatError(f"{where}: file {name!r} lists the wrong number of chunk digests")
+    files = _parse_files(_require(raw, "files", dict, where), chunk_size, where)
     return Manifest(
         format_version=version,
         run_id=_require(raw, "run_id", str, where),

@@ -22,7 +22,10 @@ from ckptvault.format.manifest import Manifest
 from ckptvault.io.dcp_io import read_tensors
 from ckptvault.state.capture import decode_tree
 from ckptvault.storage.base import GenerationRef, Store
-from ckptvault.trust.checks import (
+from ckptvault.trust.checks import TrustPolicy, check_structure
+from ckptvault.trust.envelope import binding
+from ckptvault.trust.keystore import KeyStore
+from ckptvault.trust.problems import (
     AUTHENTICATION_FAILED,
     DIGEST_MISMATCH,
     KEY_UNAVAILABLE,
@@ -33,11 +36,7 @@ from ckptvault.trust.checks import (
     UNSAFE_ENTRY,
     GenerationRejected,
     Problem,
-    TrustPolicy,
-    check_structure,
 )
-from ckptvault.trust.envelope import binding
-from ckptvault.trust.keystore import KeyStore
 
 
 @dataclass

@@ -32,7 +32,7 @@ from ckptvault.format.manifest import Manifest
 from ckptvault.format.tensorfile import header_length, parse_header
 from ckptvault.io.dcp_metadata import StoredChunk, dtype_from_name, tensor_metadata
 from ckptvault.storage.base import GenerationRef, Store
-from ckptvault.trust.checks import check_chunk_locations
+from ckptvault.trust.chunk_layout import check_chunk_locations
 from ckptvault.trust.digests import ChunkVerifier, read_full
 from ckptvault.trust.envelope import SegmentDecryptor, binding
 

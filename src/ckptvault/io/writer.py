@@ -32,7 +32,7 @@ from ckptvault.errors import FormatError
 from ckptvault.format.container import ENCRYPTED_SUFFIX
 from ckptvault.format.layout import tensor_file_name
 from ckptvault.format.records import FileRecord
-from ckptvault.format.tensorfile import build_header
+from ckptvault.format.tensorfile import TensorFileHeader, build_header
 from ckptvault.io.dcp_metadata import StoredChunk, dtype_name, metadata_to_json
 from ckptvault.storage.base import StagingArea, WritableFile
 from ckptvault.trust.digests import FileDigester
@@ -133,20 +133,18 @@ class VaultStorageWriter(StorageWriter):
         self.wrapped_keys = {}
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        # The rank given at construction (the coordinator's) names the files; DCP's
+        # own rank agrees with it under torch.distributed and is 0 without it.
         self.is_coordinator = is_coordinator
-        rank = kwargs.get("rank")
-        if isinstance(rank, int):
-            self.rank = rank
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        # Each rank writes files named after its rank, so names never collide.
-        return [dataclasses.replace(plan, storage_data=rank) for rank, plan in enumerate(plans)]
+        return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        rank = plan.storage_data if isinstance(plan.storage_data, int) else self.rank
+        rank = self.rank  # each rank names its files after itself: names never collide
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
                 raise FormatError(f"{item.index.fqn!r} is not a tensor; ckptvault never pickles")
@@ -194,78 +192,105 @@ class VaultStorageWriter(StorageWriter):
     def _write_file(
         self, name: str, items: list[WriteItem], planner: SavePlanner
     ) -> list[WriteResult]:
-        # Wider elements first keeps every tensor naturally aligned, as safetensors does.
-        items = sorted(
-            items, key=lambda i: (-_tensor_data(i).properties.dtype.itemsize, chunk_name(i))
-        )
-        header = build_header(
-            (
-                (
-                    chunk_name(i),
-                    dtype_name(_tensor_data(i).properties.dtype),
-                    tuple(_tensor_data(i).chunk.sizes),
-                )
-                for i in items
-            ),
-            {"format": "pt", "writer": "ckptvault"},
-        )
+        """Write one tensor file (a safetensors file, or an encrypted container of
+        one) and fsync it; returns DCP's write results, the first carrying the
+        file's record and wrapped key."""
+        items, header = _layout(items)
         if self.encryption is not None:
             name += ENCRYPTED_SUFFIX
         digester = FileDigester(self.chunk_size)
         sink = self.staging.create_file(name)
-        wrapped_key = None
         try:
-            out: HashingSink | EncryptingWriter = HashingSink(sink, digester)
-            if self.encryption is not None:
-                data_key, kek_id, wrapped = self.encryption.new_file_key(name)
-                wrapped_key = (kek_id, wrapped)
-                plaintext_size = header.data_start + sum(e.nbytes for e in header.entries.values())
-                out = EncryptingWriter(
-                    out,
-                    data_key,
-                    self.encryption.context(name),
-                    self.encryption.segment_size,
-                    plaintext_size,
-                    where=name,
-                )
+            out, wrapped_key = self._open_output(HashingSink(sink, digester), name, header)
             out.write(header.header_bytes)
-            for item in items:
-                resolved = planner.resolve_data(item)
-                if not isinstance(resolved, torch.Tensor):
-                    raise FormatError(
-                        f"{item.index.fqn!r} is not a tensor; ckptvault never pickles"
-                    )
-                data = tensor_bytes(resolved)
-                entry = header.entries[chunk_name(item)]
-                if len(data) != entry.nbytes:
-                    raise FormatError(
-                        f"tensor {item.index.fqn!r} changed size while being saved "
-                        f"({len(data)} bytes, planned {entry.nbytes})"
-                    )
-                for start in range(0, len(data), WRITE_PIECE):
-                    out.write(data[start : start + WRITE_PIECE])
+            _stream_tensors(out, items, header, planner)
             if isinstance(out, EncryptingWriter):
                 out.close()
         except BaseException:
             sink.abort()
             raise
         sink.commit()
-        record = digester.finish()
-        results = []
-        for position, item in enumerate(items):
-            entry = header.entries[chunk_name(item)]
-            location = StoredChunk(
-                file=name, name=entry.name, start=entry.start, length=entry.nbytes
+        return _results(name, items, header, digester.finish(), wrapped_key)
+
+    def _open_output(
+        self, hashing: HashingSink, name: str, header: TensorFileHeader
+    ) -> tuple[HashingSink | EncryptingWriter, tuple[str, bytes] | None]:
+        """Where the plaintext goes: straight into the hashed file, or through a
+        fresh per-file data key into an encrypted container."""
+        if self.encryption is None:
+            return hashing, None
+        data_key, kek_id, wrapped = self.encryption.new_file_key(name)
+        plaintext_size = header.data_start + sum(e.nbytes for e in header.entries.values())
+        encrypting = EncryptingWriter(
+            hashing,
+            data_key,
+            self.encryption.context(name),
+            self.encryption.segment_size,
+            plaintext_size,
+            where=name,
+        )
+        return encrypting, (kek_id, wrapped)
+
+
+def _layout(items: list[WriteItem]) -> tuple[list[WriteItem], TensorFileHeader]:
+    """Order a file's tensors and build its safetensors header."""
+    # Wider elements first keeps every tensor naturally aligned, as safetensors does.
+    items = sorted(items, key=lambda i: (-_tensor_data(i).properties.dtype.itemsize, chunk_name(i)))
+    header = build_header(
+        (
+            (
+                chunk_name(i),
+                dtype_name(_tensor_data(i).properties.dtype),
+                tuple(_tensor_data(i).chunk.sizes),
             )
-            results.append(
-                WriteResult(
-                    index=item.index,
-                    size_in_bytes=entry.nbytes,
-                    storage_data=WrittenChunk(
-                        location,
-                        record if position == 0 else None,
-                        wrapped_key if position == 0 else None,
-                    ),
-                )
+            for i in items
+        ),
+        {"format": "pt", "writer": "ckptvault"},
+    )
+    return items, header
+
+
+def _stream_tensors(
+    out: HashingSink | EncryptingWriter,
+    items: list[WriteItem],
+    header: TensorFileHeader,
+    planner: SavePlanner,
+) -> None:
+    """Each tensor's bytes straight from tensor memory, in pieces."""
+    for item in items:
+        resolved = planner.resolve_data(item)
+        if not isinstance(resolved, torch.Tensor):
+            raise FormatError(f"{item.index.fqn!r} is not a tensor; ckptvault never pickles")
+        data = tensor_bytes(resolved)
+        entry = header.entries[chunk_name(item)]
+        if len(data) != entry.nbytes:
+            raise FormatError(
+                f"tensor {item.index.fqn!r} changed size while being saved "
+                f"({len(data)} bytes, planned {entry.nbytes})"
             )
-        return results
+        for start in range(0, len(data), WRITE_PIECE):
+            out.write(data[start : start + WRITE_PIECE])
+
+
+def _results(
+    name: str,
+    items: list[WriteItem],
+    header: TensorFileHeader,
+    record: FileRecord,
+    wrapped_key: tuple[str, bytes] | None,
+) -> list[WriteResult]:
+    results = []
+    for position, item in enumerate(items):
+        entry = header.entries[chunk_name(item)]
+        location = StoredChunk(file=name, name=entry.name, start=entry.start, length=entry.nbytes)
+        first = position == 0
+        results.append(
+            WriteResult(
+                index=item.index,
+                size_in_bytes=entry.nbytes,
+                storage_data=WrittenChunk(
+                    location, record if first else None, wrapped_key if first else None
+                ),
+            )
+        )
+    return results

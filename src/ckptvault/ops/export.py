@@ -33,7 +33,7 @@ from ckptvault.errors import (
 from ckptvault.format.canonical import dumps_canonical, loads_canonical
 from ckptvault.format.layout import MANIFEST_NAME, utc_now
 from ckptvault.format.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
-from ckptvault.io.load import LoadedGeneration, load_verified
+from ckptvault.io.load import load_verified
 from ckptvault.io.writer import default_threads
 from ckptvault.restoring.selector import CandidateSelector
 from ckptvault.state.capture import StatefulPayload
@@ -142,10 +142,7 @@ def export_weights(
     )
     store = open_store(store_dir, must_exist=True)
     trust.check_outside(store)
-    run_id = run_id if run_id is not None else _only_run(store)
-    loaded = _load_source(store, run_id, step, trust)
-    tensors = select_weights(loaded.saved, key, dtype)
-    manifest = loaded.manifest
+    manifest, tensors = _load_weights(store, run_id, step, trust, key, dtype)
     out_path = Path(os.path.abspath(os.fspath(out)))
     digest, size = _write_weights(out_path, tensors, manifest, key)
     signed_path = None
@@ -153,18 +150,7 @@ def export_weights(
         signed_path = _write_export_manifest(
             trust.signer, out_path, size, digest, key, dtype, len(tensors), manifest
         )
-    trust.record(
-        f"step {manifest.step} was exported to {out_path}",
-        "export",
-        run_id=manifest.run_id,
-        step=manifest.step,
-        generation_id=manifest.generation_id,
-        entry=key,
-        out=str(out_path),
-        blake3=digest,
-        signed=signed_path is not None,
-    )
-    return ExportResult(
+    result = ExportResult(
         out_path,
         len(tensors),
         size,
@@ -174,13 +160,27 @@ def export_weights(
         manifest.generation_id,
         signed_path,
     )
+    trust.record(
+        f"step {result.step} was exported to {out_path}",
+        "export",
+        run_id=result.run_id,
+        step=result.step,
+        generation_id=result.generation_id,
+        entry=key,
+        out=str(out_path),
+        blake3=digest,
+        signed=signed_path is not None,
+    )
+    return result
 
 
-def _load_source(store: Store, run_id: str, step: int, trust: TrustContext) -> LoadedGeneration:
-    """The newest generation of ``step`` that verifies, through restore's own path.
-
-    Export never rewinds a run, so the floor does not apply; abandoned generations
-    stay refused."""
+def _load_weights(
+    store: Store, run_id: str | None, step: int, trust: TrustContext, key: str, dtype: str | None
+) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """The newest generation of ``step`` that verifies (through restore's own path),
+    and the tensors of its entry ``key``. Export never rewinds a run, so the floor
+    does not apply; abandoned generations stay refused."""
+    run_id = run_id if run_id is not None else _only_run(store)
     selector = CandidateSelector(store, run_id, trust)
     selection = selector.select(step, floor_applies=False)
     if not selection.candidates:
@@ -189,7 +189,7 @@ def _load_source(store: Store, run_id: str, step: int, trust: TrustContext) -> L
         selection,
         lambda ref, policy: load_verified(store, ref, policy, trust.keystore, default_threads()),
     )
-    return loaded
+    return loaded.manifest, select_weights(loaded.saved, key, dtype)
 
 
 def _write_weights(

@@ -15,16 +15,15 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptvault.coordinator import Coordinator
 from ckptvault.errors import AuditError, CheckpointError
-from ckptvault.events import EventBus, Refused, Restored, RollbackApplied
+from ckptvault.events import Refused, Restored, RollbackApplied
 from ckptvault.io.load import LoadedGeneration, load_verified
 from ckptvault.restoring.selector import CandidateSelector, Selection, SkippedGeneration
+from ckptvault.run_context import RunContext
 from ckptvault.state.apply import plan_restore
 from ckptvault.state.contract import compare_contracts
-from ckptvault.storage.base import GenerationRef, Store
+from ckptvault.storage.base import GenerationRef
 from ckptvault.trust.checks import TrustPolicy
-from ckptvault.trust.context import TrustContext
 
 logger = logging.getLogger("ckptvault")
 
@@ -47,23 +46,16 @@ class RestoreInfo:
 
 class Restorer:
     def __init__(
-        self,
-        store: Store,
-        run_id: str,
-        trust: TrustContext,
-        coordinator: Coordinator,
-        events: EventBus,
-        threads: int,
-        contract_fields: Mapping[str, Any] | None,
+        self, run: RunContext, threads: int, contract_fields: Mapping[str, Any] | None
     ) -> None:
-        self.store = store
-        self.run_id = run_id
-        self.trust = trust
-        self.coordinator = coordinator
-        self.events = events
+        self.store = run.store
+        self.run_id = run.run_id
+        self.trust = run.trust
+        self.coordinator = run.coordinator
+        self.events = run.events
         self.threads = threads
         self.contract_fields = contract_fields
-        self.selector = CandidateSelector(store, run_id, trust)
+        self.selector = CandidateSelector(run.store, run.run_id, run.trust)
 
     def restore(
         self,

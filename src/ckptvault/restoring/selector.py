@@ -17,9 +17,10 @@ from typing import Any, NamedTuple, TypeVar
 
 from ckptvault.errors import NoValidCheckpoint, RollbackError, UsageError
 from ckptvault.storage.base import GenerationRef, Store
-from ckptvault.trust.checks import ROLLBACK, GenerationRejected, TrustPolicy
+from ckptvault.trust.checks import TrustPolicy
 from ckptvault.trust.context import TrustContext
 from ckptvault.trust.ledger import RestoreFloor
+from ckptvault.trust.problems import ROLLBACK, GenerationRejected
 
 T = TypeVar("T")
 logger = logging.getLogger("ckptvault")

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptvault._version import __version__
-from ckptvault.coordinator import Coordinator
 from ckptvault.errors import KeyUnavailableError
-from ckptvault.events import EventBus, Published
+from ckptvault.events import Published
 from ckptvault.format.container import CIPHER
 from ckptvault.format.layout import generation_created_at, new_generation_id
 from ckptvault.format.manifest import Manifest
@@ -26,10 +25,10 @@ from ckptvault.format.records import EncryptionSection
 from ckptvault.io.dcp_io import write_tensors
 from ckptvault.io.planners import forget_cached_plans
 from ckptvault.io.writer import VaultStorageWriter
+from ckptvault.run_context import RunContext
 from ckptvault.state.capture import CapturedState
-from ckptvault.storage.base import StagingArea, Store
+from ckptvault.storage.base import StagingArea
 from ckptvault.storage.listing import GenerationInfo
-from ckptvault.trust.context import TrustContext
 from ckptvault.trust.envelope import FileEncryption
 
 
@@ -50,21 +49,12 @@ class WrittenGeneration:
 class GenerationWriter:
     """Writes and publishes generations of one run into one store."""
 
-    def __init__(
-        self,
-        store: Store,
-        run_id: str,
-        trust: TrustContext,
-        coordinator: Coordinator,
-        events: EventBus,
-        contract: dict[str, Any],
-        settings: WriteSettings,
-    ) -> None:
-        self.store = store
-        self.run_id = run_id
-        self.trust = trust
-        self.coordinator = coordinator
-        self.events = events
+    def __init__(self, run: RunContext, contract: dict[str, Any], settings: WriteSettings) -> None:
+        self.store = run.store
+        self.run_id = run.run_id
+        self.trust = run.trust
+        self.coordinator = run.coordinator
+        self.events = run.events
         self.contract = contract
         self.settings = settings
         self.parent: str | None = None  # the generation last saved or restored

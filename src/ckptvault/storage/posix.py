@@ -27,22 +27,13 @@ the user chose, and may be a symlink.)
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
-import stat
-from collections.abc import Callable, Iterator
 from io import FileIO
 from pathlib import Path
 
 from ckptvault.durable import make_dirs_durable
-from ckptvault.errors import (
-    CheckpointError,
-    SaveFailedError,
-    StorageFullError,
-    UnsafeEntryError,
-    UsageError,
-)
+from ckptvault.errors import UnsafeEntryError, UsageError
 from ckptvault.format.layout import (
     MANIFEST_NAME,
     SIGNATURE_NAME,
@@ -53,153 +44,14 @@ from ckptvault.format.layout import (
 )
 from ckptvault.storage.base import EntryInfo, GenerationRef
 from ckptvault.storage.lock import WriterLock
-
-_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
-WRITE_BEHIND_BYTES = 8 * 1024 * 1024
-MAX_CLEANUP_DEPTH = 16  # staging areas are flat; deeper trees were planted
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def _load_sync_file_range() -> Callable[[int, int, int], None] | None:
-    """``sync_file_range(SYNC_FILE_RANGE_WRITE)`` where the C library has it: start
-    writing dirty pages back now, without waiting, so the disk works while the CPU
-    hashes the next piece and the final fsync has little left to do."""
-    try:
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    function.restype = ctypes.c_int
-
-    def start_writeback(fd: int, offset: int, count: int) -> None:
-        function(fd, offset, count, 2)  # SYNC_FILE_RANGE_WRITE; a failure only loses the hint
-
-    return start_writeback
-
-
-_start_writeback = _load_sync_file_range()
-
-
-def translate_os_error(exc: OSError, what: str) -> CheckpointError:
-    """Map an OS error during a save to a typed ckptvault error."""
-    if exc.errno in _FULL_ERRNOS:
-        return StorageFullError(
-            f"{what}: the filesystem is full or over quota ({exc.strerror}). Nothing was "
-            "published and earlier generations are intact; free space or keep fewer "
-            "generations, then save again."
-        )
-    return SaveFailedError(f"{what}: {exc.strerror or exc} ({type(exc).__name__})")
-
-
-def _describe_unsafe(info: os.stat_result) -> str | None:
-    """Why an entry is not a plain, singly linked file, or None when it is one."""
-    mode = info.st_mode
-    if stat.S_ISLNK(mode):
-        return "is a symlink"
-    if stat.S_ISDIR(mode):
-        return "is a directory"
-    if not stat.S_ISREG(mode):
-        return "is a FIFO, socket or device"
-    if info.st_nlink != 1:
-        return f"is hard-linked ({info.st_nlink} names share it)"
-    return None
-
-
-@contextlib.contextmanager
-def _opened(fd: int) -> Iterator[int]:
-    try:
-        yield fd
-    finally:
-        os.close(fd)
-
-
-def _open_dir(name: str, dir_fd: int, where: str) -> int:
-    """Open a directory entry without following a link; UnsafeEntryError if it is not one."""
-    try:
-        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise UnsafeEntryError(
-                f"{where} is not a directory (a symlink or file was put in its place); "
-                "ckptvault does not follow it. Remove it, or restore the store from a copy"
-            ) from exc
-        raise
-
-
-def remove_tree(parent_fd: int, name: str, depth: int = 0) -> None:
-    """Delete ``name`` below ``parent_fd``, never following a link out of it.
-
-    A symlink is unlinked, not followed; directories are walked through descriptors.
-    Trees deeper than staging areas ever are stop the walk (and stay) rather than
-    exhaust the stack.
-    """
-    try:
-        info = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISDIR(info.st_mode):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(name, dir_fd=parent_fd)
-        return
-    if depth >= MAX_CLEANUP_DEPTH:
-        return
-    try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
-    except OSError:
-        return  # swapped for a link meanwhile: leave it
-    with _opened(fd):
-        for child in os.listdir(fd):
-            remove_tree(fd, child, depth + 1)
-    with contextlib.suppress(OSError):
-        os.rmdir(name, dir_fd=parent_fd)
-
-
-class PosixWritableFile:
-    """An unbuffered new file in a staging directory; ``commit`` makes it durable."""
-
-    def __init__(self, dir_fd: int, name: str, where: str) -> None:
-        self.where = where
-        self._fd = os.open(
-            name,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
-            0o644,
-            dir_fd=dir_fd,
-        )
-        self._written = 0
-        self._flushed = 0  # bytes already handed to write-behind
-
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        view = memoryview(data).cast("B")
-        written = 0
-        try:
-            while written < len(view):
-                written += os.write(self._fd, view[written:])
-        except OSError as exc:
-            raise translate_os_error(exc, f"writing {self.where}") from exc
-        self._written += written
-        if _start_writeback is not None and self._written - self._flushed >= WRITE_BEHIND_BYTES:
-            _start_writeback(self._fd, self._flushed, self._written - self._flushed)
-            self._flushed = self._written
-        return written
-
-    def commit(self) -> None:
-        try:
-            # Published files are read-only: a generation is never modified.
-            os.fchmod(self._fd, 0o444)
-            os.fsync(self._fd)
-        except OSError as exc:
-            raise translate_os_error(exc, f"syncing {self.where}") from exc
-        finally:
-            self._close()
-
-    def abort(self) -> None:
-        self._close()
-
-    def _close(self) -> None:
-        if self._fd >= 0:
-            fd, self._fd = self._fd, -1
-            os.close(fd)
+from ckptvault.storage.posix_files import (
+    PosixWritableFile,
+    describe_unsafe,
+    open_dir,
+    opened,
+    remove_tree,
+    translate_os_error,
+)
 
 
 class PosixStagingArea:
@@ -212,7 +64,7 @@ class PosixStagingArea:
         self.staging_fd = store.open_staging_dir()
         try:
             os.mkdir(generation_id, 0o755, dir_fd=self.staging_fd)
-            self.fd = _open_dir(generation_id, self.staging_fd, self.location)
+            self.fd = open_dir(generation_id, self.staging_fd, self.location)
         except BaseException:
             os.close(self.staging_fd)
             raise
@@ -251,7 +103,7 @@ class AtomicRename:
                 if data is not None:
                     _write_new_file(area, file_name, data)
             os.fsync(area.fd)
-            with _opened(area.store.open_root()) as root_fd:
+            with opened(area.store.open_root()) as root_fd:
                 os.rename(area.generation_id, final, src_dir_fd=area.staging_fd, dst_dir_fd=root_fd)
                 os.fsync(root_fd)
             os.fsync(area.staging_fd)
@@ -287,16 +139,16 @@ class PosixStore:
         return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
     def _open_generation(self, ref: GenerationRef) -> int:
-        with _opened(self.open_root()) as root_fd:
-            return _open_dir(ref.name.dirname, root_fd, ref.location)
+        with opened(self.open_root()) as root_fd:
+            return open_dir(ref.name.dirname, root_fd, ref.location)
 
     def open_staging_dir(self) -> int:
         """``.staging``, created if missing; a link planted there is removed, not followed."""
         where = os.path.join(self.location, STAGING_DIR)
-        with _opened(self.open_root()) as root_fd:
+        with opened(self.open_root()) as root_fd:
             for _attempt in range(3):
                 try:
-                    return _open_dir(STAGING_DIR, root_fd, where)
+                    return open_dir(STAGING_DIR, root_fd, where)
                 except FileNotFoundError:
                     with contextlib.suppress(FileExistsError):
                         os.mkdir(STAGING_DIR, 0o755, dir_fd=root_fd)
@@ -307,7 +159,7 @@ class PosixStore:
 
     def _open_lock_file(self) -> int:
         where = os.path.join(self.location, WRITER_LOCK)
-        with _opened(self.open_root()) as root_fd:
+        with opened(self.open_root()) as root_fd:
             try:
                 fd = os.open(
                     WRITER_LOCK,
@@ -322,7 +174,7 @@ class PosixStore:
                         "it (the lock file is recreated on the next save)"
                     ) from exc
                 raise
-        unsafe = _describe_unsafe(os.fstat(fd))
+        unsafe = describe_unsafe(os.fstat(fd))
         if unsafe is not None:
             os.close(fd)
             raise UnsafeEntryError(
@@ -354,15 +206,15 @@ class PosixStore:
 
     def list_entries(self, ref: GenerationRef) -> dict[str, EntryInfo]:
         entries = {}
-        with _opened(self._open_generation(ref)) as fd:
+        with opened(self._open_generation(ref)) as fd:
             for name in os.listdir(fd):
                 info = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                entries[name] = EntryInfo(name, info.st_size, _describe_unsafe(info))
+                entries[name] = EntryInfo(name, info.st_size, describe_unsafe(info))
         return entries
 
     def open_file(self, ref: GenerationRef, name: str) -> FileIO:
         where = os.path.join(ref.location, name)
-        with _opened(self._open_generation(ref)) as dir_fd:
+        with opened(self._open_generation(ref)) as dir_fd:
             try:
                 # O_NONBLOCK: a FIFO swapped in after listing must not hang the reader.
                 fd = os.open(
@@ -374,7 +226,7 @@ class PosixStore:
                         f"{where} is a symlink; ckptvault does not follow it"
                     ) from exc
                 raise
-        unsafe = _describe_unsafe(os.fstat(fd))
+        unsafe = describe_unsafe(os.fstat(fd))
         if unsafe is not None:
             os.close(fd)
             raise UnsafeEntryError(f"{where} {unsafe}, not a plain file; refusing to read it")
@@ -420,7 +272,7 @@ class PosixStore:
             raise UsageError(
                 "removing staging leftovers needs the writer lock; call acquire_writer() first"
             )
-        with _opened(self.open_staging_dir()) as staging_fd:
+        with opened(self.open_staging_dir()) as staging_fd:
             stale = sorted(os.listdir(staging_fd))
             for name in stale:
                 remove_tree(staging_fd, name)

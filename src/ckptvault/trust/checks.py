@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptvault.errors import (
-    CheckpointError,
     FormatError,
     IntegrityError,
     SignatureError,
@@ -54,8 +53,34 @@ from ckptvault.format.manifest import (
 )
 from ckptvault.format.tensorfile import TensorFileHeader, header_length, parse_header
 from ckptvault.storage.base import EntryInfo, GenerationRef, Store
+from ckptvault.trust.chunk_layout import check_chunk_locations
 from ckptvault.trust.digests import verify_stream
 from ckptvault.trust.ledger import RestoreFloor
+from ckptvault.trust.problems import (
+    DIGEST_MISMATCH,
+    FILE_EXTRA,
+    FILE_MISSING,
+    FILE_SIZE,
+    FORMAT_UNSUPPORTED,
+    MANIFEST_CORRUPT,
+    MANIFEST_INCONSISTENT,
+    MANIFEST_INVALID,
+    MANIFEST_MISSING,
+    NAME_MISMATCH,
+    PICKLE_FILE,
+    ROLLBACK,
+    RUN_MISMATCH,
+    SIGNATURE_INVALID,
+    SIGNATURE_MISSING,
+    SIGNATURE_UNTRUSTED,
+    TENSOR_FILE_INVALID,
+    UNKNOWN_FORMAT,
+    UNREADABLE,
+    UNSAFE_ENTRY,
+    UNSAFE_PATH,
+    GenerationRejected,
+    Problem,
+)
 from ckptvault.trust.signing import (
     MANIFEST_DOMAIN,
     TrustedKeys,
@@ -64,61 +89,8 @@ from ckptvault.trust.signing import (
     verify,
 )
 
-# Problem codes: one per rule, stable for tooling.
-UNSAFE_ENTRY = "unsafe-entry"
-PICKLE_FILE = "pickle-file"
-SIGNATURE_MISSING = "signature-missing"
-SIGNATURE_UNTRUSTED = "signature-untrusted"
-SIGNATURE_INVALID = "signature-invalid"
-MANIFEST_MISSING = "manifest-missing"
-MANIFEST_INVALID = "manifest-invalid"
-MANIFEST_CORRUPT = "manifest-corrupt"
-FORMAT_UNSUPPORTED = "format-unsupported"
-UNSAFE_PATH = "unsafe-path"
-NAME_MISMATCH = "name-mismatch"
-RUN_MISMATCH = "run-mismatch"
-ROLLBACK = "rollback"
-FILE_MISSING = "file-missing"
-FILE_EXTRA = "file-extra"
-FILE_SIZE = "size-mismatch"
-UNKNOWN_FORMAT = "unknown-format"
-TENSOR_FILE_INVALID = "tensor-file-invalid"
-MANIFEST_INCONSISTENT = "manifest-inconsistent"
-DIGEST_MISMATCH = "digest-mismatch"
-AUTHENTICATION_FAILED = "authentication-failed"
-KEY_UNAVAILABLE = "key-unavailable"
-NOT_ENCRYPTED = "not-encrypted"
-UNREADABLE = "unreadable"
-
 PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin")
 MAX_SIGNATURE_BYTES = 64 * 1024
-
-
-@dataclass(frozen=True)
-class Problem:
-    code: str
-    detail: str
-    file: str | None = None
-
-    def __str__(self) -> str:
-        return f"{self.code}: {self.detail}"
-
-
-class GenerationRejected(CheckpointError):
-    """A candidate generation failed a check; restore skips it and tries the next."""
-
-    def __init__(self, ref: GenerationRef, problems: list[Problem]) -> None:
-        self.ref = ref
-        self.problems = problems
-        super().__init__(f"generation {ref.generation_id} (step {ref.step}): {self.reason}")
-
-    @property
-    def reason(self) -> str:
-        return "; ".join(str(p) for p in self.problems)
-
-    @property
-    def codes(self) -> set[str]:
-        return {p.code for p in self.problems}
 
 
 @dataclass(frozen=True)
@@ -330,83 +302,6 @@ def _check_own_formats(store: Store, checked: CheckedGeneration) -> list[Problem
     if problems:
         return problems
     return check_chunk_locations(manifest, checked.headers)
-
-
-def check_chunk_locations(
-    manifest: Manifest, headers: dict[str, TensorFileHeader]
-) -> list[Problem]:
-    """Tie the manifest's DCP chunks to the tensor file headers (for the files in
-    ``headers``; encrypted files are checked once decrypted)."""
-    problems = []
-    try:
-        for fqn, info in manifest.dcp["tensors"].items():
-            tiling = _tiling_problem(info)
-            if tiling is not None:
-                problems.append(Problem(MANIFEST_INCONSISTENT, f"tensor {fqn!r}: {tiling}"))
-                continue
-            for chunk in info["chunks"]:
-                file, name = chunk["file"], chunk["name"]
-                if file not in manifest.files:
-                    problems.append(
-                        Problem(
-                            MANIFEST_INCONSISTENT, f"tensor {fqn!r} lives in unlisted file {file}"
-                        )
-                    )
-                    continue
-                header = headers.get(file)
-                if header is None:
-                    continue
-                found = header.entries.get(name)
-                if (
-                    found is None
-                    or found.start != chunk["start"]
-                    or found.nbytes != chunk["length"]
-                    or found.dtype != info["dtype"]
-                    or list(found.shape) != list(chunk["sizes"])
-                ):
-                    problems.append(
-                        Problem(
-                            MANIFEST_INCONSISTENT,
-                            f"tensor {fqn!r} chunk {chunk['offsets']} is not where the manifest says ({file}:{name})",
-                            file,
-                        )
-                    )
-    except (KeyError, TypeError, AttributeError) as exc:
-        problems.append(Problem(MANIFEST_INVALID, f"dcp metadata is malformed ({exc!r})"))
-    return problems
-
-
-def _volume(sizes: list[int]) -> int:
-    volume = 1
-    for size in sizes:
-        volume *= size
-    return volume
-
-
-def _tiling_problem(info: dict[str, Any]) -> str | None:
-    """Why a tensor's chunks do not cover its shape exactly once, or None."""
-    shape = [int(d) for d in info["shape"]]
-    chunks = info["chunks"]
-    boxes = []
-    for chunk in chunks:
-        offsets, sizes = [int(o) for o in chunk["offsets"]], [int(s) for s in chunk["sizes"]]
-        if len(offsets) != len(shape) or len(sizes) != len(shape):
-            return f"chunk {offsets} has the wrong rank"
-        if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
-            return f"chunk {offsets}+{sizes} lies outside the shape {shape}"
-        boxes.append((offsets, sizes))
-    if sum(_volume(s) for _, s in boxes) != _volume(shape) or (_volume(shape) and not boxes):
-        return f"its chunks do not cover the shape {shape} exactly"
-    if len(boxes) <= 256:
-        for i, (o1, s1) in enumerate(boxes):
-            for o2, s2 in boxes[i + 1 :]:
-                if (
-                    all(a < c + t and c < a + s for a, s, c, t in zip(o1, s1, o2, s2, strict=True))
-                    and _volume(s1)
-                    and _volume(s2)
-                ):
-                    return f"chunks {o1} and {o2} overlap"
-    return None
 
 
 def check_digests(
