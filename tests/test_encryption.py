@@ -94,7 +94,14 @@ def test_roundtrip_and_what_is_stored(store, keystore, encrypted):
     manifest = json.loads((paths[2] / "manifest.json").read_bytes())
     section = manifest["encryption"]
     assert section["cipher"] == "AES-256-GCM" and section["segment_size"] == SEGMENT
-    assert set(section["files"]) == set(manifest["files"]) == {enc_file(paths[2]).name}
+    state_file = "r00000-state.json.enc"
+    assert set(section["files"]) == set(manifest["files"]) == {enc_file(paths[2]).name, state_file}
+    # The non-tensor state (counters, loss history, RNG states) is not in clear either:
+    # the manifest only points at the encrypted state file.
+    assert manifest["state"] == {"$encrypted_file": state_file}
+    for leaked in (b"tokens_seen", b"history", b"bit_generator", b"PCG64"):
+        assert leaked not in (paths[2] / "manifest.json").read_bytes()
+        assert leaked not in (paths[2] / state_file).read_bytes()
     # No plaintext key anywhere: not the KEK, and the wrapped key is not a bare key.
     kek_file = next(keystore.glob("*.kek"))
     kek = json.loads(kek_file.read_text())
@@ -188,8 +195,9 @@ def test_truncated_to_fewer_segments_with_edited_header_is_detected(store, keyst
     forged = data[:8] + struct.pack("<I", len(body)) + body + data[start : start + 3 * record]
     writable(file).write_bytes(forged)
     refresh_digests(paths[2])
-    # The decrypted tensor header no longer fits the shortened plaintext.
-    assert restore_codes(store, keystore) == ["tensor-file-invalid"]
+    # The tensors the manifest places in the file no longer fit the shortened
+    # plaintext: refused from the container header, before anything is decrypted.
+    assert restore_codes(store, keystore) == ["manifest-inconsistent"]
 
 
 def test_container_segments_are_bound_to_position_finality_and_file():
@@ -333,6 +341,52 @@ def test_a_plaintext_generation_planted_in_an_encrypted_run_is_refused(
     with cv.CheckpointManager(planted, run_id="r") as mgr:  # same run id, no encryption
         path = Path(mgr.save(9, make_training_state(width=64)).result().path)
     path.rename(store / path.name)
+    assert restore_codes(store, keystore) == ["not-encrypted"]
+
+
+def _forge_manifest(path: Path, edit) -> None:
+    """Edit a generation's manifest and refresh every digest, as a store-write-only
+    attacker (no signing key, no KEK) can."""
+    document = json.loads((path / "manifest.json").read_bytes())
+    edit(document)
+    writable(path / "manifest.json").write_bytes(dumps_canonical(document))
+    refresh_digests(path)
+
+
+def test_an_empty_encryption_section_does_not_let_plaintext_in(
+    store, keystore, encrypted, tmp_path
+):
+    """Plaintext files under an encryption section that wraps no key: still refused."""
+    planted = tmp_path / "planted"
+    with cv.CheckpointManager(planted, run_id="r") as mgr:
+        path = Path(mgr.save(9, make_training_state(width=64)).result().path)
+
+    def claim_encryption(document: dict) -> None:
+        document["encryption"] = {
+            "cipher": "AES-256-GCM",
+            "kek_id": "kek-0000000000000000",
+            "segment_size": SEGMENT,
+            "files": {},
+        }
+
+    _forge_manifest(path, claim_encryption)
+    path.rename(store / path.name)
+    assert restore_codes(store, keystore) == ["not-encrypted"]
+
+
+def test_plaintext_state_beside_encrypted_tensors_is_refused(store, keystore, encrypted):
+    """Encrypted tensor files but the state put back in clear (a planted tree)."""
+    paths, _ = encrypted
+    newest = paths[2]
+
+    def state_in_clear(document: dict) -> None:
+        name = document["state"]["$encrypted_file"]
+        document["state"] = {"meta": {"tokens_seen": 10**9}}
+        del document["files"][name]
+        del document["encryption"]["files"][name]
+
+    _forge_manifest(newest, state_in_clear)
+    writable(newest / "r00000-state.json.enc").unlink()
     assert restore_codes(store, keystore) == ["not-encrypted"]
 
 

@@ -70,6 +70,8 @@ def test_signed_export_verifies_and_detects_tampering(store, tmp_path, trained):
         str(out),
         "--signing-key",
         str(tmp_path / "k.pem"),
+        "--trusted-key",
+        str(tmp_path / "k.pub"),
     )
     assert result.returncode == 0, result.stderr
     check = verify_export(out, [tmp_path / "k.pub"])
@@ -153,11 +155,14 @@ def test_export_refuses_ambiguity_between_runs(tmp_path):
 
 def test_a_bad_signing_key_leaves_the_previous_export_intact(store, tmp_path, trained):
     out = tmp_path / "model.safetensors"
-    export_weights(store, 3, out, signing_key=tmp_path / "k.pem")
+    trusted = [tmp_path / "k.pub"]
+    export_weights(store, 3, out, signing_key=tmp_path / "k.pem", trusted_keys=trusted)
     before = out.read_bytes()
     (tmp_path / "broken.pem").write_text("not a key")
-    with pytest.raises(cv.errors.UsageError):
-        export_weights(store, 3, out, dtype="fp16", signing_key=tmp_path / "broken.pem")
+    with pytest.raises(cv.errors.UsageError, match=r"broken\.pem"):
+        export_weights(
+            store, 3, out, dtype="fp16", signing_key=tmp_path / "broken.pem", trusted_keys=trusted
+        )
     assert out.read_bytes() == before
     verify_export(out, [tmp_path / "k.pub"])
     export_weights(store, 3, out, dtype="fp16")  # unsigned: the old manifest must go

@@ -113,7 +113,7 @@ def test_allowed_rollback_lowers_the_floor_and_abandons_newer(
         assert mgr.restore(make_training_state()).step == 150
     # The override is in the audit log.
     entries = [
-        json.loads(line) for line in (isolated_state_dir / "audit.jsonl").read_text().splitlines()
+        json.loads(line) for line in (ledger.parent / "audit.jsonl").read_text().splitlines()
     ]
     rollback = [e for e in entries if e["event"] == "rollback_allowed"]
     assert (

@@ -7,16 +7,45 @@ through :func:`~ckptvault.storage.open_store`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ckptvault.errors import UsageError
-from ckptvault.format.container import DEFAULT_SEGMENT_SIZE
+from ckptvault.format.container import DEFAULT_SEGMENT_SIZE, MAX_SEGMENT_SIZE
 from ckptvault.format.manifest import MAX_CHUNK_SIZE
 from ckptvault.trust.digests import DEFAULT_CHUNK_SIZE
 
 IF_BUSY = ("wait", "skip")
+
+
+def validate_step(step: Any, what: str = "step") -> int:
+    """A step is a non-negative int (not a bool)."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise UsageError(f"{what} must be a non-negative int, got {step!r}")
+    return step
+
+
+def resolve_run_id(run_id: str | None, store_location: str, trust: Mapping[str, Any]) -> str:
+    """``run_id``, or the store directory's name when no trust feature is on.
+
+    The floor, the signature's run binding and the run's key are all keyed by run id;
+    a basename like ``run42`` is shared by ``/expA/run42`` and ``/expB/run42``, so
+    with any trust option (``trust``: option name -> value) it must be explicit.
+    """
+    if run_id is not None:
+        return run_id
+    name = os.path.basename(store_location)
+    given = [option for option, value in trust.items() if value is not None]
+    if given:
+        raise UsageError(
+            f"the default run id, the store directory's name {name!r}, is not unique: "
+            "generations of another store with the same name would be accepted (same floor, "
+            f"same signer, same run key). With {', '.join(given)} given, pass run_id=... "
+            "naming this run uniquely"
+        )
+    return name
 
 
 @dataclass(frozen=True)
@@ -29,16 +58,19 @@ class ManagerConfig:
     threads: int = 1
     chunk_size: int = DEFAULT_CHUNK_SIZE
     segment_size: int = DEFAULT_SEGMENT_SIZE
+    max_fallback: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.run_id, str) or not self.run_id or len(self.run_id) > 256:
             raise UsageError(
                 f"run_id must be a non-empty string of at most 256 characters, got {self.run_id!r}"
             )
-        if not (0 < self.chunk_size <= MAX_CHUNK_SIZE and 0 < self.segment_size <= MAX_CHUNK_SIZE):
+        if not (
+            0 < self.chunk_size <= MAX_CHUNK_SIZE and 0 < self.segment_size <= MAX_SEGMENT_SIZE
+        ):
             raise UsageError(
-                "chunk_size and segment_size must be positive, got "
-                f"{self.chunk_size}, {self.segment_size}"
+                f"chunk_size must be in 1..{MAX_CHUNK_SIZE} and segment_size in "
+                f"1..{MAX_SEGMENT_SIZE}, got {self.chunk_size}, {self.segment_size}"
             )
         if self.max_in_flight < 1 or self.if_busy not in IF_BUSY:
             raise UsageError(
@@ -47,3 +79,11 @@ class ManagerConfig:
             )
         if self.threads < 1:
             raise UsageError(f"threads must be >= 1, got {self.threads}")
+        fallback = self.max_fallback
+        if fallback is not None and (
+            not isinstance(fallback, int) or isinstance(fallback, bool) or fallback < 0
+        ):
+            raise UsageError(
+                f"max_fallback must be None (no bound) or an int >= 0, got {fallback!r}; "
+                "2 is a good value: restore may skip two damaged newer generations"
+            )

@@ -26,7 +26,7 @@ def fsync_directory(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def make_dirs_durable(path: Path, mode: int = 0o777) -> None:
+def make_dirs_durable(path: Path) -> None:
     """``mkdir -p`` whose new entries survive a crash: fsync each new directory's parent."""
     missing = []
     current = path
@@ -35,7 +35,7 @@ def make_dirs_durable(path: Path, mode: int = 0o777) -> None:
         current = current.parent
     for directory in reversed(missing):
         try:
-            directory.mkdir(mode=mode)
+            directory.mkdir()
         except FileExistsError:
             continue
         fsync_directory(directory.parent)

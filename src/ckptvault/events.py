@@ -42,6 +42,9 @@ class RollbackApplied:
 
     previous_floor: int | None
     abandoned: Sequence[tuple[str, int]]  # (generation id, step) of every newer generation
+    # A generation id made at the rollback: every generation above the new floor whose
+    # id sorts before it is abandoned, listed above or not (hidden ones come back too).
+    cutoff_generation_id: str
 
 
 @dataclass(frozen=True)

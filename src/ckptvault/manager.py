@@ -17,14 +17,14 @@ from collections.abc import Iterable, Mapping, MutableMapping
 from types import TracebackType
 from typing import Any
 
-from ckptvault.config import ManagerConfig
+from ckptvault.config import ManagerConfig, resolve_run_id, validate_step
 from ckptvault.coordinator import Coordinator, SingleProcess
 from ckptvault.errors import UsageError
 from ckptvault.events import EventBus
 from ckptvault.format.container import DEFAULT_SEGMENT_SIZE
 from ckptvault.io.writer import default_threads
 from ckptvault.restoring.restorer import RestoreInfo, Restorer
-from ckptvault.restoring.selector import SkippedGeneration, validate_step
+from ckptvault.restoring.selector import SkippedGeneration
 from ckptvault.run_context import RunContext
 from ckptvault.saving.generation_writer import GenerationWriter, WriteSettings
 from ckptvault.saving.handles import SaveHandle, SaveStats
@@ -49,7 +49,8 @@ class CheckpointManager:
     Args:
         directory: the store: a local path or ``file://`` URL.
         run_id: this run's identity, recorded in every manifest; restore skips
-            generations of other runs. Defaults to the store directory's name.
+            generations of other runs. Required with any trust option; otherwise it
+            defaults to the store directory's name.
         contract: what the numbers mean (config, dataset identity, ...): plain
             values, dataclasses or paths. Restore raises ``ContractMismatch`` when it
             differs from the stored one. ``None`` records nothing and checks nothing.
@@ -63,6 +64,8 @@ class CheckpointManager:
             per-user state directory. Giving it, or ``trusted_keys``, turns on the floor.
         audit_log: the hash-chained audit log (default beside the ledger); written
             whenever any trust feature is on.
+        max_fallback: how many newer generations that fail verification restore may
+            skip before it raises ``RollbackError`` (``None``: any; 2 is recommended).
         async_save: make ``save`` asynchronous by default (copy, return, write in the
             background).
         max_in_flight: background saves allowed at once (each holds one staged copy).
@@ -85,6 +88,7 @@ class CheckpointManager:
         keystore: str | os.PathLike[str] | KeyStore | None = None,
         ledger: str | os.PathLike[str] | None = None,
         audit_log: str | os.PathLike[str] | None = None,
+        max_fallback: int | None = None,
         async_save: bool = False,
         max_in_flight: int = 1,
         if_busy: str = "wait",
@@ -94,8 +98,15 @@ class CheckpointManager:
         coordinator: Coordinator | None = None,
     ) -> None:
         self.store = open_store(directory)
+        trust_options: dict[str, Any] = dict(
+            signing_key=signing_key,
+            trusted_keys=trusted_keys,
+            keystore=keystore,
+            ledger=ledger,
+            audit_log=audit_log,
+        )
         self.config = ManagerConfig(
-            run_id=run_id if run_id is not None else os.path.basename(self.store.location),
+            run_id=resolve_run_id(run_id, self.store.location, trust_options),
             contract=dict(contract) if contract is not None else None,
             async_save=async_save,
             max_in_flight=max_in_flight,
@@ -103,16 +114,11 @@ class CheckpointManager:
             threads=threads or default_threads(),
             chunk_size=chunk_size,
             segment_size=segment_size,
+            max_fallback=max_fallback,
         )
         self.run_id = self.config.run_id
         encode_contract_fields(self.config.contract or {})  # fail now, not at the first save
-        self.trust = TrustContext.configure(
-            signing_key=signing_key,
-            trusted_keys=trusted_keys,
-            keystore=keystore,
-            ledger=ledger,
-            audit_log=audit_log,
-        )
+        self.trust = TrustContext.configure(**trust_options)
         self.trust.check_outside(self.store)
         self.coordinator = coordinator or SingleProcess()
         self.events = EventBus(self.trust.subscribers())
@@ -120,8 +126,10 @@ class CheckpointManager:
         contract_record = build_contract(self.config.contract, code_revision())
         settings = WriteSettings(self.config.threads, chunk_size, segment_size)
         self._writer = GenerationWriter(run, contract_record, settings)
-        self._scheduler = SaveScheduler(self._writer.write, max_in_flight, if_busy)
-        self._restorer = Restorer(run, self.config.threads, self.config.contract)
+        self._scheduler = SaveScheduler(
+            self._writer.write, self._writer.announce, max_in_flight, if_busy
+        )
+        self._restorer = Restorer(run, self.config.threads, self.config.contract, max_fallback)
         self._closed = False
 
     @property
@@ -171,7 +179,9 @@ class CheckpointManager:
         ``state`` is untouched.
 
         ``allow_rollback_to=STEP`` restores the generation of ``STEP`` even below the
-        floor; the floor is lowered to it and every newer generation is abandoned.
+        floor; the floor is lowered to it and every newer generation made before the
+        rollback is abandoned. More than ``max_fallback`` failed newer generations:
+        ``RollbackError``.
         """
         self._check_open()
         info = self._restorer.restore(state, step, strict, allow_contract_change, allow_rollback_to)

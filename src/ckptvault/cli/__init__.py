@@ -1,7 +1,9 @@
 """The ``ckptvault`` command: one module per command group.
 
-Errors print a one-line reason on stderr (exit status 2), never a traceback;
-``verify`` exits 1 when something it checked does not verify.
+Errors print a one-line reason on stderr, never a traceback: exit status 2 for a
+ckptvault or OS error and for usage errors, 3 for an unexpected internal error
+(a bug: the message asks for a report); ``verify`` exits 1 when something it
+checked does not verify.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from ckptvault.cli.inspect import inspect
 from ckptvault.cli.ls import ls
 from ckptvault.cli.verify import verify
 from ckptvault.errors import CheckpointError
+
+INTERNAL_ERROR = 3  # exit status for an unexpected exception: a bug in ckptvault
 
 app = typer.Typer(
     name="ckptvault",
@@ -38,14 +42,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = app(args=argv, standalone_mode=False)
     except (CheckpointError, OSError) as exc:
-        return _fail(" ".join(str(exc).split()) or type(exc).__name__, 2)
+        return _fail(_one_line(exc) or type(exc).__name__, 2)
     except Exception as exc:
         # Usage errors from click (typer may vendor its own copy): show one line.
         exit_code = getattr(exc, "exit_code", None)
         if not isinstance(exit_code, int) or not callable(getattr(exc, "format_message", None)):
             if type(exc).__name__ == "Abort":
                 return _fail("aborted", 130)
-            raise
+            return _fail(
+                f"internal error: {type(exc).__name__}: {_one_line(exc)[:500]} "
+                f"(ckptvault {_version()}; this is a bug, please report it with the command "
+                "you ran)",
+                INTERNAL_ERROR,
+            )
         if type(exc).__name__ == "NoArgsIsHelpError":
             # A click exception, possibly from typer's vendored copy of click: duck-typed.
             exc.show()  # type: ignore[attr-defined]
@@ -53,6 +62,19 @@ def main(argv: list[str] | None = None) -> int:
         message = exc.format_message()  # type: ignore[attr-defined]  # checked callable above
         return _fail(f"{message} (see --help)", exit_code)
     return result if isinstance(result, int) else 0
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("ckptvault")
+    except Exception:
+        return "unknown version"
 
 
 def _fail(reason: str, code: int) -> int:

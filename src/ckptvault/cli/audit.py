@@ -1,4 +1,4 @@
-"""``ckptvault audit verify PATH``: check an audit log's hash chain and its head."""
+"""``ckptvault audit verify PATH``: check an audit log's hash chain, its gaps and its head."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def verify(
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False,
 ) -> None:
-    """Exit 0 only if no entry was removed, edited, reordered, appended or cut off."""
+    """Exit 0 only if no entry was removed, edited, reordered, appended or cut off, and
+    the log records no gap (a loss found, and recorded, by a later append)."""
     if not path.is_file():
         raise UsageError(f"no audit log at {path}")
     ledger_path = ledger or default_ledger_path()
@@ -42,6 +43,7 @@ def verify(
                 "ok": report.ok,
                 "entries": report.entries,
                 "head_checked": report.head_checked,
+                "gaps": report.gaps,
                 "problems": report.problems,
             }
         )

@@ -20,18 +20,25 @@ def export(
         str | None, typer.Option(help="Cast floating-point tensors: bf16, fp16 or fp32.")
     ] = None,
     signing_key: Annotated[
-        Path | None, typer.Option(help="Sign an export manifest with this key.")
+        Path | None,
+        typer.Option(help="Sign an export manifest with this key (needs --trusted-key)."),
     ] = None,
     trusted_key: Annotated[
         list[Path] | None,
-        typer.Option("--trusted-key", help="Require the checkpoint be signed by this key."),
+        typer.Option(
+            "--trusted-key", help="Require the checkpoint be signed by this key (repeatable)."
+        ),
     ] = None,
     keystore: Annotated[Path | None, typer.Option(help="Key store of an encrypted run.")] = None,
     run_id: Annotated[str | None, typer.Option(help="Require this run id.")] = None,
     audit_log: Annotated[Path | None, typer.Option(help="Audit log to record in.")] = None,
     ledger: Annotated[Path | None, typer.Option(help="Ledger of abandoned generations.")] = None,
 ) -> None:
-    """Write the tensors of one state entry, and nothing else, as safetensors."""
+    """Write the tensors of one state entry, and nothing else, as safetensors.
+
+    --signing-key needs --trusted-key: a signed export vouches for its source, so the
+    source generation's signature is verified first (exit 2 otherwise, nothing written).
+    """
     from ckptvault.ops.export import export_weights  # imports torch
 
     result = export_weights(
@@ -42,7 +49,7 @@ def export(
         dtype=dtype,
         run_id=run_id,
         signing_key=signing_key,
-        trusted_keys=trusted_key,
+        trusted_keys=trusted_key or None,
         keystore=LocalKeyStore(keystore) if keystore else None,
         audit_log=audit_log,
         ledger=ledger,

@@ -1,7 +1,8 @@
 """``ckptvault inspect DIR [--step N] [--json]``: what a generation holds.
 
 Shows the tensors (dtype, shape, bytes), the JSON leaves of the saved state, the
-run contract and the files. Reads the manifest only; it does not hash the data
+run contract and the files. Reads the manifest and the files' headers (each checked
+against its chunk digests, as restore does); it does not hash the rest of the data
 (``ckptvault verify`` does).
 """
 

@@ -2,6 +2,9 @@
 
 Without a flag the newest generation is checked. Exit status 0 only when every
 generation checked verifies; each failing rule is printed with its file and reason.
+The JSON report's ``signer`` is a key id only when the signature was verified against
+a ``--trusted-key``; ``"unverified"`` when the generation is signed but no trusted key
+was given; null when it is unsigned.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 The form is UTF-8, keys sorted, no insignificant whitespace, no NaN/Infinity
 literals (the state codec tags those before they get here). ``loads_canonical``
 refuses input that is not already in canonical form, so two readers can never
-disagree about what a manifest says.
+disagree about what a manifest says. It parses through
+:func:`ckptvault.format.bounded_json.loads_bounded`: what it reads comes from the
+store, so its size and nesting depth are bounded before ``json.loads`` runs.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 from typing import Any
 
 from ckptvault.errors import FormatError
+from ckptvault.format.bounded_json import MAX_DOCUMENT_DEPTH, loads_bounded
 
 
 def dumps_canonical(value: Any) -> bytes:
@@ -25,19 +28,15 @@ def dumps_canonical(value: Any) -> bytes:
     return text.encode("utf-8")
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {name}")
-
-
-def loads_canonical(data: bytes, what: str) -> Any:
+def loads_canonical(
+    data: bytes, what: str, *, max_depth: int = MAX_DOCUMENT_DEPTH, max_bytes: int | None = None
+) -> Any:
     """Parse canonical JSON bytes; ``what`` names the source for error messages.
 
-    Raises :class:`FormatError` when the bytes are not UTF-8 JSON or not canonical.
+    Raises :class:`FormatError` when the bytes are longer than ``max_bytes``, nest
+    deeper than ``max_depth``, are not UTF-8 JSON, or are not canonical.
     """
-    try:
-        value = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise FormatError(f"{what} is not valid UTF-8 JSON: {exc}") from exc
+    value = loads_bounded(data, what, max_depth=max_depth, max_bytes=max_bytes)
     if dumps_canonical(value) != data:
         raise FormatError(
             f"{what} is not in canonical form (sorted keys, no whitespace); it was edited "

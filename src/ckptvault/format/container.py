@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from ckptvault.errors import FormatError
+from ckptvault.format.bounded_json import MAX_HEADER_DEPTH
 from ckptvault.format.canonical import dumps_canonical, loads_canonical
 
 MAGIC = b"CKVENC\x00\x01"
@@ -31,11 +33,12 @@ CIPHER = "AES-256-GCM"
 NONCE_BYTES = 12
 TAG_BYTES = 16
 SEGMENT_OVERHEAD = NONCE_BYTES + TAG_BYTES
-ENCRYPTED_SUFFIX = ".enc"
 DEFAULT_SEGMENT_SIZE = 1024 * 1024
 _PREFIX = len(MAGIC) + 4
+CONTAINER_PREFIX_BYTES = _PREFIX  # what container_header_length needs to see
 MAX_HEADER = 64 * 1024
-MAX_SEGMENT_SIZE = 1 << 30
+MAX_SEGMENT_SIZE = 64 * 1024 * 1024  # a reader buffers one segment per file
+MAX_PLAINTEXT = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -82,18 +85,29 @@ def container_header_length(prefix: bytes, where: str) -> int:
     return _PREFIX + length
 
 
+def _is_size(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def parse_container_header(header: bytes, file_size: int | None, where: str) -> ContainerHeader:
     total = container_header_length(header, where)
     if len(header) < total:
         raise FormatError(f"{where}: container header truncated")
-    raw = loads_canonical(header[_PREFIX:total], f"{where} container header")
-    try:
-        if raw["format"] != CONTAINER_FORMAT or raw["cipher"] != CIPHER:
-            raise FormatError(f"{where}: unsupported container {raw['format']!r}/{raw['cipher']!r}")
-        segment_size, plaintext_size = int(raw["segment_size"]), int(raw["plaintext_size"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise FormatError(f"{where}: container header is malformed ({exc!r})") from exc
-    if not 0 < segment_size <= MAX_SEGMENT_SIZE or plaintext_size < 0:
+    raw = loads_canonical(
+        header[_PREFIX:total],
+        f"{where} container header",
+        max_depth=MAX_HEADER_DEPTH,
+        max_bytes=MAX_HEADER,
+    )
+    if not isinstance(raw, dict):
+        raise FormatError(f"{where}: container header is not a JSON object")
+    if raw.get("format") != CONTAINER_FORMAT or raw.get("cipher") != CIPHER:
+        found = f"{raw.get('format')!r}/{raw.get('cipher')!r}"[:120]
+        raise FormatError(f"{where}: unsupported container {found}")
+    segment_size, plaintext_size = raw.get("segment_size"), raw.get("plaintext_size")
+    if not _is_size(segment_size) or not _is_size(plaintext_size):
+        raise FormatError(f"{where}: container header sizes must be non-negative integers")
+    if not 0 < segment_size <= MAX_SEGMENT_SIZE or plaintext_size > MAX_PLAINTEXT:
         raise FormatError(f"{where}: container header has invalid sizes")
     parsed = ContainerHeader(segment_size, plaintext_size, bytes(header[:total]))
     if file_size is not None and parsed.stored_size != file_size:

@@ -11,13 +11,17 @@ from __future__ import annotations
 import re
 import secrets
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
+
+from ckptvault.errors import UsageError
 
 MANIFEST_NAME = "manifest.json"
 SIGNATURE_NAME = "manifest.sig"
 STAGING_DIR = ".staging"
 WRITER_LOCK = ".writer.lock"
 TENSOR_FILE_SUFFIX = ".safetensors"
+ENCRYPTED_SUFFIX = ".enc"
+ENCRYPTED_STATE_SUFFIX = "-state.json" + ENCRYPTED_SUFFIX
 
 _GENERATION_ID = r"[0-9]{8}T[0-9]{12}Z-[0-9a-f]{8}"
 _GENERATION_ID_RE = re.compile(rf"^{_GENERATION_ID}$")
@@ -36,25 +40,56 @@ class GenerationName:
         return generation_dirname(self.step, self.generation_id)
 
 
-def new_generation_id(now: datetime | None = None) -> str:
+def new_generation_id(now: datetime | None = None, not_before: str | None = None) -> str:
     """A fresh id, unique per save attempt, sortable by creation time.
+
+    ``not_before`` (a generation id) makes the result sort strictly after it even when
+    this machine's clock is behind: the id then uses that id's time plus 1 µs. The
+    writer passes the run's newest rollback cutoff, so that a save made after an
+    allowed rollback is never taken for one the rollback abandoned.
 
     Uses the OS entropy source, never Python's ``random``: saving must not draw from
     any RNG the training run depends on.
     """
     now = now or datetime.now(timezone.utc)
+    now = now.replace(tzinfo=timezone.utc) if now.tzinfo is None else now.astimezone(timezone.utc)
+    if not_before is not None:
+        if not is_generation_id(not_before):
+            raise UsageError(
+                f"not_before must be a generation id (<UTC time>Z-<8 hex>), got {not_before!r}"
+            )
+        try:
+            earliest = generation_id_time(not_before) + timedelta(microseconds=1)
+        except OverflowError:
+            raise UsageError(
+                f"no generation id can sort after {not_before}: its time is the last one "
+                "representable. The ledger's rollback cutoff is damaged; repair the ledger"
+            ) from None
+        now = max(now, earliest)
     return f"{now:%Y%m%dT%H%M%S%f}Z-{secrets.token_hex(4)}"
 
 
 def is_generation_id(text: str) -> bool:
-    return bool(_GENERATION_ID_RE.match(text))
+    """``<UTC time>Z-<8 hex>`` with a time that exists (no month 13: every id a
+    store lists must have a creation time)."""
+    if not _GENERATION_ID_RE.match(text):
+        return False
+    try:
+        generation_id_time(text)
+    except ValueError:
+        return False
+    return True
+
+
+def generation_id_time(generation_id: str) -> datetime:
+    """The UTC creation time encoded in a generation id."""
+    stamp = generation_id.split("Z-", 1)[0]
+    return datetime.strptime(stamp, "%Y%m%dT%H%M%S%f").replace(tzinfo=timezone.utc)
 
 
 def generation_created_at(generation_id: str) -> str:
     """The ISO-8601 creation time encoded in a generation id."""
-    stamp = generation_id.split("Z-", 1)[0]
-    parsed = datetime.strptime(stamp, "%Y%m%dT%H%M%S%f").replace(tzinfo=timezone.utc)
-    return format_timestamp(parsed)
+    return format_timestamp(generation_id_time(generation_id))
 
 
 def format_timestamp(moment: datetime) -> str:
@@ -75,9 +110,28 @@ def parse_generation_dirname(name: str) -> GenerationName | None:
     match = _GENERATION_DIR_RE.match(name)
     if match is None:
         return None
-    return GenerationName(step=int(match.group(1)), generation_id=match.group(2))
+    parsed = GenerationName(step=int(match.group(1)), generation_id=match.group(2))
+    # Only the canonical spelling: "step-0000000000005" must not pass for step 5.
+    if parsed.dirname != name or not is_generation_id(parsed.generation_id):
+        return None
+    return parsed
 
 
 def tensor_file_name(rank: int, index: int) -> str:
     """Name of the ``index``-th tensor file written by ``rank``."""
     return f"r{rank:05d}-{index:03d}{TENSOR_FILE_SUFFIX}"
+
+
+def encrypted_state_file_name(rank: int) -> str:
+    """Name of the encrypted file holding ``rank``'s non-tensor state (encrypted runs)."""
+    return f"r{rank:05d}{ENCRYPTED_STATE_SUFFIX}"
+
+
+def is_tensor_file_name(name: str) -> bool:
+    """A safetensors tensor file, plain or inside an encrypted container."""
+    return name.endswith((TENSOR_FILE_SUFFIX, TENSOR_FILE_SUFFIX + ENCRYPTED_SUFFIX))
+
+
+def is_encrypted_name(name: str) -> bool:
+    """A file stored as an encrypted container: tensor file or state file."""
+    return name.endswith((TENSOR_FILE_SUFFIX + ENCRYPTED_SUFFIX, ENCRYPTED_STATE_SUFFIX))

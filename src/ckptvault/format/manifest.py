@@ -28,15 +28,20 @@ from typing import Any
 from blake3 import blake3
 
 from ckptvault.errors import FormatError
+from ckptvault.format.bounded_json import MAX_DOCUMENT_DEPTH, scan_json
 from ckptvault.format.canonical import dumps_canonical, loads_canonical
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, is_generation_id
-from ckptvault.format.records import EncryptionSection, FileRecord
+from ckptvault.format.records import EncryptionSection, FileRecord, check_dcp_section
 
 FORMAT_VERSION = 1
 MAX_CHUNK_SIZE = 1 << 30
 SELF_DIGEST_KEY = "manifest_blake3"
 READABLE_FORMAT_VERSIONS = frozenset({1})
-MAX_MANIFEST_BYTES = 512 * 1024 * 1024
+# A manifest is read (and, unsigned, parsed) before anything is verified, so it is
+# capped at what real checkpoints need: a 1 TB checkpoint's chunk digests take about
+# 17 MB. Saving refuses to write a larger one; restore refuses to read it.
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+MAX_MANIFEST_DEPTH = MAX_DOCUMENT_DEPTH
 
 # A file name inside a generation: one plain path component, never hidden, never a
 # traversal, never one of the reserved names.
@@ -104,7 +109,20 @@ class Manifest:
         so that corruption of the manifest itself is caught even when unsigned."""
         document = self.to_json()
         document[SELF_DIGEST_KEY] = blake3(dumps_canonical(document)).hexdigest()
-        return dumps_canonical(document)
+        data = dumps_canonical(document)
+        # Never publish what parse_manifest would refuse to read back.
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise FormatError(
+                f"the manifest would be {len(data)} bytes; ckptvault reads manifests of up to "
+                f"{MAX_MANIFEST_BYTES} bytes (64 MiB). Keep large values in tensors, not in "
+                "JSON leaves, or raise chunk_size so that there are fewer chunk digests"
+            )
+        refusal = scan_json(data, MAX_MANIFEST_DEPTH)
+        if refusal is not None:
+            raise FormatError(
+                f"the manifest {refusal}; the saved state is nested too deeply to be read back"
+            )
+        return data
 
 
 def _require(obj: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -148,6 +166,14 @@ def _parse_files(raw_files: dict[str, Any], chunk_size: int, where: str) -> dict
     return files
 
 
+def manifest_too_large(size: int, where: str) -> str:
+    return (
+        f"{where}: manifest.json is {size} bytes; ckptvault reads manifests of up to "
+        f"{MAX_MANIFEST_BYTES} bytes (64 MiB; a 1 TB checkpoint needs about 17 MB), so this "
+        "one was not written by ckptvault"
+    )
+
+
 def parse_manifest(data: bytes, where: str) -> Manifest:
     """Parse and validate manifest bytes; ``where`` names the generation for errors.
 
@@ -155,8 +181,10 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     a newer format version (the message names both versions).
     """
     if len(data) > MAX_MANIFEST_BYTES:
-        raise FormatError(f"{where}: manifest is larger than {MAX_MANIFEST_BYTES} bytes")
-    raw = loads_canonical(data, f"{where}/{MANIFEST_NAME}")
+        raise FormatError(manifest_too_large(len(data), where))
+    raw = loads_canonical(
+        data, f"{where}/{MANIFEST_NAME}", max_depth=MAX_MANIFEST_DEPTH, max_bytes=MAX_MANIFEST_BYTES
+    )
     if not isinstance(raw, dict):
         raise FormatError(f"{where}: manifest is not a JSON object")
     version = check_format_version(raw.get("format_version"), where)
@@ -190,7 +218,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         parent=parent,
         chunk_size=chunk_size,
         files=files,
-        dcp=_require(raw, "dcp", dict, where),
+        dcp=check_dcp_section(_require(raw, "dcp", dict, where), where),
         state=_require(raw, "state", dict, where),
         contract=_require(raw, "contract", dict, where),
         writer=_require(raw, "writer", dict, where),

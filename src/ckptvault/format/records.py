@@ -2,7 +2,8 @@
 files of an encrypted generation are keyed.
 
 Parsing here is strict and bounded: every field is type-checked, every digest is 64
-lowercase hex characters, every wrapped key decodes. The manifest module assembles
+lowercase hex characters, every wrapped key decodes, every shape, offset and length
+of the ``dcp`` section is a plain non-negative integer within int64. The manifest module assembles
 these sections; readers (restore, export, ``verify``) use the parsed objects and
 never the raw JSON.
 """
@@ -17,6 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptvault.errors import FormatError
+from ckptvault.format.container import MAX_SEGMENT_SIZE
+from ckptvault.format.tensorfile import (
+    DTYPES,
+    MAX_TENSOR_BYTES,
+    MAX_TENSOR_RANK,
+    checked_shape,
+    is_count,
+)
 
 _HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
 MAX_WRAPPED_KEY_CHARS = 4096
@@ -84,8 +93,12 @@ class EncryptionSection:
         segment_size, entries = raw.get("segment_size"), raw.get("files")
         if not isinstance(cipher, str) or not isinstance(kek_id, str):
             raise FormatError(f"{where}: cipher and kek_id must be strings")
-        if not isinstance(segment_size, int) or isinstance(segment_size, bool) or segment_size <= 0:
-            raise FormatError(f"{where}: segment_size must be a positive integer")
+        if (
+            not isinstance(segment_size, int)
+            or isinstance(segment_size, bool)
+            or not 0 < segment_size <= MAX_SEGMENT_SIZE
+        ):
+            raise FormatError(f"{where}: segment_size must be an integer in 1..{MAX_SEGMENT_SIZE}")
         if not isinstance(entries, dict):
             raise FormatError(f"{where}: files must be an object")
         wrapped_keys = {}
@@ -100,3 +113,54 @@ class EncryptionSection:
             except (binascii.Error, ValueError) as exc:
                 raise FormatError(f"{where}: wrapped key of {name!r} is not base64") from exc
         return cls(cipher, kek_id, segment_size, wrapped_keys)
+
+
+def check_dcp_section(raw: Any, where: str) -> dict[str, Any]:
+    """Type-check the ``dcp`` section (see ``ckptvault.io.dcp_metadata``) and return it.
+
+    Every tensor has a dtype ckptvault writes and a bounded shape; every chunk has
+    ``offsets`` and ``sizes`` (lists of non-negative ints), ``start`` and ``length``
+    (non-negative ints) and string ``file`` and ``name``. Nothing downstream then
+    meets a float, a bool, a negative or an astronomically large number. Whether the
+    chunks tile their shapes and fit their files is checked against the files
+    (``ckptvault.trust.chunk_layout``).
+    """
+    where = f"{where}: dcp metadata"
+    tensors = raw.get("tensors") if isinstance(raw, dict) else None
+    if not isinstance(tensors, dict):
+        raise FormatError(f"{where} must be an object with a 'tensors' object")
+    for fqn, info in tensors.items():
+        at = f"{where}: tensor {fqn[:200]!r}"
+        dtype = info.get("dtype") if isinstance(info, dict) else None
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise FormatError(f"{at}: dtype {str(dtype)[:40]!r} is not one ckptvault writes")
+        checked_shape(info.get("shape"), dtype, at)
+        chunks = info.get("chunks")
+        if not isinstance(chunks, list):
+            raise FormatError(f"{at}: chunks must be a list")
+        for chunk in chunks:
+            if not (
+                isinstance(chunk, dict)
+                and isinstance(chunk.get("file"), str)
+                and isinstance(chunk.get("name"), str)
+                and all(_is_bounded(chunk.get(key)) for key in ("start", "length"))
+                and all(_is_index(chunk.get(key)) for key in ("offsets", "sizes"))
+            ):
+                raise FormatError(
+                    f"{at}: a chunk is malformed (offsets and sizes must be lists of "
+                    "non-negative integers, start and length non-negative integers, file "
+                    "and name strings)"
+                )
+    return raw
+
+
+def _is_bounded(value: Any) -> bool:
+    return is_count(value) and value <= MAX_TENSOR_BYTES
+
+
+def _is_index(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) <= MAX_TENSOR_RANK
+        and all(_is_bounded(item) for item in value)
+    )

@@ -9,6 +9,13 @@ holds string pairs. Stock ``safetensors.safe_open`` reads these files.
 ckptvault streams the data region itself (see ``ckptvault.io.writer``); this module
 only builds and validates headers, so ``ckptvault verify`` can check them without
 importing torch.
+
+A header is read from the store, so its parser is bounded (DESIGN rule 5): the
+restore checks cap its size at what the entries the manifest places in the file
+need (:func:`header_size_limit`) and verify its bytes against the manifest's chunk
+digests before it is parsed; the JSON is parsed by
+:func:`~ckptvault.format.bounded_json.loads_bounded` (depth, no NaN/Infinity), and
+every shape and offset must be a plain non-negative integer.
 """
 
 from __future__ import annotations
@@ -18,11 +25,19 @@ import math
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ckptvault.errors import FormatError
+from ckptvault.format.bounded_json import MAX_HEADER_DEPTH, loads_bounded
 
 HEADER_LENGTH_BYTES = 8
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+# What a header may take beyond its entries, and per entry beyond the entry's name
+# (dtype, shape, offsets); names may grow 6-fold when JSON escapes them.
+HEADER_BASE_ALLOWANCE = 64 * 1024
+HEADER_ENTRY_ALLOWANCE = 1024
+MAX_TENSOR_RANK = 64
+MAX_TENSOR_BYTES = 1 << 62  # keeps every element count and stride inside int64
 _ALIGNMENT = 8
 
 # torch dtype name -> (safetensors dtype, element size in bytes)
@@ -114,31 +129,76 @@ def build_header(
     return TensorFileHeader(prefix, entries, dict(metadata))
 
 
-def header_length(prefix: bytes, file_size: int, where: str) -> int:
-    """Total header size (length prefix included) from a file's first 8 bytes."""
+def header_size_limit(entry_names: Iterable[str]) -> int:
+    """The largest header a tensor file holding ``entry_names`` may have: a small
+    multiple of what those entries need, so that a planted header cannot make a
+    reader spend more than the manifest's own size accounts for."""
+    return (
+        HEADER_LENGTH_BYTES
+        + HEADER_BASE_ALLOWANCE
+        + sum(
+            HEADER_ENTRY_ALLOWANCE + 6 * len(name.encode("utf-8", "surrogatepass"))
+            for name in entry_names
+        )
+    )
+
+
+def header_length(prefix: bytes, file_size: int, where: str, limit: int = MAX_HEADER_BYTES) -> int:
+    """Total header size (length prefix included) from a file's first 8 bytes;
+    more than ``limit`` bytes in all is refused."""
     if len(prefix) < HEADER_LENGTH_BYTES:
         raise FormatError(f"{where}: too short to be a tensor file ({file_size} bytes)")
     (length,) = struct.unpack("<Q", prefix[:HEADER_LENGTH_BYTES])
-    if length > MAX_HEADER_BYTES or HEADER_LENGTH_BYTES + length > file_size:
+    if HEADER_LENGTH_BYTES + length > file_size:
         raise FormatError(
             f"{where}: header length {length} does not fit the file ({file_size} bytes)"
+        )
+    if HEADER_LENGTH_BYTES + length > min(limit, MAX_HEADER_BYTES):
+        raise FormatError(
+            f"{where}: header of {length} bytes is larger than the "
+            f"{min(limit, MAX_HEADER_BYTES) - HEADER_LENGTH_BYTES} its tensors can need"
         )
     return HEADER_LENGTH_BYTES + length
 
 
-def parse_header(header: bytes, file_size: int, where: str) -> TensorFileHeader:
+def checked_shape(value: Any, dtype: str, where: str) -> tuple[int, ...]:
+    """A shape from untrusted JSON: a list of plain non-negative ints (never bool or
+    float) whose bytes, counting empty dimensions as 1, stay below MAX_TENSOR_BYTES."""
+    if not isinstance(value, list) or len(value) > MAX_TENSOR_RANK:
+        raise FormatError(f"{where}: shape must be a list of at most {MAX_TENSOR_RANK} integers")
+    bound = MAX_TENSOR_BYTES // element_size(dtype)
+    span = 1
+    for dim in value:
+        if not is_count(dim):
+            raise FormatError(
+                f"{where}: shape {str(value)[:200]} holds {str(dim)[:40]!r}, not a "
+                "non-negative integer"
+            )
+        span *= max(dim, 1)
+        if span > bound:
+            raise FormatError(f"{where}: shape {str(value)[:200]} is implausibly large")
+    return tuple(value)
+
+
+def is_count(value: Any) -> bool:
+    """A plain non-negative int (JSON ``true`` and ``1.0`` are not)."""
+    return type(value) is int and value >= 0
+
+
+def parse_header(
+    header: bytes, file_size: int, where: str, limit: int = MAX_HEADER_BYTES
+) -> TensorFileHeader:
     """Validate a tensor file's header the way safetensors does, and more strictly.
 
     ``header`` must be the file's first ``header_length(...)`` bytes. Tensors must
     tile the data region exactly (no gaps, no overlap, nothing after the last one).
     """
-    total = header_length(header, file_size, where)
+    total = header_length(header, file_size, where, limit)
     if len(header) != total:
         raise FormatError(f"{where}: header truncated")
-    try:
-        raw = json.loads(header[HEADER_LENGTH_BYTES:].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise FormatError(f"{where}: header is not JSON ({exc})") from exc
+    raw = loads_bounded(
+        header[HEADER_LENGTH_BYTES:total], f"{where}: header", max_depth=MAX_HEADER_DEPTH
+    )
     if not isinstance(raw, dict):
         raise FormatError(f"{where}: header is not a JSON object")
     metadata = raw.pop("__metadata__", {}) or {}
@@ -148,13 +208,20 @@ def parse_header(header: bytes, file_size: int, where: str) -> TensorFileHeader:
         raise FormatError(f"{where}: __metadata__ must map strings to strings")
     entries: dict[str, TensorEntry] = {}
     for name, info in raw.items():
-        try:
-            dtype = _FROM_SAFETENSORS[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            start, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FormatError(f"{where}: tensor {name!r} has a malformed entry") from exc
-        if any(d < 0 for d in shape) or math.prod(shape) * element_size(dtype) != end - start:
+        code = info.get("dtype") if isinstance(info, dict) else None
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if (
+            not isinstance(code, str)
+            or code not in _FROM_SAFETENSORS
+            or not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(is_count(x) for x in offsets)
+        ):
+            raise FormatError(f"{where}: tensor {name!r} has a malformed entry")
+        dtype = _FROM_SAFETENSORS[code]
+        shape = checked_shape(info.get("shape"), dtype, f"{where}: tensor {name!r}")
+        start, end = offsets
+        if math.prod(shape) * element_size(dtype) != end - start:
             raise FormatError(f"{where}: tensor {name!r} size does not match its shape")
         entries[name] = TensorEntry(name, dtype, shape, total + start, total + end)
     position = total

@@ -9,6 +9,7 @@ callers see ckptvault's typed errors.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -71,11 +72,24 @@ def write_tensors(
 def allocate_destinations(
     manifest: Manifest, where: str
 ) -> tuple[dict[str, torch.Tensor], Any, Any]:
+    """Private buffers for every tensor of a structurally checked generation.
+
+    The restore checks already tied every chunk to bytes the generation's files
+    hold; the total is checked again here, where the memory is taken, so that a
+    manifest can never make a reader allocate more than the files on disk.
+    """
     metadata, locations = metadata_from_json(manifest.dcp, where)
-    destinations = {}
-    for fqn in metadata.state_dict_metadata:
-        info = tensor_metadata(metadata, fqn)
-        destinations[fqn] = torch.empty(tuple(info.size), dtype=info.properties.dtype)
+    infos = {fqn: tensor_metadata(metadata, fqn) for fqn in metadata.state_dict_metadata}
+    needed = sum(math.prod(info.size) * info.properties.dtype.itemsize for info in infos.values())
+    if needed > manifest.total_bytes:
+        raise FormatError(
+            f"{where}: the manifest's tensors take {needed} bytes, more than the "
+            f"{manifest.total_bytes} its files hold"
+        )
+    destinations = {
+        fqn: torch.empty(tuple(info.size), dtype=info.properties.dtype)
+        for fqn, info in infos.items()
+    }
     return destinations, metadata, locations
 
 

@@ -18,8 +18,10 @@ from ckptvault.errors import (
     KeyUnavailableError,
     UnsafeEntryError,
 )
+from ckptvault.format.layout import is_encrypted_name
 from ckptvault.format.manifest import Manifest
 from ckptvault.io.dcp_io import read_tensors
+from ckptvault.io.state_file import encrypted_state_reference, read_state_file
 from ckptvault.state.capture import decode_tree
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import TrustPolicy, check_structure
@@ -62,14 +64,11 @@ def load_verified(
     """
     checked = check_structure(store, ref, policy)
     manifest = checked.manifest
-    if require_encryption and manifest.encryption is None:
-        # An encrypted run never writes plaintext: a plaintext generation was planted,
-        # or written before encryption was turned on.
-        raise GenerationRejected(
-            ref, [Problem(NOT_ENCRYPTED, "the generation is not encrypted, but this run encrypts")]
-        )
+    if require_encryption:
+        _require_all_encrypted(ref, manifest)
     data_keys = _data_keys(ref, manifest, keystore)
     try:
+        tree = _state_tree(store, ref, manifest, data_keys)
         tensors = read_tensors(store, ref, manifest, threads, data_keys=data_keys)
     except DecryptionError as exc:
         raise GenerationRejected(ref, [Problem(AUTHENTICATION_FAILED, str(exc))]) from exc
@@ -82,10 +81,39 @@ def load_verified(
     except OSError as exc:
         raise GenerationRejected(ref, [Problem(UNREADABLE, str(exc))]) from exc
     try:
-        saved = decode_tree(manifest.state, tensors, f"generation {ref.generation_id}")
+        saved = decode_tree(tree, tensors, f"generation {ref.generation_id}")
     except FormatError as exc:
         raise GenerationRejected(ref, [Problem(MANIFEST_INVALID, str(exc))]) from exc
     return LoadedGeneration(ref, manifest, saved, checked.signer)
+
+
+def _require_all_encrypted(ref: GenerationRef, manifest: Manifest) -> None:
+    """An encrypted run never writes plaintext: every data file is an encrypted
+    container with a wrapped key, and the state is in the encrypted state file. A
+    generation that is not was planted, or written before encryption was turned on."""
+    wrapped = manifest.encryption.wrapped_keys if manifest.encryption else {}
+    plain = sorted(n for n in manifest.files if not (is_encrypted_name(n) and n in wrapped))
+    try:
+        state_file = encrypted_state_reference(manifest.state)
+    except FormatError:
+        state_file = None
+    if plain or state_file is None:
+        what = f"files {', '.join(plain)} are" if plain else "its state is"
+        raise GenerationRejected(
+            ref, [Problem(NOT_ENCRYPTED, f"{what} not encrypted, but this run encrypts")]
+        )
+
+
+def _state_tree(
+    store: Store, ref: GenerationRef, manifest: Manifest, data_keys: dict[str, bytes]
+) -> dict[str, Any]:
+    """The saved state's JSON tree: from the manifest, or decrypted from its file."""
+    name = encrypted_state_reference(manifest.state)
+    if name is None:
+        return manifest.state
+    if name not in data_keys or not is_encrypted_name(name):
+        raise FormatError(f"the encrypted state file {name} has no wrapped key")
+    return read_state_file(store, ref, manifest, name, data_keys[name])
 
 
 def _data_keys(
@@ -107,6 +135,6 @@ def _data_keys(
             keys[name] = keystore.unwrap(manifest.run_id, section.kek_id, wrapped, context)
         except KeyDestroyedError:
             raise
-        except KeyUnavailableError as exc:
+        except (KeyUnavailableError, ValueError) as exc:  # ValueError: a malformed wrapped key
             raise GenerationRejected(ref, [Problem(KEY_UNAVAILABLE, str(exc), name)]) from exc
     return keys

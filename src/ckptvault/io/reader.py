@@ -28,8 +28,9 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ckptvault.errors import FormatError, IntegrityError
+from ckptvault.format.layout import is_tensor_file_name
 from ckptvault.format.manifest import Manifest
-from ckptvault.format.tensorfile import header_length, parse_header
+from ckptvault.format.tensorfile import header_length, header_size_limit, parse_header
 from ckptvault.io.dcp_metadata import StoredChunk, dtype_from_name, tensor_metadata
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.chunk_layout import check_chunk_locations
@@ -99,7 +100,10 @@ class VaultStorageReader(StorageReader):
         return False
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        file_plans: dict[str, _FilePlan] = {name: _FilePlan() for name in self.manifest.files}
+        # Every tensor file is read (and so verified) even when nothing is loaded from it.
+        file_plans = {
+            name: _FilePlan() for name in self.manifest.files if is_tensor_file_name(name)
+        }
         by_chunk: dict[StoredChunk, list[ReadItem]] = defaultdict(list)
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
@@ -351,19 +355,28 @@ class _PlainHeaderCheck:
         self._prefix = bytearray()
         self._total: int | None = None
         self.done = False
+        # As for plain files: no larger than the entries placed in this file need.
+        self._limit = header_size_limit(
+            chunk["name"]
+            for info in manifest.dcp["tensors"].values()
+            for chunk in info["chunks"]
+            if chunk["file"] == name
+        )
 
     def feed(self, offset: int, plain: memoryview, plaintext_size: int) -> None:
         if self.done or offset != len(self._prefix):
             return
         self._prefix += plain
         if self._total is None and len(self._prefix) >= 8:
-            self._total = header_length(bytes(self._prefix[:8]), 1 << 62, self.name)
+            self._total = header_length(
+                bytes(self._prefix[:8]), plaintext_size, self.name, self._limit
+            )
         if self._total is not None and len(self._prefix) >= self._total:
             self._check(bytes(self._prefix[: self._total]), plaintext_size)
 
     def _check(self, header_bytes: bytes, plaintext_size: int) -> None:
         self.done = True
-        header = parse_header(header_bytes, plaintext_size, self.name)
+        header = parse_header(header_bytes, plaintext_size, self.name, self._limit)
         problems = check_chunk_locations(self.manifest, {self.name: header})
         if problems:
             raise FormatError("; ".join(str(p) for p in problems))

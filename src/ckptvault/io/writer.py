@@ -29,8 +29,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptvault.errors import FormatError
-from ckptvault.format.container import ENCRYPTED_SUFFIX
-from ckptvault.format.layout import tensor_file_name
+from ckptvault.format.layout import ENCRYPTED_SUFFIX, tensor_file_name
 from ckptvault.format.records import FileRecord
 from ckptvault.format.tensorfile import TensorFileHeader, build_header
 from ckptvault.io.dcp_metadata import StoredChunk, dtype_name, metadata_to_json

@@ -6,7 +6,10 @@ verified path as restore (signature, digests, decryption), keeps the tensors of 
 entry (default ``model``), optionally casts floating-point tensors (never integer
 or bool buffers), and writes a stock safetensors file atomically. With a signing
 key it also writes a signed export manifest (digest of the output, source run,
-step and generation) that ``verify_export`` checks.
+step and generation) that ``verify_export`` checks. Signing an export vouches for
+its source, so a signing key needs trusted keys: the source generation's own
+signature is verified first, and an unsigned or foreign generation planted in the
+store is never turned into a signed release.
 """
 
 from __future__ import annotations
@@ -52,6 +55,11 @@ from ckptvault.trust.signing import (
 
 EXPORT_FORMAT = "ckptvault-export/1"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+SIGNING_NEEDS_TRUST = (
+    "signing an export vouches for its source: pass trusted_keys/--trusted-key so the "
+    "source generation's signature is verified first"
+)
 
 
 @dataclass(frozen=True)
@@ -126,9 +134,13 @@ def export_weights(
 
     ``run_id`` defaults to the one run the store holds (ambiguity is an error, so
     another run's generation planted in the store is never exported by accident);
-    generations the ledger records as abandoned are never exported. The export is
-    recorded in the audit log (default beside the ledger).
+    generations the ledger records as abandoned are never exported. ``signing_key``
+    requires ``trusted_keys`` (UsageError otherwise): a signed export vouches for a
+    source whose signature was verified. The export is recorded in the audit log
+    (default beside the ledger).
     """
+    if signing_key is not None and trusted_keys is None:
+        raise UsageError(SIGNING_NEEDS_TRUST)
     if dtype is not None and dtype not in DTYPES:
         raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     trust = TrustContext.configure(  # loads the signing key: fails before writing

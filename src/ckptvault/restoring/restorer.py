@@ -24,6 +24,7 @@ from ckptvault.state.apply import plan_restore
 from ckptvault.state.contract import compare_contracts
 from ckptvault.storage.base import GenerationRef
 from ckptvault.trust.checks import TrustPolicy
+from ckptvault.trust.ledger import rollback_cutoff
 
 logger = logging.getLogger("ckptvault")
 
@@ -41,12 +42,32 @@ class RestoreInfo:
     mismatched: list[str] = field(default_factory=list)
     bytes: int = 0
     seconds: float = 0.0
+    # The key id whose signature was verified against ``trusted_keys``; "unverified"
+    # when the generation carries a signature but no trusted keys were given (the key
+    # id it claims is not reported: anyone can write a claim); None when unsigned.
     signer: str | None = None
+
+
+def _warn_fallback(ref: GenerationRef, skipped: list[SkippedGeneration]) -> None:
+    """One loud line when restore did not take the newest generation."""
+    if skipped:
+        logger.warning(
+            "restored step %d (generation %s) after skipping %d newer generation(s): %s "
+            "(details in RestoreInfo.skipped and the audit log's restore entry)",
+            ref.step,
+            ref.generation_id,
+            len(skipped),
+            ", ".join(f"step {s.step} ({s.reason.split(':')[0]})" for s in skipped),
+        )
 
 
 class Restorer:
     def __init__(
-        self, run: RunContext, threads: int, contract_fields: Mapping[str, Any] | None
+        self,
+        run: RunContext,
+        threads: int,
+        contract_fields: Mapping[str, Any] | None,
+        max_fallback: int | None = None,
     ) -> None:
         self.store = run.store
         self.run_id = run.run_id
@@ -55,6 +76,7 @@ class Restorer:
         self.events = run.events
         self.threads = threads
         self.contract_fields = contract_fields
+        self.max_fallback = max_fallback  # newer generations restore may skip; None: any
         self.selector = CandidateSelector(run.store, run.run_id, run.trust)
 
     def restore(
@@ -86,7 +108,7 @@ class Restorer:
         selection = self.selector.select(step, rollback_to=allow_rollback_to)
         if not selection.candidates:
             return None
-        ref, loaded = self.selector.first_verified(selection, self._load)
+        ref, loaded = self.selector.first_verified(selection, self._load, self.max_fallback)
         where = f"generation {ref.generation_id} (step {ref.step})"
         if self.contract_fields is not None and not allow_contract_change:
             compare_contracts(loaded.manifest.contract, self.contract_fields, where)
@@ -94,6 +116,7 @@ class Restorer:
         if strict and not plan.clean:
             raise plan.mismatch_error(where)
         plan.apply(where)
+        _warn_fallback(ref, selection.skipped)
         self._report_restored(ref, selection)
         return RestoreInfo(
             step=ref.step,
@@ -120,13 +143,16 @@ class Restorer:
 
     def _report_restored(self, ref: GenerationRef, selection: Selection) -> None:
         rollback = None
-        if selection.rollback_to is not None:
+        if selection.rollback_to is not None and self.trust.ledger is not None:
+            # Only a ledger can lower a floor and abandon generations; without one the
+            # rollback is an ordinary restore of an older step.
             previous = selection.previous_floor
             rollback = RollbackApplied(
                 previous_floor=previous.step if previous is not None else None,
                 abandoned=[
                     (g.generation_id, g.step) for g in selection.listed if g.step > ref.step
                 ],
+                cutoff_generation_id=rollback_cutoff(previous, ref.generation_id),
             )
         if self.coordinator.is_coordinator:  # the job's records are written once
             self.events.emit(
@@ -152,5 +178,5 @@ class Restorer:
         )
         try:
             self.events.emit(event)
-        except CheckpointError as failure:  # the refusal itself matters more
+        except Exception as failure:  # the refusal itself matters more than its record
             logger.error("could not record a refusal: %s", failure)

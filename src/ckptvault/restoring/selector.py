@@ -5,7 +5,8 @@ Restore, the weights-only export and ``ckptvault verify`` all choose through a
 means, on the rollback floor and its override, and on what an empty store means.
 :meth:`CandidateSelector.first_verified` then tries candidates newest first with a
 caller's load function until one verifies, collecting why each newer one was
-skipped. Nothing here imports torch.
+skipped; restore bounds how many it may skip (``max_fallback``), so a damaged or
+tampered store cannot silently push a run back. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar
 
+from ckptvault.config import validate_step
 from ckptvault.errors import NoValidCheckpoint, RollbackError, UsageError
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import TrustPolicy
@@ -41,13 +43,8 @@ class Selection:
     policy: TrustPolicy
     previous_floor: RestoreFloor | None = None  # the floor before a rollback override
     rollback_to: int | None = None
+    rewinds_run: bool = True  # a restore (it can roll back on purpose); export does not
     skipped: list[SkippedGeneration] = field(default_factory=list)
-
-
-def validate_step(step: Any, what: str = "step") -> int:
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise UsageError(f"{what} must be a non-negative int, got {step!r}")
-    return step
 
 
 def summarize_steps(steps: list[int]) -> str:
@@ -96,7 +93,7 @@ class CandidateSelector:
         floor = previous
         if previous is not None and (rollback_to is not None or not floor_applies):
             # Below the floor is the point; abandoned stays abandoned.
-            floor = RestoreFloor(previous.run_id, abandoned=previous.abandoned)
+            floor = previous.without_step()
         policy = self.trust.policy(self.run_id, floor)
         if not listed:
             self._refuse_empty_store(floor, step)
@@ -107,7 +104,7 @@ class CandidateSelector:
                 f"store {self.store.location} has no generation of step {step}; "
                 f"steps present: {present}"
             )
-        return Selection(candidates, listed, policy, previous, rollback_to)
+        return Selection(candidates, listed, policy, previous, rollback_to, floor_applies)
 
     def _refuse_empty_store(self, floor: RestoreFloor | None, step: int | None) -> None:
         if floor is not None and floor.step is not None:
@@ -122,7 +119,10 @@ class CandidateSelector:
             )
 
     def first_verified(
-        self, selection: Selection, load: Callable[[GenerationRef, TrustPolicy], T]
+        self,
+        selection: Selection,
+        load: Callable[[GenerationRef, TrustPolicy], T],
+        max_fallback: int | None = None,
     ) -> tuple[GenerationRef, T]:
         """Try candidates newest first; the first that ``load`` accepts wins.
 
@@ -130,9 +130,17 @@ class CandidateSelector:
         check; it is recorded in ``selection.skipped`` and the next one is tried.
         When none verifies: ``RollbackError`` if any was refused for the floor,
         otherwise ``NoValidCheckpoint``, each listing every rejection.
+
+        ``max_fallback=N`` (restore only; ``None`` is unbounded): once more than N
+        candidates failed verification, ``RollbackError`` instead of trying an older
+        one. Generations refused for the floor (abandoned by an allowed rollback) do
+        not count: skipping them is the ledger's decision, not a fallback.
         """
         refused_for_floor = False
+        failed = 0
         for ref in selection.candidates:
+            if max_fallback is not None and failed > max_fallback:
+                raise self._too_many_skipped(selection, ref, failed, max_fallback)
             try:
                 return ref, load(ref, selection.policy)
             except GenerationRejected as rejected:
@@ -141,12 +149,31 @@ class CandidateSelector:
                     SkippedGeneration(ref.generation_id, ref.step, rejected.reason)
                 )
                 refused_for_floor |= ROLLBACK in rejected.codes
+                failed += ROLLBACK not in rejected.codes
         raise self._none_verified(selection, refused_for_floor)
+
+    def _too_many_skipped(
+        self, selection: Selection, next_ref: GenerationRef, failed: int, max_fallback: int
+    ) -> RollbackError:
+        rejected = [(s.generation_id, s.step, s.reason) for s in selection.skipped]
+        floor = selection.policy.floor
+        below_floor = floor is not None and floor.step is not None and next_ref.step < floor.step
+        on_purpose = "allow_rollback_to" if below_floor else "step"
+        return RollbackError(
+            f"{failed} newer generation(s) of run {self.run_id!r} in {self.store.location} failed "
+            f"verification, more than max_fallback={max_fallback} allows: refusing to fall back "
+            f"further (the next candidate is step {next_ref.step}, generation "
+            f"{next_ref.generation_id}). Nothing was loaded and state is unchanged. The store "
+            "may be damaged or tampered with: restore it from a good copy, or raise "
+            f"max_fallback, or restore a step on purpose with "
+            f"restore(state, {on_purpose}={next_ref.step})",
+            rejected,
+        )
 
     def _none_verified(self, selection: Selection, refused_for_floor: bool) -> NoValidCheckpoint:
         rejected = [(s.generation_id, s.step, s.reason) for s in selection.skipped]
         floor = selection.policy.floor
-        if refused_for_floor and floor is not None:
+        if refused_for_floor and floor is not None and selection.rewinds_run:
             above = (
                 f"at or above the restore floor (step {floor.step})"
                 if floor.step is not None

@@ -19,11 +19,16 @@ from ckptvault._version import __version__
 from ckptvault.errors import KeyUnavailableError
 from ckptvault.events import Published
 from ckptvault.format.container import CIPHER
-from ckptvault.format.layout import generation_created_at, new_generation_id
+from ckptvault.format.layout import (
+    encrypted_state_file_name,
+    generation_created_at,
+    new_generation_id,
+)
 from ckptvault.format.manifest import Manifest
 from ckptvault.format.records import EncryptionSection
 from ckptvault.io.dcp_io import write_tensors
 from ckptvault.io.planners import forget_cached_plans
+from ckptvault.io.state_file import ENCRYPTED_STATE_TAG, write_state_file
 from ckptvault.io.writer import VaultStorageWriter
 from ckptvault.run_context import RunContext
 from ckptvault.state.capture import CapturedState
@@ -44,6 +49,7 @@ class WrittenGeneration:
     info: GenerationInfo
     seconds: float
     reused_plan: bool  # DCP reused the previous save's plan
+    kek_id: str | None = None  # the run key that wraps its file keys, when encrypted
 
 
 class GenerationWriter:
@@ -64,11 +70,12 @@ class GenerationWriter:
         """Write, sign and publish one generation (the caller holds the writer lock)."""
         started = time.perf_counter()
         self.store.remove_stale_staging()
-        generation_id = new_generation_id()
+        generation_id = new_generation_id(not_before=self._newest_rollback_cutoff())
         staging = self.store.begin_generation(generation_id)
         try:
             tensors = self._write_tensors(staging, generation_id, captured)
-            manifest = self._manifest(step, generation_id, captured, tensors)
+            state = self._write_state(staging, generation_id, captured, tensors)
+            manifest = self._manifest(step, generation_id, state, tensors)
             manifest_bytes = manifest.to_bytes()
             ref = staging.publish(step, manifest_bytes, self.trust.sign_manifest(manifest_bytes))
         except BaseException:
@@ -79,49 +86,84 @@ class GenerationWriter:
         info = GenerationInfo(
             step, generation_id, ref.location, manifest.total_bytes, manifest.created_at
         )
-        if self.coordinator.is_coordinator:
-            self.events.emit(
-                Published(
-                    run_id=self.run_id,
-                    store=self.store.location,
-                    step=step,
-                    generation_id=generation_id,
-                    location=ref.location,
-                    bytes=manifest.total_bytes,
-                    seconds=seconds,
-                    signer=self.trust.signer_id,
-                    kek_id=manifest.encryption.kek_id if manifest.encryption else None,
-                )
+        kek_id = manifest.encryption.kek_id if manifest.encryption else None
+        return WrittenGeneration(info, seconds, tensors.reused_plan, kek_id)
+
+    def announce(self, written: WrittenGeneration) -> None:
+        """Tell the subscribers a generation was published (once per job: the
+        coordinator). Separate from :meth:`write` so that a subscriber's failure
+        is never mistaken for a failed save: the generation exists either way."""
+        if not self.coordinator.is_coordinator:
+            return
+        info = written.info
+        self.events.emit(
+            Published(
+                run_id=self.run_id,
+                store=self.store.location,
+                step=info.step,
+                generation_id=info.generation_id,
+                location=info.path,
+                bytes=info.bytes,
+                seconds=written.seconds,
+                signer=self.trust.signer_id,
+                kek_id=written.kek_id,
             )
-        return WrittenGeneration(info, seconds, tensors.reused_plan)
+        )
 
     def close(self) -> None:
         forget_cached_plans(self._plan_cache_key)
 
+    def _newest_rollback_cutoff(self) -> str | None:
+        """New ids must sort after the run's latest rollback cutoff, even when this
+        clock is behind the machine that rolled back: otherwise the new generation
+        would count as abandoned by that rollback. Read per save (one SQLite read)."""
+        floor = self.trust.floor(self.run_id)  # None without a ledger
+        return floor.newest_cutoff if floor is not None else None
+
+    def _encryption(self, generation_id: str) -> FileEncryption | None:
+        keystore = self.trust.keystore
+        if keystore is None:
+            return None
+        return FileEncryption(keystore, self.run_id, generation_id, self.settings.segment_size)
+
     def _write_tensors(
         self, staging: StagingArea, generation_id: str, captured: CapturedState
     ) -> VaultStorageWriter:
-        keystore = self.trust.keystore
-        encryption = (
-            FileEncryption(keystore, self.run_id, generation_id, self.settings.segment_size)
-            if keystore is not None
-            else None
-        )
         return write_tensors(
             captured.tensors,
             staging,
             self.settings.chunk_size,
             self.settings.threads,
-            encryption,
+            self._encryption(generation_id),
             plan_cache_key=self._plan_cache_key,
             rank=self.coordinator.rank,
         )
+
+    def _write_state(
+        self,
+        staging: StagingArea,
+        generation_id: str,
+        captured: CapturedState,
+        tensors: VaultStorageWriter,
+    ) -> dict[str, Any]:
+        """The manifest's ``state``: the tree itself, or (encrypted runs) a reference to
+        the encrypted state file written here, whose record and key join the tensors'."""
+        encryption = self._encryption(generation_id)
+        if encryption is None:
+            return captured.tree
+        name = encrypted_state_file_name(self.coordinator.rank)
+        record, wrapped = write_state_file(
+            staging, name, captured.tree, self.settings.chunk_size, encryption
+        )
+        tensors.file_records[name] = record
+        tensors.wrapped_keys[name] = wrapped
+        return {ENCRYPTED_STATE_TAG: name}
 
     def _manifest(
         self,
         step: int,
         generation_id: str,
-        captured: CapturedState,
+        state: dict[str, Any],
         tensors: VaultStorageWriter,
     ) -> Manifest:
         encryption = (
@@ -138,7 +180,7 @@ class GenerationWriter:
             chunk_size=self.settings.chunk_size,
             files=tensors.file_records,
             dcp=tensors.dcp_json or {},
-            state=captured.tree,
+            state=state,
             contract=self.contract,
             writer={"ckptvault": __version__, "world_size": self.coordinator.world_size},
             encryption=encryption,

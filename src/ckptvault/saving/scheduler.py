@@ -25,11 +25,15 @@ from ckptvault.state.capture import CapturedState
 from ckptvault.storage.listing import GenerationInfo
 
 WriteFunction = Callable[[int, CapturedState], WrittenGeneration]
+AnnounceFunction = Callable[[WrittenGeneration], None]
 
 
 class SaveScheduler:
-    def __init__(self, write: WriteFunction, max_in_flight: int, if_busy: str) -> None:
+    def __init__(
+        self, write: WriteFunction, announce: AnnounceFunction, max_in_flight: int, if_busy: str
+    ) -> None:
         self._write = write
+        self._announce = announce
         self.max_in_flight = max_in_flight
         self.if_busy = if_busy
         self.stats = SaveStats()
@@ -47,7 +51,7 @@ class SaveScheduler:
             self.drain()  # generations publish in the order they were asked for
             info = self._run(step, captured)
             seconds = time.perf_counter() - started
-            self.stats.last_stall_seconds = seconds
+            self.stats.last_stall_seconds = self.stats.last_save_seconds = seconds
             return SaveHandle.completed(info, seconds)
         if not self._make_room(step):
             return SaveHandle(step, None, time.perf_counter() - started, skipped=True)
@@ -70,6 +74,7 @@ class SaveScheduler:
         self.stats.bytes_written += written.info.bytes
         self.stats.plans_reused += int(written.reused_plan)
         self.stats.last_save_seconds = written.seconds
+        self._announce(written)  # the save counts as done even if a subscriber fails
         return written.info
 
     def _make_room(self, step: int) -> bool:

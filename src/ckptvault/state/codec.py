@@ -39,6 +39,9 @@ from ckptvault.format.tensorfile import DTYPES
 KeyPath = tuple[Any, ...]
 TensorSink = Callable[[KeyPath, torch.Tensor], str]
 
+# Key-path depth a value may have: each level takes at most 3 levels of JSON (a
+# $dict pair), so the manifest stays inside the 128 levels readers parse.
+MAX_NESTING = 32
 _BIGINT_BITS = 10_000  # ~3000 decimal digits, well inside CPython's 4300-digit limit
 _SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "-0.0": -0.0}
 
@@ -80,6 +83,13 @@ class Encoder:
         return NotImplemented
 
     def encode(self, value: Any, path: KeyPath) -> Any:
+        if len(path) > MAX_NESTING:
+            raise UnsupportedValueError(
+                format_path(path[:8]) + "[...]",
+                value,
+                f"values nested more than {MAX_NESTING} levels deep cannot be read back "
+                "(readers bound the depth of the JSON they parse); flatten the structure",
+            )
         special = self.encode_special(value, path)
         if special is not NotImplemented:
             return special
@@ -228,7 +238,8 @@ class Decoder:
             return special
         try:
             return self._decode_tag(tag, payload, path)
-        except (TypeError, ValueError, KeyError) as exc:
+        except (TypeError, ValueError, KeyError, OverflowError, RuntimeError) as exc:
+            # RuntimeError: torch's for an unknown device or an unrepresentable size.
             raise self.fail(path, f"malformed {tag} value ({exc})") from exc
 
     def _decode_tag(self, tag: str, payload: Any, path: KeyPath) -> Any:

@@ -26,12 +26,16 @@ def open_store(location: StoreLocation | Store, *, must_exist: bool = False) -> 
     if isinstance(location, Store):
         return location
     text = os.fspath(location)
+    if not text:
+        raise UsageError("the store location is empty; give a path or URL")
     scheme = urlsplit(text).scheme if "://" in text else ""
     if scheme == "file":
         parts = urlsplit(text)
         if parts.netloc not in ("", "localhost"):
             raise UsageError(f"{text}: file:// URLs name a local path (file:///abs/path)")
         text = unquote(parts.path)
+        if not text:
+            raise UsageError(f"{location}: the file:// URL names no path (file:///abs/path)")
     elif scheme:
         raise UsageError(
             f"{text}: unsupported store URL scheme {scheme!r}; give a local path or file:// URL"

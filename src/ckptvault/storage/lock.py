@@ -16,7 +16,9 @@ import weakref
 from collections.abc import Callable
 from datetime import datetime, timezone
 
-from ckptvault.errors import StoreLockedError
+from ckptvault.errors import FormatError, StoreLockedError
+from ckptvault.format.bounded_json import loads_bounded
+from ckptvault.format.layout import WRITER_LOCK
 
 
 class WriterLock:
@@ -70,7 +72,7 @@ class WriterLock:
 
 def _read_holder(fd: int) -> str:
     try:
-        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        return f"pid {info['pid']} on {info['host']}, since {info['since']}"
-    except (OSError, ValueError, KeyError, TypeError):
+        info = loads_bounded(os.pread(fd, 4096, 0) or b"{}", WRITER_LOCK, max_depth=4)
+        return f"pid {info['pid']} on {info['host']}, since {info['since']}"[:300]
+    except (OSError, FormatError, KeyError, TypeError):  # the store's bytes: anyone's
         return "holder unknown"

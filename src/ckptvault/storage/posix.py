@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 from io import FileIO
 from pathlib import Path
@@ -53,6 +54,8 @@ from ckptvault.storage.posix_files import (
     translate_os_error,
 )
 
+logger = logging.getLogger("ckptvault")
+
 
 class PosixStagingArea:
     """``.staging/<generation id>/``, held open by descriptor while it is written."""
@@ -71,23 +74,35 @@ class PosixStagingArea:
         self._open = True
 
     def create_file(self, name: str) -> PosixWritableFile:
+        self._check_open()
         return PosixWritableFile(self.fd, name, os.path.join(self.location, name))
 
     def publish(self, step: int, manifest: bytes, signature: bytes | None = None) -> GenerationRef:
+        self._check_open()
         ref = self.store.publish_rule.publish(self, step, manifest, signature)
         self._close()  # on failure the caller aborts, which removes what was written
         return ref
 
     def abort(self) -> None:
         if self._open:
-            remove_tree(self.staging_fd, self.generation_id)
-            self._close()
+            try:
+                # Best effort: what stays is removed as a leftover by the next save.
+                remove_tree(self.staging_fd, self.generation_id)
+            finally:
+                self._close()
+
+    def _check_open(self) -> None:
+        # Its descriptors are closed (their numbers may already name another store's
+        # directories): a finished area must never write anywhere.
+        if not self._open:
+            raise UsageError(f"staging area {self.location} was already published or aborted")
 
     def _close(self) -> None:
         if self._open:
             self._open = False
-            os.close(self.fd)
-            os.close(self.staging_fd)
+            fd, staging_fd, self.fd, self.staging_fd = self.fd, self.staging_fd, -1, -1
+            os.close(fd)
+            os.close(staging_fd)
 
 
 class AtomicRename:
@@ -158,34 +173,38 @@ class PosixStore:
         raise UnsafeEntryError(f"{where} keeps being replaced; ckptvault will not write there")
 
     def _open_lock_file(self) -> int:
+        """``.writer.lock``, opened without following a link and checked after opening.
+
+        A symlink, hard link or FIFO planted there is replaced, never written through:
+        truncating the lock file must not truncate a key file it points at. (A lock in
+        a directory the attacker can write cannot keep the attacker out anyway; it
+        keeps honest writers apart.) A directory there is refused.
+        """
         where = os.path.join(self.location, WRITER_LOCK)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         with opened(self.open_root()) as root_fd:
-            try:
-                fd = os.open(
-                    WRITER_LOCK,
-                    os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                    0o644,
-                    dir_fd=root_fd,
-                )
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
+            for _attempt in range(3):
+                try:
+                    fd = os.open(WRITER_LOCK, flags, 0o644, dir_fd=root_fd)
+                except IsADirectoryError as exc:
                     raise UnsafeEntryError(
-                        f"{where} is a symlink; ckptvault never writes through a link. Remove "
-                        "it (the lock file is recreated on the next save)"
+                        f"{where} is a directory, not ckptvault's lock file; remove it"
                     ) from exc
-                raise
-        unsafe = describe_unsafe(os.fstat(fd))
-        if unsafe is not None:
-            os.close(fd)
-            raise UnsafeEntryError(
-                f"{where} {unsafe}; remove it (it is recreated on the next save)"
-            )
-        return fd
+                except OSError as exc:
+                    if exc.errno != errno.ELOOP:
+                        raise
+                    unsafe: str | None = "is a symlink"
+                else:
+                    unsafe = describe_unsafe(os.fstat(fd))
+                    if unsafe is None:
+                        return fd
+                    os.close(fd)
+                logger.warning("%s %s; replacing it with a fresh lock file", where, unsafe)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(WRITER_LOCK, dir_fd=root_fd)  # the link itself, never its target
+        raise UnsafeEntryError(f"{where} keeps being replaced; ckptvault will not write there")
 
     # -- reading ---------------------------------------------------------------------
-
-    def exists(self) -> bool:
-        return self.root.is_dir()
 
     def holds_path(self, path: Path) -> bool:
         resolved, root = Path(os.path.realpath(path)), Path(os.path.realpath(self.root))
@@ -250,8 +269,8 @@ class PosixStore:
             size = os.fstat(stream.fileno()).st_size
             if size > limit:
                 raise OSError(errno.EFBIG, f"{name} is larger than {limit} bytes")
-            data = stream.read(limit + 1)
-        if len(data) > limit:
+            data = stream.read(size + 1)  # not limit + 1: read() reserves what it is asked
+        if len(data) > min(size, limit):
             raise OSError(errno.EFBIG, f"{name} is larger than {limit} bytes")
         return data
 
@@ -272,10 +291,17 @@ class PosixStore:
             raise UsageError(
                 "removing staging leftovers needs the writer lock; call acquire_writer() first"
             )
-        with opened(self.open_staging_dir()) as staging_fd:
-            stale = sorted(os.listdir(staging_fd))
-            for name in stale:
-                remove_tree(staging_fd, name)
+        try:
+            with opened(self.open_staging_dir()) as staging_fd:
+                stale = sorted(os.listdir(staging_fd))
+                for name in stale:
+                    if not remove_tree(staging_fd, name):
+                        logger.warning(
+                            "could not remove the staging leftover %s; it is ignored",
+                            os.path.join(self.location, STAGING_DIR, name),
+                        )
+        except OSError as exc:
+            raise translate_os_error(exc, f"cleaning {self.location}/{STAGING_DIR}") from exc
         return stale
 
     def begin_generation(self, generation_id: str) -> PosixStagingArea:

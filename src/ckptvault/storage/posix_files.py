@@ -21,7 +21,8 @@ _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 WRITE_BEHIND_BYTES = 8 * 1024 * 1024
 MAX_CLEANUP_DEPTH = 16  # staging areas are flat; deeper trees were planted
 
-DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: a FIFO planted where a directory belongs never blocks the open.
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def _load_sync_file_range() -> Callable[[int, int, int], None] | None:
@@ -90,32 +91,30 @@ def open_dir(name: str, dir_fd: int, where: str) -> int:
         raise
 
 
-def remove_tree(parent_fd: int, name: str, depth: int = 0) -> None:
-    """Delete ``name`` below ``parent_fd``, never following a link out of it.
+def remove_tree(parent_fd: int, name: str, depth: int = 0) -> bool:
+    """Delete ``name`` below ``parent_fd``, never following a link out of it; best
+    effort: returns False when something could not be removed (and stays).
 
     A symlink is unlinked, not followed; directories are walked through descriptors.
-    Trees deeper than staging areas ever are stop the walk (and stay) rather than
-    exhaust the stack.
+    Trees deeper than staging areas ever are stop the walk rather than exhaust the
+    stack. Cleanup must never turn a save (or its real error) into a cleanup error.
     """
     try:
         info = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISDIR(info.st_mode):
-        with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISDIR(info.st_mode):
             os.unlink(name, dir_fd=parent_fd)
-        return
-    if depth >= MAX_CLEANUP_DEPTH:
-        return
-    try:
-        fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
-    except OSError:
-        return  # swapped for a link meanwhile: leave it
-    with opened(fd):
-        for child in os.listdir(fd):
-            remove_tree(fd, child, depth + 1)
-    with contextlib.suppress(OSError):
+            return True
+        if depth >= MAX_CLEANUP_DEPTH:
+            return False
+        fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)  # a link swapped in: refused
+        with opened(fd):
+            removed = all([remove_tree(fd, child, depth + 1) for child in os.listdir(fd)])
         os.rmdir(name, dir_fd=parent_fd)
+        return removed
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
 
 
 class PosixWritableFile:

@@ -6,15 +6,30 @@ editing or reordering an entry breaks the chain; cutting off the tail is detecte
 by comparing with the head (count and last hash) kept in the ledger. Appends hold
 an exclusive ``flock`` on the log, so several processes may share one log.
 
+An append first checks the log against the ledger's head. Chaining onto whatever
+the last line is would let the next head vouch for a log that lost its tail (or was
+rewritten, or grew entries the ledger never saw), laundering the loss. So when they
+disagree, the append starts a new, linked segment: a ``gap`` entry, chained onto the
+log's last intact entry, records what the ledger expected (``expected_entries``,
+``expected_hash``) and what was found (``found_entries``, ``found_hash``), and a
+WARNING is logged. A damaged tail (a cut-off last line, or lines that are no
+entry) stays where it is as evidence; the gap entry records its size and BLAKE3
+(``damaged_bytes``, ``damaged_blake3``). A log holding a gap never verifies again:
+keep it as evidence, find out what happened, and start a new log.
+
 Events: ``save``, ``restore``, ``refusal``, ``rollback_allowed``, ``export``,
-``key_destroyed``, ``delete``.
+``key_destroyed``, ``delete``, and ``gap`` (written by the log itself).
 """
 
 from __future__ import annotations
 
+import bisect
 import fcntl
+import itertools
 import json
+import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,12 +41,23 @@ from ckptvault.format.canonical import dumps_canonical
 from ckptvault.format.layout import utc_now
 from ckptvault.trust.ledger import Ledger, default_state_dir
 
+logger = logging.getLogger("ckptvault")
+
 GENESIS = "0" * 64
+GAP_EVENT = "gap"
 _TAIL_BYTES = 1 << 20
 
+# What a gap entry's ``kind`` says about the log and the ledger's head.
+TRUNCATED = "truncated"  # fewer entries than the head: the tail was lost
+REWRITTEN = "rewritten"  # the entry at the head's position is another one
+UNRECORDED = "unrecorded"  # entries after the head, appended without this ledger
+NO_HEAD = "no-head"  # the ledger holds heads of other logs, none of this one
+DAMAGED = "damaged"  # only a damaged tail; the intact entries agree with the head
 
-def default_audit_path() -> Path:
-    return default_state_dir() / "audit.jsonl"
+
+def default_audit_path(ledger: Ledger | None = None) -> Path:
+    """``audit.jsonl`` beside the ledger that keeps its head (default state dir)."""
+    return (ledger.path.parent if ledger is not None else default_state_dir()) / "audit.jsonl"
 
 
 def entry_hash(entry: dict[str, Any]) -> str:
@@ -39,28 +65,130 @@ def entry_hash(entry: dict[str, Any]) -> str:
     return blake3(dumps_canonical(body)).hexdigest()
 
 
-def _last_entry(fd: int, path: Path) -> dict[str, Any] | None:
+def _json_line(line: bytes) -> Any:
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+
+
+def _intact_entry(line: bytes) -> dict[str, Any] | None:
+    """The entry on ``line`` when it looks like one the log wrote (chain not checked)."""
+    entry = _json_line(line)
+    if (
+        isinstance(entry, dict)
+        and type(entry.get("seq")) is int
+        and entry["seq"] >= 0
+        and isinstance(entry.get("hash"), str)
+    ):
+        return entry
+    return None
+
+
+@dataclass(frozen=True)
+class _Tail:
+    """The log's last intact entry, and the bytes after it that are no entry."""
+
+    entries: int  # the last intact entry's seq + 1; 0 when there is none
+    last_hash: str  # its hash; GENESIS when there is none
+    damaged: bytes  # a cut-off last line, or lines that are no entry
+
+
+def _tail_of(data: bytes, whole: bool) -> _Tail | None:
+    """Scan ``data`` (the end of the log; all of it when ``whole``) backwards for the
+    last intact entry; None when it may begin before ``data`` does."""
+    end = data.rfind(b"\n") + 1  # just past the last complete line; 0: none
+    while end > 0:
+        start = data.rfind(b"\n", 0, end - 1) + 1
+        if start == 0 and not whole:
+            return None  # this line may begin before the bytes read
+        entry = _intact_entry(data[start : end - 1])
+        if entry is not None:
+            return _Tail(entry["seq"] + 1, entry["hash"], data[end:])
+        end = start
+    return _Tail(0, GENESIS, data) if whole else None
+
+
+def _read_all(fd: int, size: int) -> bytes:
+    chunks, offset = [], 0
+    while offset < size:
+        chunk = os.pread(fd, min(size - offset, 16 << 20), offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+def _read_tail(fd: int) -> _Tail:
     size = os.fstat(fd).st_size
     if size == 0:
-        return None
+        return _Tail(0, GENESIS, b"")
     start = max(0, size - _TAIL_BYTES)
-    tail = os.pread(fd, size - start, start)
-    try:
-        if not tail.endswith(b"\n"):
-            raise ValueError("the last entry is cut off")
-        entry = json.loads(tail.rstrip(b"\n").split(b"\n")[-1])
-        if (
-            not isinstance(entry, dict)
-            or not isinstance(entry.get("seq"), int)
-            or "hash" not in entry
-        ):
-            raise ValueError("the last line is not an audit entry")
-    except ValueError as exc:
-        raise AuditError(
-            f"audit log {path} is damaged ({exc}); nothing more can be chained to it. Run "
-            "`ckptvault audit verify` on it, keep it as evidence, and point audit_log= at a new file"
-        ) from exc
-    return entry
+    tail = _tail_of(os.pread(fd, size - start, start), whole=start == 0)
+    if tail is None:  # no intact entry in the last MiB: look at everything
+        tail = _tail_of(_read_all(fd, size), whole=True)
+    assert tail is not None  # a whole log always has a tail
+    return tail
+
+
+def _hash_at(fd: int, position: int) -> str | None:
+    """The hash of the entry at ``position`` (line and seq agree), else None."""
+    lines = _read_all(fd, os.fstat(fd).st_size).split(b"\n")
+    entry = _intact_entry(lines[position]) if position < len(lines) - 1 else None
+    return entry["hash"] if entry is not None and entry["seq"] == position else None
+
+
+def _count(value: Any) -> int | None:
+    return value if type(value) is int else None
+
+
+def _entries(first: int, end: int) -> str:
+    """``the entry with seq 4 was`` / ``the entries with seq 3-4 were``."""
+    if end - first == 1:
+        return f"the entry with seq {first} was"
+    return f"the entries with seq {first}-{end - 1} were"
+
+
+def describe_gap(gap: Mapping[str, Any]) -> str:
+    """What a gap entry's fields say was lost, in words."""
+    kind = gap.get("kind")
+    expected = _count(gap.get("expected_entries"))
+    found = _count(gap.get("found_entries"))
+    if kind == TRUNCATED and expected is not None and found is not None:
+        text = (
+            f"the ledger recorded {expected} entries but only {found} were left: "
+            f"{_entries(found, expected)} lost (cut off or deleted)"
+        )
+    elif kind == REWRITTEN and expected is not None:
+        text = (
+            f"the entry with seq {expected - 1} is not the one the ledger recorded as its "
+            f"head: the log was rewritten or replaced ({found} entries found), so none of its "
+            f"first {expected} entries can be trusted"
+        )
+    elif kind == UNRECORDED and expected is not None and found is not None:
+        text = (
+            f"the log held {found} entries but the ledger recorded {expected}: "
+            f"{_entries(expected, found)} appended without the ledger"
+        )
+    elif kind == NO_HEAD:
+        text = (
+            f"the ledger holds no head for this log although it holds heads of others: its "
+            f"{found} entries were not written through this ledger, or the log replaced one "
+            "the ledger knew"
+        )
+    elif kind == DAMAGED:
+        text = "the log's tail was damaged"
+    else:
+        text = f"the log disagreed with the ledger's head ({kind!r})"
+    damaged = _count(gap.get("damaged_bytes"))
+    if damaged:
+        after = f"the last intact entry (seq {found - 1})" if found else "the start of the log"
+        text += (
+            f"; {damaged} damaged bytes (a cut-off or unreadable entry) after {after} are kept "
+            "just before the gap entry as evidence"
+        )
+    return text
 
 
 class AuditLog:
@@ -69,6 +197,8 @@ class AuditLog:
         self.ledger = ledger
 
     def append(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Append one entry; first a ``gap`` entry when the log disagrees with the
+        ledger's head (see the module docstring). Returns the entry appended."""
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -76,22 +206,96 @@ class AuditLog:
             raise AuditError(f"cannot open audit log {self.path}: {exc.strerror or exc}") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            last = _last_entry(fd, self.path)
-            entry: dict[str, Any] = {
-                "seq": 0 if last is None else int(last["seq"]) + 1,
-                "time": utc_now(),
-                "event": event,
-                **fields,
-                "prev": GENESIS if last is None else last["hash"],
-            }
-            entry["hash"] = entry_hash(entry)
-            os.write(fd, dumps_canonical(entry) + b"\n")
+            head = self.ledger.audit_head(str(self.path)) if self.ledger is not None else None
+            tail = _read_tail(fd)
+            seq, prev = tail.entries, tail.last_hash
+            data = b""
+            gap = self._gap(fd, tail, head)
+            if gap is not None:
+                logger.warning(
+                    "audit log %s (ledger %s): %s. Recorded a gap entry and went on; "
+                    "`ckptvault audit verify` fails for this log from now on: keep it as "
+                    "evidence, find out what happened, and start a new log",
+                    self.path,
+                    self.ledger.path if self.ledger is not None else "none",
+                    describe_gap(gap),
+                )
+                if tail.damaged and not tail.damaged.endswith(b"\n"):
+                    data += b"\n"  # end the cut-off line; its bytes stay as evidence
+                marker = _chained(seq, prev, GAP_EVENT, gap)
+                data += dumps_canonical(marker) + b"\n"
+                seq, prev = seq + 1, marker["hash"]
+            entry = _chained(seq, prev, event, fields)
+            data += dumps_canonical(entry) + b"\n"
+            written = 0
+            while written < len(data):
+                written += os.write(fd, data[written:])
             os.fsync(fd)
             if self.ledger is not None:
                 self.ledger.set_audit_head(str(self.path), entry["seq"] + 1, entry["hash"])
+        except OSError as exc:
+            raise AuditError(
+                f"cannot append to audit log {self.path}: {exc.strerror or exc}; check the "
+                "disk and its permissions, then run `ckptvault audit verify` on it"
+            ) from exc
         finally:
             os.close(fd)  # releases the lock
         return entry
+
+    def _gap(self, fd: int, tail: _Tail, head: tuple[int, str] | None) -> dict[str, Any] | None:
+        """The fields of the gap entry to write first, or None when the log is what the
+        ledger expects (or, with no head anywhere in the ledger, cannot be checked)."""
+        if head is None:
+            if tail.entries == 0 and not tail.damaged:
+                return None  # a new log
+            if tail.entries and self.ledger is not None and self.ledger.has_audit_heads():
+                kind = NO_HEAD
+            elif tail.damaged:
+                kind = DAMAGED
+            elif self.ledger is None:
+                return None  # no ledger, no head to check against
+            else:
+                # A fresh ledger: nothing says what the log should hold.
+                logger.warning(
+                    "audit log %s has %d entries but the ledger %s keeps no audit head yet; "
+                    "the log is adopted as it stands, so a cut made before now cannot be "
+                    "detected",
+                    self.path,
+                    tail.entries,
+                    self.ledger.path,
+                )
+                return None
+        else:
+            count, last_hash = head
+            if tail.entries < count:
+                kind = TRUNCATED
+            elif tail.entries == count and tail.last_hash == last_hash:
+                if not tail.damaged:
+                    return None  # what the ledger expects
+                kind = DAMAGED
+            elif tail.entries == count:
+                kind = REWRITTEN
+            else:
+                at_head = _hash_at(fd, count - 1) if count else GENESIS
+                kind = UNRECORDED if at_head == last_hash else REWRITTEN
+        gap: dict[str, Any] = {
+            "kind": kind,
+            "expected_entries": head[0] if head is not None else None,
+            "expected_hash": head[1] if head is not None else None,
+            "found_entries": tail.entries,
+            "found_hash": tail.last_hash,
+        }
+        if tail.damaged:
+            evidence = tail.damaged if tail.damaged.endswith(b"\n") else tail.damaged + b"\n"
+            gap["damaged_bytes"] = len(evidence)
+            gap["damaged_blake3"] = blake3(evidence).hexdigest()
+        return gap
+
+
+def _chained(seq: int, prev: str, event: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+    entry: dict[str, Any] = {"seq": seq, "time": utc_now(), "event": event, **fields, "prev": prev}
+    entry["hash"] = entry_hash(entry)
+    return entry
 
 
 @dataclass
@@ -100,31 +304,63 @@ class AuditReport:
     entries: int = 0
     problems: list[str] = field(default_factory=list)
     head_checked: bool = False
+    gaps: list[dict[str, Any]] = field(default_factory=list)  # each recorded gap, with its line
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
 
+def _evidence(data: bytes, offsets: list[int], index: int, gap: Mapping[str, Any]) -> range | None:
+    """The lines that a gap entry on line ``index`` keeps, right before it, as evidence
+    of a damaged tail; None when those bytes are not the ones it recorded. ``offsets``
+    holds where each line starts."""
+    size = _count(gap.get("damaged_bytes"))
+    if not size:
+        return range(index, index)
+    end = offsets[index]
+    first = bisect.bisect_left(offsets, end - size)
+    if first == len(offsets) or offsets[first] != end - size:
+        return None  # the recorded size does not end on a line
+    if blake3(data[end - size : end]).hexdigest() != gap.get("damaged_blake3"):
+        return None
+    return range(first, index)
+
+
 def verify_audit_log(path: str | os.PathLike[str], ledger: Ledger | None) -> AuditReport:
-    """Check every link of the chain, and the tail against the ledger's head."""
+    """Check every link of the chain, every recorded gap, and the tail against the
+    ledger's head. A log that holds a gap entry never verifies."""
     log = Path(os.path.realpath(os.fspath(path)))
     report = AuditReport(str(log))
     data = log.read_bytes()
     if data and not data.endswith(b"\n"):
         report.problems.append("the last entry is cut off (no newline at the end of the log)")
+    lines = data.split(b"\n")[:-1] if data else []
+    offsets = list(itertools.accumulate((len(line) + 1 for line in lines[:-1]), initial=0))
+    parsed = [_json_line(line) for line in lines]
+    evidence: set[int] = set()  # damaged lines that a gap entry right after them accounts for
+    for index, entry in enumerate(parsed):
+        if isinstance(entry, dict) and entry.get("event") == GAP_EVENT:
+            kept = _evidence(data, offsets, index, entry)
+            if kept is None:
+                report.problems.append(
+                    f"line {index + 1} records a gap, but the damaged bytes before it are not "
+                    "the ones it recorded: the evidence was changed"
+                )
+            else:
+                evidence.update(kept)
+    hashes: list[str] = []  # by position: the hash of each entry
     previous = GENESIS
-    for index, line in enumerate(data.split(b"\n")[:-1] if data else []):
-        try:
-            entry = json.loads(line)
-            if not isinstance(entry, dict):
-                raise ValueError("not an object")
-        except ValueError:
+    for index, entry in enumerate(parsed):
+        if index in evidence:
+            continue
+        position = len(hashes)
+        if not isinstance(entry, dict):
             report.problems.append(f"line {index + 1} is not a JSON audit entry")
             previous = "?"
-            report.entries += 1
+            hashes.append("?")
             continue
-        if entry.get("seq") != index:
+        if entry.get("seq") != position:
             report.problems.append(
                 f"line {index + 1} has seq {entry.get('seq')} (entries were removed or reordered)"
             )
@@ -136,8 +372,16 @@ def verify_audit_log(path: str | os.PathLike[str], ledger: Ledger | None) -> Aud
             report.problems.append(
                 f"line {index + 1} (seq {entry.get('seq')}) was edited: its hash does not match"
             )
-        previous = entry.get("hash", "?")
-        report.entries += 1
+        if entry.get("event") == GAP_EVENT:
+            report.gaps.append({"line": index + 1, **entry})
+            report.problems.append(
+                f"line {index + 1} (seq {entry.get('seq')}, {entry.get('time')}) records a gap: "
+                f"{describe_gap(entry)}. The ledger cannot vouch for the entries before it; keep "
+                "the log as evidence and start a new one"
+            )
+        previous = str(entry.get("hash", "?"))
+        hashes.append(previous)
+    report.entries = len(hashes)
     head = ledger.audit_head(str(log)) if ledger is not None else None
     if head is not None:
         report.head_checked = True
@@ -145,7 +389,7 @@ def verify_audit_log(path: str | os.PathLike[str], ledger: Ledger | None) -> Aud
         if report.entries < count:
             report.problems.append(
                 f"the log has {report.entries} entries but the ledger recorded {count}: "
-                "its tail was cut off"
+                f"its tail was cut off ({_entries(report.entries, count)} lost)"
             )
         else:
             if report.entries > count:
@@ -153,11 +397,6 @@ def verify_audit_log(path: str | os.PathLike[str], ledger: Ledger | None) -> Aud
                     f"the log has {report.entries - count} entries after the head the ledger "
                     f"recorded (entry {count}): they were appended without the ledger"
                 )
-            lines = data.split(b"\n")
-            try:
-                recorded = json.loads(lines[count - 1]).get("hash") if count else GENESIS
-            except (ValueError, IndexError, AttributeError):
-                recorded = None
-            if count and recorded != last_hash:
+            if count and hashes[count - 1] != last_hash:
                 report.problems.append(f"entry {count} differs from the head the ledger recorded")
     return report

@@ -19,7 +19,14 @@ its own reason code:
    with the recorded sizes (``size-mismatch``);
 6. every file parses as one of ckptvault's own formats: a safetensors tensor file
    whose header agrees with the manifest, or an encrypted container
-   (``unknown-format``/``tensor-file-invalid``/``manifest-inconsistent``).
+   (``unknown-format``/``tensor-file-invalid``/``manifest-inconsistent``); each
+   header is size-bounded and its bytes match the manifest's chunk digests before
+   it is parsed (``digest-mismatch``), and the chunks tile every tensor exactly and
+   fit in their files (``manifest-inconsistent``).
+
+Every parser here is bounded (DESIGN rule 5): the manifest's size is checked from
+the listing before it is read, and all JSON goes through
+``ckptvault.format.bounded_json`` (size, depth, no NaN/Infinity).
 
 :func:`check_digests` then hashes every byte (``digest-mismatch``); restore does that
 stage while it reads, see ``ckptvault.io.reader``. Nothing here imports torch.
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from ckptvault.errors import (
@@ -38,23 +46,36 @@ from ckptvault.errors import (
     UnsafeEntryError,
 )
 from ckptvault.format.container import (
-    ENCRYPTED_SUFFIX,
+    CONTAINER_PREFIX_BYTES,
     container_header_length,
     parse_container_header,
 )
-from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, TENSOR_FILE_SUFFIX
+from ckptvault.format.layout import (
+    MANIFEST_NAME,
+    SIGNATURE_NAME,
+    TENSOR_FILE_SUFFIX,
+    is_encrypted_name,
+    is_tensor_file_name,
+)
 from ckptvault.format.manifest import (
     MAX_MANIFEST_BYTES,
     Manifest,
     ManifestDigestError,
     UnsafeNameError,
     UnsupportedFormatVersion,
+    manifest_too_large,
     parse_manifest,
 )
-from ckptvault.format.tensorfile import TensorFileHeader, header_length, parse_header
+from ckptvault.format.tensorfile import (
+    HEADER_LENGTH_BYTES,
+    TensorFileHeader,
+    header_length,
+    header_size_limit,
+    parse_header,
+)
 from ckptvault.storage.base import EntryInfo, GenerationRef, Store
-from ckptvault.trust.chunk_layout import check_chunk_locations
-from ckptvault.trust.digests import verify_stream
+from ckptvault.trust.chunk_layout import check_chunk_layout
+from ckptvault.trust.digests import read_verified_head, verify_stream
 from ckptvault.trust.ledger import RestoreFloor
 from ckptvault.trust.problems import (
     DIGEST_MISMATCH,
@@ -102,6 +123,11 @@ class TrustPolicy:
     floor: RestoreFloor | None = None
 
 
+# The signer reported for a signed generation read without trusted keys: the key id
+# inside manifest.sig was not checked, and a claim is not a signature.
+UNVERIFIED_SIGNER = "unverified"
+
+
 @dataclass
 class CheckedGeneration:
     """A generation whose structure passed; its bytes are not yet hashed."""
@@ -109,11 +135,9 @@ class CheckedGeneration:
     ref: GenerationRef
     manifest: Manifest
     headers: dict[str, TensorFileHeader] = field(default_factory=dict)
+    # The key id whose signature was verified against a trusted key; UNVERIFIED_SIGNER
+    # when manifest.sig is present but no trusted keys were given; None when unsigned.
     signer: str | None = None
-
-
-def is_encrypted_name(name: str) -> bool:
-    return name.endswith(TENSOR_FILE_SUFFIX + ENCRYPTED_SUFFIX)
 
 
 def check_structure(
@@ -136,8 +160,21 @@ def check_structure(
     if MANIFEST_NAME not in entries:
         raise GenerationRejected(ref, [Problem(MANIFEST_MISSING, f"{MANIFEST_NAME} is missing")])
     where = f"generation {ref.generation_id} (step {ref.step})"
+    if entries[MANIFEST_NAME].size > MAX_MANIFEST_BYTES:  # not even read, let alone parsed
+        raise GenerationRejected(
+            ref,
+            [
+                Problem(
+                    MANIFEST_INVALID,
+                    manifest_too_large(entries[MANIFEST_NAME].size, where),
+                    MANIFEST_NAME,
+                )
+            ],
+        )
     try:
-        manifest_bytes = store.read_bytes(ref, MANIFEST_NAME, MAX_MANIFEST_BYTES)
+        # No more than the listing said (and never above the cap): read_bytes may
+        # reserve its limit up front.
+        manifest_bytes = store.read_bytes(ref, MANIFEST_NAME, entries[MANIFEST_NAME].size)
         signature = (
             store.read_bytes(ref, SIGNATURE_NAME, MAX_SIGNATURE_BYTES)
             if SIGNATURE_NAME in entries
@@ -192,14 +229,18 @@ def _check_entries(entries: dict[str, EntryInfo]) -> list[Problem]:
 def _check_signature(
     ref: GenerationRef, manifest_bytes: bytes, signature: bytes | None, trusted: TrustedKeys | None
 ) -> str | None:
+    """The key id that signed the manifest, verified against ``trusted``; without
+    trusted keys, :data:`UNVERIFIED_SIGNER` when a ``manifest.sig`` is present (the key
+    id it claims is anyone's to write) and None when there is none."""
     if trusted is None:
         if signature is not None:
             try:
-                return parse_signature(signature, SIGNATURE_NAME)[0]  # still one of our formats
+                parse_signature(signature, SIGNATURE_NAME)  # still one of our formats
             except FormatError as exc:
                 raise GenerationRejected(
                     ref, [Problem(UNKNOWN_FORMAT, str(exc), SIGNATURE_NAME)]
                 ) from exc
+            return UNVERIFIED_SIGNER
         return None
     if signature is None:
         raise GenerationRejected(
@@ -266,9 +307,20 @@ def _check_file_set(manifest: Manifest, entries: dict[str, Any]) -> list[Problem
 
 
 def _check_own_formats(store: Store, checked: CheckedGeneration) -> list[Problem]:
-    """Every file must parse as a tensor file or an encrypted container."""
-    manifest, ref = checked.manifest, checked.ref
+    """Every file must parse as a tensor file or an encrypted container.
+
+    A header is bounded and verified before it is parsed: a tensor file's may be no
+    larger than the entries the manifest places in it need (``header_size_limit``),
+    a container's no larger than ``MAX_HEADER``, and its bytes must match the
+    manifest's digests of the chunks that hold them (``digest-mismatch``).
+    """
+    manifest = checked.manifest
     encrypted = manifest.encryption.wrapped_keys if manifest.encryption else {}
+    entry_names: dict[str, list[str]] = {}
+    for info in manifest.dcp["tensors"].values():
+        for chunk in info["chunks"]:
+            entry_names.setdefault(chunk["file"], []).append(chunk["name"])
+    regions: dict[str, tuple[int, int]] = {}  # where each tensor file holds tensor bytes
     problems = []
     for name, record in sorted(manifest.files.items()):
         try:
@@ -278,17 +330,18 @@ def _check_own_formats(store: Store, checked: CheckedGeneration) -> list[Problem
                         Problem(MANIFEST_INCONSISTENT, f"{name} has no wrapped key", name)
                     )
                     continue
-                with store.open_file(ref, name) as stream:
-                    prefix = stream.read(12)
-                    total = container_header_length(prefix, name)
-                    header = prefix + stream.read(total - len(prefix))
-                parse_container_header(header, record.size, name)
+                length_of = partial(container_header_length, where=name)
+                header = _verified_head(store, checked, name, CONTAINER_PREFIX_BYTES, length_of)
+                container = parse_container_header(header, record.size, name)
+                if is_tensor_file_name(name):
+                    regions[name] = (HEADER_LENGTH_BYTES, container.plaintext_size)
             elif name.endswith(TENSOR_FILE_SUFFIX):
-                with store.open_file(ref, name) as stream:
-                    prefix = stream.read(8)
-                    total = header_length(prefix, record.size, name)
-                    header = prefix + stream.read(total - len(prefix))
-                checked.headers[name] = parse_header(header, record.size, name)
+                limit = header_size_limit(entry_names.get(name, ()))
+                length_of = partial(header_length, file_size=record.size, where=name, limit=limit)
+                header = _verified_head(store, checked, name, HEADER_LENGTH_BYTES, length_of)
+                parsed = parse_header(header, record.size, name, limit)
+                checked.headers[name] = parsed
+                regions[name] = (parsed.data_start, record.size)
             else:
                 problems.append(
                     Problem(UNKNOWN_FORMAT, f"{name} is not a format ckptvault writes", name)
@@ -297,11 +350,26 @@ def _check_own_formats(store: Store, checked: CheckedGeneration) -> list[Problem
             problems.append(Problem(TENSOR_FILE_INVALID, str(exc), name))
         except UnsafeEntryError as exc:
             problems.append(Problem(UNSAFE_ENTRY, str(exc), name))
+        except IntegrityError as exc:
+            problems.append(Problem(DIGEST_MISMATCH, str(exc), name))
         except OSError as exc:
             problems.append(Problem(UNREADABLE, f"cannot read {name}: {exc}", name))
     if problems:
         return problems
-    return check_chunk_locations(manifest, checked.headers)
+    return check_chunk_layout(manifest, checked.headers, regions)
+
+
+def _verified_head(
+    store: Store,
+    checked: CheckedGeneration,
+    name: str,
+    probe: int,
+    length_of: Callable[[bytes], int],
+) -> bytes:
+    """A file's header bytes, checked against the manifest's chunk digests."""
+    record, chunk_size = checked.manifest.files[name], checked.manifest.chunk_size
+    with store.open_file(checked.ref, name) as stream:
+        return read_verified_head(stream, record, chunk_size, name, probe, length_of)
 
 
 def check_digests(
@@ -330,7 +398,7 @@ class VerificationReport:
     ref: GenerationRef
     problems: list[Problem]
     manifest: Manifest | None = None
-    signer: str | None = None
+    signer: str | None = None  # as CheckedGeneration.signer: a key id only once verified
 
     @property
     def ok(self) -> bool:

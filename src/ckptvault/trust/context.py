@@ -84,7 +84,8 @@ class TrustContext:
             keystore=open_keystore(keystore) if keystore is not None else None,
             ledger=book if floor_on else None,
             audit=(
-                AuditLog(audit_log if audit_log is not None else default_audit_path(), book)
+                # Beside its ledger by default: one log, one head, one ledger.
+                AuditLog(audit_log if audit_log is not None else default_audit_path(book), book)
                 if audit_on
                 else None
             ),

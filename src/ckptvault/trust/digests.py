@@ -18,6 +18,7 @@ from ckptvault.format.records import FileRecord
 
 DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024
 READ_BLOCK = DEFAULT_CHUNK_SIZE
+HEAD_READ_BLOCK = 1024 * 1024  # verifying a header reads its first chunk in these
 
 
 class FileDigester:
@@ -140,6 +141,48 @@ def read_full(stream: ReadableInto, buffer: memoryview) -> int:
             break
         filled += count
     return filled
+
+
+def read_verified_head(
+    stream: ReadableInto,
+    record: FileRecord,
+    chunk_size: int,
+    where: str,
+    probe: int,
+    length_of: Callable[[bytes], int],
+) -> bytes:
+    """A file's first ``length_of(first probe bytes)`` bytes, returned only once every
+    chunk that holds them matched the manifest (``IntegrityError`` otherwise).
+
+    For headers: their bytes are checked before any parser sees them. The probe bytes
+    reach ``length_of`` unverified, so it may only use them to decide how much to
+    read, and must bound that (it raises, typically ``FormatError``, when too much).
+    Memory: the head itself plus one read block; the rest of the last chunk that
+    holds the head is hashed and dropped.
+    """
+    verifier = ChunkVerifier(record, chunk_size, where, whole_file=False)
+    buffer = memoryview(bytearray(max(probe, min(chunk_size, HEAD_READ_BLOCK))))
+    head = bytearray()
+    count = read_full(stream, buffer[:probe])
+    length = length_of(bytes(buffer[:count]))
+    verify_to = min(record.size, -(-length // chunk_size) * chunk_size)
+    position = 0
+    while True:
+        if count:
+            verifier.update(buffer[:count])  # raises before the bytes are kept
+            if position < length:
+                head += buffer[: min(count, length - position)]
+            position += count
+        if position >= verify_to:
+            break
+        count = read_full(stream, buffer[: min(len(buffer), verify_to - position)])
+        if not count:
+            raise IntegrityError(
+                f"{where}: file ends at byte {position}, the manifest records {record.size}"
+            )
+    if len(head) < length:
+        raise IntegrityError(f"{where}: file ends within its {length}-byte header")
+    return bytes(head)
 
 
 def verify_stream(

@@ -159,7 +159,9 @@ class SegmentDecryptor:
                 return
             self.header = parse_container_header(bytes(self._pending[:total]), None, self._where)
             del self._pending[:total]
-            self._plain = bytearray(self.header.segment_size)
+            # One segment of plaintext at most, and never more than the file holds.
+            header = self.header
+            self._plain = bytearray(max(1, min(header.segment_size, header.plaintext_size)))
         header = self.header
         while self._index < header.segments:
             plain_size = header.segment_plaintext(self._index)

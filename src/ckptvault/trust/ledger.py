@@ -3,8 +3,12 @@
 A validly signed old checkpoint is still a valid signature: an attacker who can
 choose what a run restores could roll it back to before a fix without forging
 anything. The ledger records, per run id, the highest step restored (the restore
-*floor*) and the generations explicitly abandoned by an allowed rollback; restore
-skips generations below the floor or abandoned. Because whoever can write the
+*floor*) and, for every allowed rollback, a *rule*: every generation of the run with
+a step above the new floor created before the rollback (generation id below the
+rule's cutoff id) is abandoned. A rule, not only a list of what was visible then:
+a newer generation hidden from the store during the rollback and put back later is
+still abandoned. (The generations seen at the time are listed too, for reporting.)
+Restore skips generations below the floor or abandoned. Because whoever can write the
 checkpoint store must not be able to lower the floor, the ledger lives elsewhere:
 by default in the per-user state directory (``$XDG_STATE_HOME/ckptvault`` or
 ``~/.local/state/ckptvault``).
@@ -23,6 +27,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ckptvault.format.layout import new_generation_id
 from ckptvault.format.layout import utc_now as _now
 
 _SCHEMA = """
@@ -38,6 +43,13 @@ CREATE TABLE IF NOT EXISTS abandoned (
     step INTEGER NOT NULL,
     abandoned_at TEXT NOT NULL,
     PRIMARY KEY (run_id, generation_id)
+);
+CREATE TABLE IF NOT EXISTS rollbacks (
+    run_id TEXT NOT NULL,
+    floor_step INTEGER NOT NULL,
+    cutoff_generation_id TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    PRIMARY KEY (run_id, cutoff_generation_id)
 );
 CREATE TABLE IF NOT EXISTS audit_heads (
     log_path TEXT PRIMARY KEY,
@@ -58,14 +70,38 @@ def default_ledger_path() -> Path:
     return default_state_dir() / "ledger.sqlite3"
 
 
+@dataclass(frozen=True, order=True)
+class RollbackRule:
+    """One allowed rollback: every generation with a step above ``floor_step`` whose
+    id sorts before ``cutoff`` (created before the rollback) is abandoned."""
+
+    cutoff: str  # a generation id made at the rollback; later saves sort after it
+    floor_step: int
+    created_at: str
+
+    def abandons(self, step: int, generation_id: str) -> bool:
+        return step > self.floor_step and generation_id < self.cutoff
+
+
 @dataclass(frozen=True)
 class RestoreFloor:
-    """What a run may restore: nothing below ``step``, nothing in ``abandoned``."""
+    """What a run may restore: nothing below ``step``, nothing in ``abandoned``, nothing
+    a rollback ``rules`` abandoned (oldest rule first)."""
 
     run_id: str
     step: int | None = None
     generation_id: str | None = None
     abandoned: frozenset[str] = field(default_factory=frozenset)
+    rules: tuple[RollbackRule, ...] = ()
+
+    @property
+    def newest_cutoff(self) -> str | None:
+        """The cutoff of the run's latest rollback: new generation ids must sort after it."""
+        return max((rule.cutoff for rule in self.rules), default=None)
+
+    def without_step(self) -> RestoreFloor:
+        """Only what rollbacks abandoned: for reading below the floor on purpose."""
+        return RestoreFloor(self.run_id, abandoned=self.abandoned, rules=self.rules)
 
     def refuses(self, step: int, generation_id: str) -> str | None:
         """The rollback reason for this generation, or None when it is allowed."""
@@ -74,6 +110,14 @@ class RestoreFloor:
                 f"generation {generation_id} (step {step}) was abandoned by an allowed rollback "
                 "and is never restored again"
             )
+        for rule in self.rules:
+            if rule.abandons(step, generation_id):
+                return (
+                    f"generation {generation_id} (step {step}) was abandoned by the rollback to "
+                    f"step {rule.floor_step} at {rule.created_at}: it was created before that "
+                    "rollback, above its step, and is never restored again (a generation hidden "
+                    "during the rollback and put back counts too). Save a new generation"
+                )
         if self.step is not None and step < self.step:
             return (
                 f"step {step} is below the restore floor {self.step} (generation "
@@ -91,6 +135,20 @@ class RestoreFloor:
                 f"{self.generation_id}, which was restored before: refusing to roll back"
             )
         return None
+
+
+def rollback_cutoff(previous: RestoreFloor | None, restored_generation_id: str) -> str:
+    """The cutoff id for an allowed rollback made now.
+
+    It sorts after everything of the run the ledger vouches for — the generation
+    rolled back to, the previous floor's generation, earlier cutoffs — even when this
+    machine's clock is behind the one that wrote them. (Ids merely listed in the store
+    are not used: whoever can write the store could plant one far in the future.)
+    """
+    known = [restored_generation_id]
+    if previous is not None:
+        known += [g for g in (previous.generation_id, previous.newest_cutoff) if g is not None]
+    return new_generation_id(not_before=max(known))
 
 
 class Ledger:
@@ -125,9 +183,19 @@ class Ledger:
                     "SELECT generation_id FROM abandoned WHERE run_id = ?", (run_id,)
                 )
             }
+            rules = tuple(
+                sorted(
+                    RollbackRule(str(cutoff), int(floor_step), str(created_at))
+                    for cutoff, floor_step, created_at in db.execute(
+                        "SELECT cutoff_generation_id, floor_step, created_at FROM rollbacks "
+                        "WHERE run_id = ?",
+                        (run_id,),
+                    )
+                )
+            )
         if row is None:
-            return RestoreFloor(run_id, abandoned=frozenset(abandoned))
-        return RestoreFloor(run_id, int(row[0]), str(row[1]), frozenset(abandoned))
+            return RestoreFloor(run_id, abandoned=frozenset(abandoned), rules=rules)
+        return RestoreFloor(run_id, int(row[0]), str(row[1]), frozenset(abandoned), rules)
 
     def record_restore(self, run_id: str, step: int, generation_id: str) -> None:
         """Raise the floor to ``step`` (never lowers it)."""
@@ -140,17 +208,29 @@ class Ledger:
                 )
 
     def lower_floor(
-        self, run_id: str, step: int, generation_id: str, abandoned: Iterable[tuple[str, int]]
+        self,
+        run_id: str,
+        step: int,
+        generation_id: str,
+        abandoned: Iterable[tuple[str, int]],
+        cutoff_generation_id: str,
     ) -> None:
-        """An allowed rollback: set the floor to ``step`` and abandon ``abandoned``."""
+        """An allowed rollback: set the floor to ``step``, record the rule that abandons
+        every generation above ``step`` with an id below ``cutoff_generation_id``, and
+        list ``abandoned`` (what was seen at the time)."""
+        now = _now()
         with self._connect() as db:
             db.execute(
                 "INSERT OR REPLACE INTO floors VALUES (?, ?, ?, ?)",
-                (run_id, step, generation_id, _now()),
+                (run_id, step, generation_id, now),
+            )
+            db.execute(
+                "INSERT OR IGNORE INTO rollbacks VALUES (?, ?, ?, ?)",
+                (run_id, step, cutoff_generation_id, now),
             )
             db.executemany(
                 "INSERT OR IGNORE INTO abandoned VALUES (?, ?, ?, ?)",
-                [(run_id, gen, gen_step, _now()) for gen, gen_step in abandoned],
+                [(run_id, gen, gen_step, now) for gen, gen_step in abandoned],
             )
 
     def abandoned(self, run_id: str) -> list[tuple[str, int]]:
@@ -167,6 +247,12 @@ class Ledger:
                 "SELECT entries, last_hash FROM audit_heads WHERE log_path = ?", (log_path,)
             ).fetchone()
         return (int(row[0]), str(row[1])) if row else None
+
+    def has_audit_heads(self) -> bool:
+        """Whether the ledger keeps the head of any audit log at all (a fresh ledger
+        does not: it cannot tell a log it never saw from one it lost)."""
+        with self._connect() as db:
+            return db.execute("SELECT 1 FROM audit_heads LIMIT 1").fetchone() is not None
 
     def set_audit_head(self, log_path: str, entries: int, last_hash: str) -> None:
         with self._connect() as db:

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 class FloorKeeper:
     """Raises the run's restore floor on every restore; an allowed rollback lowers it
-    and abandons every newer generation."""
+    and records the rule that abandons every newer generation made before it."""
 
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
@@ -24,7 +24,11 @@ class FloorKeeper:
             return
         if event.rollback is not None:
             self.ledger.lower_floor(
-                event.run_id, event.step, event.generation_id, event.rollback.abandoned
+                event.run_id,
+                event.step,
+                event.generation_id,
+                event.rollback.abandoned,
+                event.rollback.cutoff_generation_id,
             )
         else:
             self.ledger.record_restore(event.run_id, event.step, event.generation_id)
@@ -60,6 +64,7 @@ class AuditRecorder:
                     step=event.step,
                     generation_id=event.generation_id,
                     abandoned=[list(a) for a in event.rollback.abandoned],
+                    cutoff_generation_id=event.rollback.cutoff_generation_id,
                 )
             self.trust.record(
                 event.summary,

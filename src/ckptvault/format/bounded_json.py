@@ -1,0 +1,130 @@
+"""Bounded JSON: parse bytes from the store without letting them choose the cost.
+
+Whoever can write the store chooses these bytes (DESIGN rule 5), and they are
+parsed before anything can be verified. ``json.loads`` alone recurses once per
+nesting level (deep input raises ``RecursionError``), turns ``1e999`` into infinity,
+accepts ``NaN`` and ``Infinity``, and spends time and memory in proportion to
+whatever it is handed. :func:`loads_bounded` checks, in this order and before
+``json.loads`` sees a byte:
+
+1. the size, against the caller's cap;
+2. the nesting depth, with a linear scan that skips string contents (so a ``[``
+   inside a string does not count), against the caller's cap;
+3. integer literals longer than :data:`MAX_INT_DIGITS` digits (CPython's default
+   limit, which a process may have lifted, and which Python 3.10 lacks).
+
+While parsing it refuses ``NaN``/``Infinity`` and numbers that overflow to infinity.
+Every failure is a :class:`~ckptvault.errors.FormatError`, never a raw exception.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+
+from ckptvault.errors import FormatError
+
+MAX_HEADER_DEPTH = 64  # tensor-file and container headers: real ones nest 3 deep
+MAX_DOCUMENT_DEPTH = 128  # manifests, signatures, state trees
+MAX_INT_DIGITS = 4300
+
+_BLOCK = 1 << 20  # bytes scanned per step: bounds the scan's own memory
+_WINDOW = 2048  # a run of MAX_INT_DIGITS + 1 digits fills at least one aligned window
+_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+_STEPS = np.zeros(256, dtype=np.int8)  # how each byte changes the nesting depth
+_STEPS[[ord("["), ord("{")]] = 1
+_STEPS[[ord("]"), ord("}")]] = -1
+_DIGITS = np.zeros(256, dtype=bool)
+_DIGITS[ord("0") : ord("9") + 1] = True
+
+
+def _run_lengths(flags: np.ndarray, carried: int) -> np.ndarray:
+    """For each position, how many consecutive set ``flags`` end there (0 where
+    unset); ``carried`` is the run that ended just before the block."""
+    index = np.arange(len(flags), dtype=np.int64)
+    last_unset = np.maximum.accumulate(np.where(flags, -1, index))
+    runs = index - last_unset
+    return np.where(last_unset < 0, runs + carried, runs)
+
+
+def scan_json(data: bytes | bytearray | memoryview, max_depth: int) -> str | None:
+    """Why JSON ``data`` must not be handed to ``json.loads``, or None.
+
+    Checks, outside string contents, that containers nest at most ``max_depth``
+    deep and that no number has more than :data:`MAX_INT_DIGITS` digits. Linear in
+    the input, vectorised, never recursive, its memory bounded by the block size.
+    Exact on every prefix that is valid JSON; ``json.loads`` stops at the first byte
+    that is not, so it never descends deeper than this scan saw.
+    """
+    view = np.frombuffer(data, dtype=np.uint8)
+    # Carried from one block to the next: inside a string?, depth, trailing runs.
+    inside, depth, backslashes, digits = False, 0, 0, 0
+    for start in range(0, len(view), _BLOCK):
+        block = view[start : start + _BLOCK]
+        is_quote = block == _QUOTE
+        is_backslash = block == _BACKSLASH
+        if backslashes or is_backslash.any():
+            # A quote after an odd run of backslashes is escaped (only inside strings
+            # are backslashes valid JSON, so this is exact on every valid prefix).
+            escapes = _run_lengths(is_backslash, backslashes)
+            before = np.concatenate(([backslashes], escapes[:-1]))
+            is_quote &= before % 2 == 0
+            backslashes = int(escapes[-1])
+        # Quote parity: a string's opening quote and contents count as inside.
+        within = np.bitwise_xor.accumulate(is_quote) ^ inside
+        outside = ~within
+        levels = np.cumsum(np.where(outside, _STEPS[block], 0), dtype=np.int64)
+        if depth + int(levels.max(initial=0)) > max_depth:
+            return f"nests JSON deeper than {max_depth} levels"
+        depth += int(levels[-1])
+        inside = bool(within[-1])
+        number = outside & _DIGITS[block]
+        padded = np.zeros(-(-len(number) // _WINDOW) * _WINDOW, dtype=bool)
+        padded[: len(number)] = number
+        if digits or padded.reshape(-1, _WINDOW).all(axis=1).any():
+            runs = _run_lengths(number, digits)
+            if int(runs.max(initial=0)) > MAX_INT_DIGITS:
+                return f"holds a number longer than {MAX_INT_DIGITS} digits"
+        # The run of digits the block ends with continues into the next one.
+        last_other = int(np.argmin(number[::-1]))
+        digits = last_other if not number[len(number) - 1 - last_other] else len(number) + digits
+    return None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} does not fit a float")
+    return value
+
+
+def loads_bounded(
+    data: bytes | bytearray | memoryview,
+    what: str,
+    *,
+    max_depth: int,
+    max_bytes: int | None = None,
+) -> Any:
+    """Parse UTF-8 JSON ``data`` after bounding its size and nesting depth.
+
+    ``what`` names the source for error messages. Raises :class:`FormatError`.
+    """
+    data = bytes(data)
+    if max_bytes is not None and len(data) > max_bytes:
+        raise FormatError(f"{what} is {len(data)} bytes, more than the {max_bytes} allowed")
+    refusal = scan_json(data, max_depth)
+    if refusal is not None:
+        raise FormatError(f"{what} {refusal}; ckptvault never writes that")
+    try:
+        return json.loads(
+            data.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float
+        )
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise FormatError(f"{what} is not valid UTF-8 JSON: {exc}") from exc

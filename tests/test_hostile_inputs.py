@@ -1,0 +1,545 @@
+"""Hostile stores: planted headers, manifests and layouts that target the parsers and
+the allocator before anything is verified (DESIGN rule 5).
+
+Every attack runs against a real store on disk, as someone who can write the store
+but holds no signing key: the attacker rewrites files and then the manifest's
+digests and self-digest to match. The secure outcome is always the same: the
+generation is skipped with a reason code, the next one is restored, nothing raw
+(RecursionError, OverflowError, MemoryError, RuntimeError, ValueError) escapes,
+``ckptvault verify`` reports FAIL with the code (exit 1) and no command prints a
+traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import struct
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from blake3 import blake3
+
+import ckptvault as cv
+from ckptvault.cli import main
+from ckptvault.errors import (
+    FormatError,
+    NoValidCheckpoint,
+    StoreLockedError,
+    UnsupportedValueError,
+)
+from ckptvault.format.canonical import dumps_canonical
+from ckptvault.format.container import MAGIC
+from ckptvault.format.manifest import MAX_MANIFEST_BYTES
+from ckptvault.format.tensorfile import build_header, header_length, parse_header
+from ckptvault.storage.posix import PosixStore
+from ckptvault.trust.checks import verify_generation
+from ckptvault.trust.chunk_layout import tiling_problem
+from conftest import (
+    assert_same_tensors,
+    make_training_state,
+    model_snapshot,
+    only_tensor_file,
+    run_cli,
+    train_steps,
+    writable,
+)
+
+RAW_ERRORS = (
+    RecursionError,
+    OverflowError,
+    MemoryError,
+    RuntimeError,
+    ValueError,
+    UnicodeDecodeError,
+)
+
+# -- forging, as an attacker without the signing key ----------------------------------
+
+
+def forge_manifest(
+    path: Path,
+    change: Callable[[dict], None] | None = None,
+    raw: dict[str, str] | None = None,
+) -> None:
+    """Rewrite ``path``'s manifest so that it passes every digest check: file records
+    recomputed from the files on disk, ``change`` applied, the self-digest recomputed.
+    ``raw`` splices JSON text that canonical JSON cannot say (Infinity, deep nesting)
+    in place of quoted placeholder strings."""
+    manifest = path / "manifest.json"
+    document = json.loads(manifest.read_bytes())
+    document.pop("manifest_blake3")
+    chunk = document["chunk_size"]
+    for name, record in document["files"].items():
+        data = (path / name).read_bytes()
+        record.update(
+            size=len(data),
+            blake3=blake3(data).hexdigest(),
+            chunks=[blake3(data[i : i + chunk]).hexdigest() for i in range(0, len(data), chunk)],
+        )
+    if change is not None:
+        change(document)
+
+    def splice(data: bytes) -> bytes:
+        for placeholder, text in (raw or {}).items():
+            data = data.replace(json.dumps(placeholder).encode(), text.encode())
+        return data
+
+    document["manifest_blake3"] = blake3(splice(dumps_canonical(document))).hexdigest()
+    writable(manifest).write_bytes(splice(dumps_canonical(document)))
+
+
+def tensor_file_parts(file: Path) -> tuple[bytes, bytes]:
+    """(JSON header, data region) of a tensor file."""
+    data = file.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    return data[8 : 8 + length], data[8 + length :]
+
+
+def replace_header(file: Path, header: bytes) -> None:
+    """Swap a tensor file's JSON header, keeping its data region."""
+    _, body = tensor_file_parts(file)
+    writable(file).write_bytes(struct.pack("<Q", len(header)) + header + body)
+
+
+def deep(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
+# -- restoring, and what the user sees ------------------------------------------------
+
+
+@pytest.fixture
+def two_steps(store: Path) -> tuple[dict[int, Path], dict[int, dict]]:
+    """Steps 1 and 2 of an unsigned run; the attacks target step 2."""
+    state = make_training_state()
+    paths, weights = {}, {}
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        for step in (1, 2):
+            train_steps(state, 1)
+            weights[step] = model_snapshot(state["model"])
+            paths[step] = Path(mgr.save(step, state).result().path)
+    return paths, weights
+
+
+def restore_skipping(store: Path, code: str, fragment: str = "", **options) -> cv.RestoreInfo:
+    """Restore must skip step 2 with ``code`` and restore step 1, raising nothing raw."""
+    fresh = make_training_state(seed=9)
+    try:
+        with cv.CheckpointManager(store, run_id="r", **options) as mgr:
+            info = mgr.restore(fresh)
+    except RAW_ERRORS as exc:  # pragma: no cover - the failure this file exists for
+        pytest.fail(f"restore let a raw {type(exc).__name__} escape: {exc}")
+    assert info is not None and info.step == 1
+    assert [(s.step, s.reason.split(":")[0]) for s in info.skipped] == [(2, code)], info.skipped
+    assert fragment in info.skipped[0].reason
+    return info
+
+
+def assert_verify_fails(store: Path, code: str) -> None:
+    """``ckptvault verify --all``: step 2 FAILs with ``code``, exit 1, no traceback;
+    ``ls`` and ``inspect`` never print a traceback either."""
+    result = run_cli("verify", str(store), "--all", "--json")
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    report = {r["step"]: r for r in json.loads(result.stdout)}
+    assert report[1]["ok"] and not report[2]["ok"]
+    assert code in {p["code"] for p in report[2]["problems"]}
+    human = run_cli("verify", str(store), "--step", "2")
+    assert human.returncode == 1 and "FAIL" in human.stdout and code in human.stdout
+    assert human.stderr == ""
+    listed = run_cli("ls", str(store), "--json")
+    assert listed.returncode == 0 and "Traceback" not in listed.stderr
+    inspected = run_cli("inspect", str(store), "--step", "2")
+    assert inspected.returncode == 2 and "Traceback" not in inspected.stderr
+    assert len(inspected.stderr.strip().splitlines()) == 1 and code in inspected.stderr
+
+
+# -- 1. parse errors skip the generation ----------------------------------------------
+
+
+def test_deeply_nested_tensor_file_header(store, two_steps):
+    paths, _ = two_steps
+    replace_header(only_tensor_file(paths[2]), deep(20_000).encode())
+    forge_manifest(paths[2])
+    restore_skipping(store, "tensor-file-invalid", "deeper than 64 levels")
+    assert_verify_fails(store, "tensor-file-invalid")
+
+
+@pytest.mark.parametrize(
+    "shape",
+    ["[Infinity,8]", "[1e999,8]", "[16.0,8]", "[true,8]", "[-16,8]", "[1" + "0" * 30 + ",8]"],
+)
+def test_malformed_shape_in_a_tensor_file_header(store, two_steps, shape):
+    paths, _ = two_steps
+    file = only_tensor_file(paths[2])
+    header = json.loads(tensor_file_parts(file)[0])
+    name = next(n for n in header if n != "__metadata__")
+    header[name]["shape"] = "@shape@"
+    text = json.dumps(header, separators=(",", ":")).replace('"@shape@"', shape)
+    replace_header(file, text.encode())
+    forge_manifest(paths[2])
+    restore_skipping(store, "tensor-file-invalid")
+
+
+def test_malformed_shape_in_a_tensor_file_header_cli(store, two_steps):
+    paths, _ = two_steps
+    file = only_tensor_file(paths[2])
+    header = json.loads(tensor_file_parts(file)[0])
+    name = next(n for n in header if n != "__metadata__")
+    header[name]["shape"] = "@shape@"
+    replace_header(file, json.dumps(header).replace('"@shape@"', "[Infinity]").encode())
+    forge_manifest(paths[2])
+    assert_verify_fails(store, "tensor-file-invalid")
+
+
+def test_deeply_nested_manifest(store, two_steps):
+    paths, _ = two_steps
+    forge_manifest(paths[2], lambda m: m.update(contract="@deep@"), {"@deep@": deep(50_000)})
+    restore_skipping(store, "manifest-invalid", "deeper than 128 levels")
+    assert_verify_fails(store, "manifest-invalid")
+
+
+@pytest.mark.parametrize(
+    "shape", ["[Infinity,8]", "[16.5,8]", "[false,8]", "[-16,8]", "[99999999999999999999999,8]"]
+)
+def test_malformed_shape_in_the_manifest(store, two_steps, shape):
+    paths, _ = two_steps
+
+    def change(manifest: dict) -> None:
+        manifest["dcp"]["tensors"]["model/fc1.weight"]["shape"] = "@shape@"
+
+    forge_manifest(paths[2], change, {"@shape@": shape})
+    restore_skipping(store, "manifest-invalid")
+
+
+@pytest.mark.parametrize("field", ["offsets", "sizes", "start", "length"])
+def test_malformed_chunk_numbers_in_the_manifest(store, two_steps, field):
+    paths, _ = two_steps
+    bad = {"offsets": [0.0, 0], "sizes": [16, True], "start": -8, "length": 2**70}[field]
+
+    def change(manifest: dict) -> None:
+        manifest["dcp"]["tensors"]["model/fc1.weight"]["chunks"][0][field] = bad
+
+    forge_manifest(paths[2], change)
+    restore_skipping(store, "manifest-invalid")
+
+
+@pytest.fixture
+def encrypted_steps(store: Path, tmp_path: Path) -> tuple[dict[int, Path], Path]:
+    keystore = tmp_path / "keys"
+    state = make_training_state()
+    paths = {}
+    with cv.CheckpointManager(store, run_id="r", keystore=keystore, segment_size=4096) as mgr:
+        for step in (1, 2):
+            train_steps(state, 1)
+            paths[step] = Path(mgr.save(step, state).result().path)
+    return paths, keystore
+
+
+def encrypted_tensor_file(path: Path) -> Path:
+    (file,) = sorted(path.glob("*.safetensors.enc"))
+    return file
+
+
+def test_deeply_nested_container_header(store, encrypted_steps):
+    paths, keystore = encrypted_steps
+    file = encrypted_tensor_file(paths[2])
+    data = file.read_bytes()
+    (length,) = struct.unpack("<I", data[8:12])
+    header = deep(20_000).encode()
+    writable(file).write_bytes(
+        MAGIC + struct.pack("<I", len(header)) + header + data[12 + length :]
+    )
+    forge_manifest(paths[2])
+    restore_skipping(store, "tensor-file-invalid", "deeper than 64 levels", keystore=keystore)
+    assert_verify_fails(store, "tensor-file-invalid")
+
+
+@pytest.mark.parametrize("claim_the_bytes", [False, True])
+def test_huge_shape_in_an_encrypted_run_allocates_nothing(store, encrypted_steps, claim_the_bytes):
+    """Encrypted files have no plaintext header to compare at structure time: the
+    manifest's shape alone once sized the restore's buffers (torch.empty of 35 TB)."""
+    paths, keystore = encrypted_steps
+    huge = 2**40
+
+    def change(manifest: dict) -> None:
+        info = manifest["dcp"]["tensors"]["model/fc1.weight"]
+        info["shape"] = info["chunks"][0]["sizes"] = [huge, 8]
+        if claim_the_bytes:  # a consistent length: then it cannot fit the container
+            info["chunks"][0]["length"] = huge * 8 * 4
+
+    forge_manifest(paths[2], change)
+    restore_skipping(store, "manifest-inconsistent", keystore=keystore)
+    assert_verify_fails(store, "manifest-inconsistent")
+
+
+def test_two_tensors_cannot_claim_the_same_bytes(store):
+    """Chunks of different tensors pointing at one entry would make a reader allocate
+    the file's bytes many times over."""
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        mgr.save(1, {"a": torch.ones(64, 4), "b": torch.zeros(64, 4)})
+        path = Path(mgr.save(2, {"a": torch.ones(64, 4), "b": torch.zeros(64, 4)}).result().path)
+
+    def change(manifest: dict) -> None:
+        tensors = manifest["dcp"]["tensors"]
+        tensors["b"]["chunks"] = [dict(tensors["a"]["chunks"][0])]
+
+    forge_manifest(path, change)
+    fresh = {"a": torch.empty(64, 4), "b": torch.empty(64, 4)}
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        info = mgr.restore(fresh)
+    assert info.step == 1 and info.skipped[0].reason.startswith("manifest-inconsistent")
+    assert "share bytes" in info.skipped[0].reason
+    assert torch.equal(fresh["b"], torch.zeros(64, 4))
+
+
+def test_cli_turns_an_unexpected_error_into_one_line(store, two_steps, monkeypatch, capsys):
+    def broken(_store):
+        raise RuntimeError("something nobody anticipated\non two lines")
+
+    # ckptvault.cli's ``ls`` attribute is the command, not its module.
+    monkeypatch.setattr(
+        importlib.import_module("ckptvault.cli.ls"), "list_generation_infos", broken
+    )
+    assert main(["ls", str(store)]) == 3
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1
+    assert "internal error: RuntimeError" in lines[0] and "please report" in lines[0]
+
+
+def test_cli_errors_stay_exit_2(tmp_path, capsys):
+    assert main(["ls", str(tmp_path / "missing")]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_planted_writer_lock_contents(store):
+    """The lock file lives in the store: its contents are only for the message."""
+    holder = PosixStore(store)
+    holder.acquire_writer()
+    try:
+        (store / ".writer.lock").write_bytes(deep(2000).encode())
+        with pytest.raises(StoreLockedError, match="holder unknown"):
+            PosixStore(store).acquire_writer()
+    finally:
+        holder.release_writer()
+
+
+# -- 2. memory spent before verification ----------------------------------------------
+
+
+def test_header_is_verified_before_it_is_parsed(store, two_steps):
+    """Same size, new bytes, digests not refreshed: the digest check refuses them
+    before the JSON parser ever runs (a deep header would otherwise be parsed)."""
+    paths, _ = two_steps
+    file = only_tensor_file(paths[2])
+    header, _ = tensor_file_parts(file)
+    replace_header(file, deep(len(header) // 2).encode() + b" " * (len(header) % 2))
+    info = restore_skipping(store, "digest-mismatch")
+    assert "do not match the manifest digest" in info.skipped[0].reason
+
+
+def test_oversized_header_is_refused_unread(store, two_steps):
+    """An 8 MiB junk header (digests refreshed) is refused from its length prefix:
+    no larger than the file's entries need, and nothing of it is read or parsed."""
+    paths, _ = two_steps
+    replace_header(only_tensor_file(paths[2]), b"[" + b"0," * (4 * 1024 * 1024) + b"0]")
+    forge_manifest(paths[2])
+    restore_skipping(store, "tensor-file-invalid", "larger than")
+    ref = PosixStore(store).list_generations()[0]
+    tracemalloc.start()
+    try:
+        report = verify_generation(PosixStore(store), ref)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert [p.code for p in report.problems] == ["tensor-file-invalid"]
+    assert peak < 8 * 1024 * 1024  # less than the header itself; it was ~25x that
+
+
+def test_oversized_manifest_is_refused_unread(store, two_steps, monkeypatch):
+    paths, _ = two_steps
+    manifest = writable(paths[2] / "manifest.json")
+    os.truncate(manifest, MAX_MANIFEST_BYTES + 1)  # sparse: costs no disk
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("an oversized manifest was read")
+
+    original = PosixStore.read_bytes
+
+    def read_bytes(self, ref, name, limit):
+        if ref.step == 2:
+            no_reads()
+        return original(self, ref, name, limit)
+
+    monkeypatch.setattr(PosixStore, "read_bytes", read_bytes)
+    restore_skipping(store, "manifest-invalid", "64 MiB")
+    monkeypatch.undo()
+    assert_verify_fails(store, "manifest-invalid")
+
+
+def nested(levels: int) -> dict:
+    value: dict = {"leaf": 1}
+    for _ in range(levels - 1):
+        value = {"x": value}
+    return value
+
+
+def test_saving_refuses_what_readers_would_refuse(store):
+    """The bounds are the writer's too: a save never publishes a generation that
+    restore would have to refuse."""
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        with pytest.raises(UnsupportedValueError, match="nested more than 32 levels"):
+            mgr.save(1, {"meta": nested(40)})
+        with pytest.raises(FormatError, match="64 MiB"):
+            mgr.save(1, {"meta": {"blob": bytes(50 * 1024 * 1024)}}).result()
+        assert mgr.generations() == []
+        mgr.save(1, {"meta": nested(31)})
+    fresh = {"meta": nested(31)}
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        assert mgr.restore(fresh).step == 1
+
+
+def test_listing_parses_no_manifest(store, two_steps, monkeypatch):
+    paths, _ = two_steps
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        before = [info.to_json() for info in mgr.generations()]
+    writable(paths[2] / "manifest.json").write_bytes(deep(5_000_000).encode())
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("listing opened a file")
+
+    for method in ("open_file", "read_bytes", "read_range"):
+        monkeypatch.setattr(PosixStore, method, refuse)
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        after = [info.to_json() for info in mgr.generations()]
+    assert after == before  # sizes from the listing, times from the generation ids
+    assert [set(entry) for entry in after] == [
+        {"step", "generation_id", "path", "bytes", "created_at"}
+    ] * 2
+    monkeypatch.undo()
+    listed = run_cli("ls", str(store), "--json")
+    assert listed.returncode == 0 and json.loads(listed.stdout) == before
+
+
+def test_listed_size_and_time_match_what_save_returned(store):
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        saved = mgr.save(1, make_training_state()).result()
+        (listed,) = mgr.generations()
+    assert listed == saved
+
+
+# -- 3. every byte of a restored tensor was hashed --------------------------------------
+
+ROWS = 300  # more chunks than the old pairwise check (256) looked at
+
+
+def split_into_rows(path: Path, key: str, attack: bool) -> None:
+    """Re-lay tensor ``key`` (``[ROWS, 4]`` float32) as one chunk per row, each its
+    own safetensors entry, as a many-rank save would. With ``attack``, row 6's chunk
+    claims row 5's offsets: a duplicate and a hole, the total volume unchanged."""
+    manifest = json.loads((path / "manifest.json").read_bytes())
+    (chunk,) = manifest["dcp"]["tensors"][key]["chunks"]
+    file = path / chunk["file"]
+    data = file.read_bytes()
+    old = parse_header(data[: header_length(data[:8], len(data), "f")], len(data), "f")
+    assert list(old.entries) == [chunk["name"]]  # the file holds only this tensor
+    names = [f"{key}.row{i:04d}" for i in range(ROWS)]
+    new = build_header([(n, "float32", (1, 4)) for n in names], old.metadata)
+    writable(file).write_bytes(new.header_bytes + data[old.data_start :])
+    chunks = [
+        {
+            "offsets": [5 if attack and i == 6 else i, 0],
+            "sizes": [1, 4],
+            "file": chunk["file"],
+            "name": name,
+            "start": new.entries[name].start,
+            "length": 16,
+        }
+        for i, name in enumerate(names)
+    ]
+    forge_manifest(path, lambda m: m["dcp"]["tensors"][key].update(chunks=chunks))
+
+
+@pytest.mark.parametrize("attack", [False, True])
+def test_duplicate_chunk_and_hole_among_many_chunks(store, attack):
+    original = torch.arange(ROWS * 4, dtype=torch.float32).reshape(ROWS, 4)
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        mgr.save(1, {"big": torch.full((ROWS, 4), -1.0)})
+        path = Path(mgr.save(2, {"big": original}).result().path)
+    split_into_rows(path, "big", attack)
+    fresh = {"big": torch.zeros(ROWS, 4)}
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        info = mgr.restore(fresh)
+    if not attack:  # the forged layout itself is valid: 300 chunks restore exactly
+        assert info.step == 2 and info.skipped == []
+        assert torch.equal(fresh["big"], original)
+        return
+    assert info.step == 1
+    assert info.skipped[0].reason.startswith("manifest-inconsistent")
+    assert "overlap and leave a gap" in info.skipped[0].reason
+    assert torch.equal(fresh["big"], torch.full((ROWS, 4), -1.0))
+    with cv.CheckpointManager(store, run_id="r") as mgr, pytest.raises(NoValidCheckpoint):
+        mgr.restore({"big": torch.zeros(ROWS, 4)}, step=2)
+
+
+def rows(count: int, width: int = 4) -> list[dict]:
+    return [{"offsets": [i, 0], "sizes": [1, width]} for i in range(count)]
+
+
+def test_tiling_of_a_thousand_chunks_passes():
+    assert tiling_problem([1000, 4], rows(1000)) is None
+    columns = [{"offsets": [0, j], "sizes": [8, 1]} for j in range(1000)]
+    assert tiling_problem([8, 1000], columns) is None
+    grid = [{"offsets": [i, j], "sizes": [2, 3]} for i in range(0, 50, 2) for j in range(0, 120, 3)]
+    assert len(grid) == 1000 and tiling_problem([50, 120], grid) is None
+    uneven = [{"offsets": [0, 0], "sizes": [7, 4]}, *rows(1000)[7:]]
+    assert tiling_problem([1000, 4], uneven) is None
+    assert tiling_problem([], [{"offsets": [], "sizes": []}]) is None  # a scalar
+    assert tiling_problem([0, 4], [{"offsets": [0, 0], "sizes": [0, 4]}]) is None
+
+
+def test_tiling_refuses_duplicates_holes_and_strays_at_any_count():
+    chunks = rows(1000)
+    chunks[600] = {"offsets": [599, 0], "sizes": [1, 4]}  # duplicate + hole
+    assert "overlap and leave a gap" in tiling_problem([1000, 4], chunks)
+    assert "overlap" in tiling_problem([1000, 4], [*rows(1000), rows(1)[0]])
+    assert "gap" in tiling_problem([1000, 4], rows(999))
+    assert "outside" in tiling_problem(
+        [1000, 4], [*rows(999), {"offsets": [999, 1], "sizes": [1, 4]}]
+    )
+    assert "rank" in tiling_problem([1000, 4], [{"offsets": [0], "sizes": [1000]}])
+    # In two dimensions: [0:2, 0:2] and [1:3, 1:3] share cell (1, 1); cell (2, 0)
+    # is covered by nothing; the volume adds up to 16.
+    shifted = [
+        {"offsets": [0, 0], "sizes": [2, 2]},
+        {"offsets": [1, 1], "sizes": [2, 2]},
+        {"offsets": [0, 2], "sizes": [1, 2]},
+        {"offsets": [1, 3], "sizes": [2, 1]},
+        {"offsets": [3, 0], "sizes": [1, 4]},
+    ]
+    assert "overlap and leave a gap" in tiling_problem([4, 4], shifted)
+
+
+def test_tiling_refuses_layouts_too_costly_to_check():
+    """Split along 16 dimensions at once: 2**16 corners per chunk. Refused, not
+    ground through for minutes."""
+    shape = [2] * 16
+    chunks = [
+        {"offsets": [(n >> d) & 1 for d in range(16)], "sizes": [1] * 16} for n in range(1 << 16)
+    ]
+    assert "split along 16 dimensions" in tiling_problem(shape, chunks)
+
+
+def test_restored_weights_are_intact_after_all_this(store, two_steps):
+    """The bounded parsers accept what ckptvault writes."""
+    _, weights = two_steps
+    fresh = make_training_state(seed=3)
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        info = mgr.restore(fresh)
+    assert info.step == 2 and info.skipped == []
+    assert_same_tensors(model_snapshot(fresh["model"]), weights[2])
