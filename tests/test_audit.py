@@ -12,7 +12,8 @@ import pytest
 
 import ckptvault as cv
 from ckptvault.errors import NoValidCheckpoint
-from ckptvault.trust.audit import AuditLog, verify_audit_log
+from ckptvault.trust.audit import AuditLog
+from ckptvault.trust.audit_verify import verify_audit_log
 from ckptvault.trust.ledger import Ledger
 from conftest import make_training_state, only_tensor_file, run_cli, writable
 

@@ -125,4 +125,3 @@ def test_dependencies_point_one_way():
             )
         }
         assert not upward, f"{module} imports {sorted(upward)}"
-

@@ -18,7 +18,8 @@ import ckptvault as cv
 from ckptvault.errors import NoValidCheckpoint, UsageError
 from ckptvault.format.canonical import dumps_canonical
 from ckptvault.ops.export import export_manifest_paths, export_weights, verify_export
-from ckptvault.trust.audit import AuditLog, entry_hash, verify_audit_log
+from ckptvault.trust.audit import AuditLog, entry_hash
+from ckptvault.trust.audit_verify import verify_audit_log
 from ckptvault.trust.ledger import Ledger
 from ckptvault.trust.signing import MANIFEST_DOMAIN, generate_keypair, load_private_key, sign
 from conftest import make_training_state, run_cli, writable

@@ -13,7 +13,7 @@ import torch
 import ckptvault as cv
 from ckptvault.errors import RollbackError
 from ckptvault.trust import checks
-from ckptvault.trust.audit import verify_audit_log
+from ckptvault.trust.audit_verify import verify_audit_log
 from ckptvault.trust.ledger import Ledger
 from conftest import make_training_state, only_tensor_file, train_steps
 

@@ -9,7 +9,7 @@ import typer
 
 from ckptvault.cli._common import err, out, print_json
 from ckptvault.errors import UsageError
-from ckptvault.trust.audit import verify_audit_log
+from ckptvault.trust.audit_verify import verify_audit_log
 from ckptvault.trust.ledger import Ledger, default_ledger_path
 
 app = typer.Typer(help="The hash-chained audit log.", no_args_is_help=True)

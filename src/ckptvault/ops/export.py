@@ -30,7 +30,6 @@ from ckptvault.errors import (
     CheckpointError,
     FormatError,
     IntegrityError,
-    NoValidCheckpoint,
     UsageError,
 )
 from ckptvault.format.canonical import dumps_canonical, loads_canonical
@@ -172,18 +171,22 @@ def export_weights(
         manifest.generation_id,
         signed_path,
     )
+    _record(trust, result, key)
+    return result
+
+
+def _record(trust: TrustContext, result: ExportResult, key: str) -> None:
     trust.record(
-        f"step {result.step} was exported to {out_path}",
+        f"step {result.step} was exported to {result.path}",
         "export",
         run_id=result.run_id,
         step=result.step,
         generation_id=result.generation_id,
         entry=key,
-        out=str(out_path),
-        blake3=digest,
-        signed=signed_path is not None,
+        out=str(result.path),
+        blake3=result.blake3,
+        signed=result.manifest_path is not None,
     )
-    return result
 
 
 def _load_weights(
@@ -194,9 +197,7 @@ def _load_weights(
     does not apply; abandoned generations stay refused."""
     run_id = run_id if run_id is not None else _only_run(store)
     selector = CandidateSelector(store, run_id, trust)
-    selection = selector.select(step, floor_applies=False)
-    if not selection.candidates:
-        raise NoValidCheckpoint(f"store {store.location} holds no generation")
+    selection = selector.select(step, floor_applies=False)  # never empty: a step is given
     _ref, loaded = selector.first_verified(
         selection,
         lambda ref, policy: load_verified(store, ref, policy, trust.keystore, default_threads()),

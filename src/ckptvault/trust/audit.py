@@ -23,14 +23,12 @@ Events: ``save``, ``restore``, ``refusal``, ``rollback_allowed``, ``export``,
 
 from __future__ import annotations
 
-import bisect
 import fcntl
-import itertools
 import json
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +63,7 @@ def entry_hash(entry: dict[str, Any]) -> str:
     return blake3(dumps_canonical(body)).hexdigest()
 
 
-def _json_line(line: bytes) -> Any:
+def parse_line(line: bytes) -> Any:
     try:
         return json.loads(line)
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
@@ -74,7 +72,7 @@ def _json_line(line: bytes) -> Any:
 
 def _intact_entry(line: bytes) -> dict[str, Any] | None:
     """The entry on ``line`` when it looks like one the log wrote (chain not checked)."""
-    entry = _json_line(line)
+    entry = parse_line(line)
     if (
         isinstance(entry, dict)
         and type(entry.get("seq")) is int
@@ -139,11 +137,11 @@ def _hash_at(fd: int, position: int) -> str | None:
     return entry["hash"] if entry is not None and entry["seq"] == position else None
 
 
-def _count(value: Any) -> int | None:
+def as_count(value: Any) -> int | None:
     return value if type(value) is int else None
 
 
-def _entries(first: int, end: int) -> str:
+def describe_entries(first: int, end: int) -> str:
     """``the entry with seq 4 was`` / ``the entries with seq 3-4 were``."""
     if end - first == 1:
         return f"the entry with seq {first} was"
@@ -153,12 +151,12 @@ def _entries(first: int, end: int) -> str:
 def describe_gap(gap: Mapping[str, Any]) -> str:
     """What a gap entry's fields say was lost, in words."""
     kind = gap.get("kind")
-    expected = _count(gap.get("expected_entries"))
-    found = _count(gap.get("found_entries"))
+    expected = as_count(gap.get("expected_entries"))
+    found = as_count(gap.get("found_entries"))
     if kind == TRUNCATED and expected is not None and found is not None:
         text = (
             f"the ledger recorded {expected} entries but only {found} were left: "
-            f"{_entries(found, expected)} lost (cut off or deleted)"
+            f"{describe_entries(found, expected)} lost (cut off or deleted)"
         )
     elif kind == REWRITTEN and expected is not None:
         text = (
@@ -169,7 +167,7 @@ def describe_gap(gap: Mapping[str, Any]) -> str:
     elif kind == UNRECORDED and expected is not None and found is not None:
         text = (
             f"the log held {found} entries but the ledger recorded {expected}: "
-            f"{_entries(expected, found)} appended without the ledger"
+            f"{describe_entries(expected, found)} appended without the ledger"
         )
     elif kind == NO_HEAD:
         text = (
@@ -181,7 +179,7 @@ def describe_gap(gap: Mapping[str, Any]) -> str:
         text = "the log's tail was damaged"
     else:
         text = f"the log disagreed with the ledger's head ({kind!r})"
-    damaged = _count(gap.get("damaged_bytes"))
+    damaged = as_count(gap.get("damaged_bytes"))
     if damaged:
         after = f"the last intact entry (seq {found - 1})" if found else "the start of the log"
         text += (
@@ -296,107 +294,3 @@ def _chained(seq: int, prev: str, event: str, fields: Mapping[str, Any]) -> dict
     entry: dict[str, Any] = {"seq": seq, "time": utc_now(), "event": event, **fields, "prev": prev}
     entry["hash"] = entry_hash(entry)
     return entry
-
-
-@dataclass
-class AuditReport:
-    path: str
-    entries: int = 0
-    problems: list[str] = field(default_factory=list)
-    head_checked: bool = False
-    gaps: list[dict[str, Any]] = field(default_factory=list)  # each recorded gap, with its line
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-def _evidence(data: bytes, offsets: list[int], index: int, gap: Mapping[str, Any]) -> range | None:
-    """The lines that a gap entry on line ``index`` keeps, right before it, as evidence
-    of a damaged tail; None when those bytes are not the ones it recorded. ``offsets``
-    holds where each line starts."""
-    size = _count(gap.get("damaged_bytes"))
-    if not size:
-        return range(index, index)
-    end = offsets[index]
-    first = bisect.bisect_left(offsets, end - size)
-    if first == len(offsets) or offsets[first] != end - size:
-        return None  # the recorded size does not end on a line
-    if blake3(data[end - size : end]).hexdigest() != gap.get("damaged_blake3"):
-        return None
-    return range(first, index)
-
-
-def verify_audit_log(path: str | os.PathLike[str], ledger: Ledger | None) -> AuditReport:
-    """Check every link of the chain, every recorded gap, and the tail against the
-    ledger's head. A log that holds a gap entry never verifies."""
-    log = Path(os.path.realpath(os.fspath(path)))
-    report = AuditReport(str(log))
-    data = log.read_bytes()
-    if data and not data.endswith(b"\n"):
-        report.problems.append("the last entry is cut off (no newline at the end of the log)")
-    lines = data.split(b"\n")[:-1] if data else []
-    offsets = list(itertools.accumulate((len(line) + 1 for line in lines[:-1]), initial=0))
-    parsed = [_json_line(line) for line in lines]
-    evidence: set[int] = set()  # damaged lines that a gap entry right after them accounts for
-    for index, entry in enumerate(parsed):
-        if isinstance(entry, dict) and entry.get("event") == GAP_EVENT:
-            kept = _evidence(data, offsets, index, entry)
-            if kept is None:
-                report.problems.append(
-                    f"line {index + 1} records a gap, but the damaged bytes before it are not "
-                    "the ones it recorded: the evidence was changed"
-                )
-            else:
-                evidence.update(kept)
-    hashes: list[str] = []  # by position: the hash of each entry
-    previous = GENESIS
-    for index, entry in enumerate(parsed):
-        if index in evidence:
-            continue
-        position = len(hashes)
-        if not isinstance(entry, dict):
-            report.problems.append(f"line {index + 1} is not a JSON audit entry")
-            previous = "?"
-            hashes.append("?")
-            continue
-        if entry.get("seq") != position:
-            report.problems.append(
-                f"line {index + 1} has seq {entry.get('seq')} (entries were removed or reordered)"
-            )
-        if entry.get("prev") != previous:
-            report.problems.append(
-                f"line {index + 1} does not follow the previous entry (chain broken)"
-            )
-        if entry.get("hash") != entry_hash(entry):
-            report.problems.append(
-                f"line {index + 1} (seq {entry.get('seq')}) was edited: its hash does not match"
-            )
-        if entry.get("event") == GAP_EVENT:
-            report.gaps.append({"line": index + 1, **entry})
-            report.problems.append(
-                f"line {index + 1} (seq {entry.get('seq')}, {entry.get('time')}) records a gap: "
-                f"{describe_gap(entry)}. The ledger cannot vouch for the entries before it; keep "
-                "the log as evidence and start a new one"
-            )
-        previous = str(entry.get("hash", "?"))
-        hashes.append(previous)
-    report.entries = len(hashes)
-    head = ledger.audit_head(str(log)) if ledger is not None else None
-    if head is not None:
-        report.head_checked = True
-        count, last_hash = head
-        if report.entries < count:
-            report.problems.append(
-                f"the log has {report.entries} entries but the ledger recorded {count}: "
-                f"its tail was cut off ({_entries(report.entries, count)} lost)"
-            )
-        else:
-            if report.entries > count:
-                report.problems.append(
-                    f"the log has {report.entries - count} entries after the head the ledger "
-                    f"recorded (entry {count}): they were appended without the ledger"
-                )
-            if count and hashes[count - 1] != last_hash:
-                report.problems.append(f"entry {count} differs from the head the ledger recorded")
-    return report

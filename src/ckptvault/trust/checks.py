@@ -36,7 +36,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 from ckptvault.errors import (
@@ -45,17 +44,9 @@ from ckptvault.errors import (
     SignatureError,
     UnsafeEntryError,
 )
-from ckptvault.format.container import (
-    CONTAINER_PREFIX_BYTES,
-    container_header_length,
-    parse_container_header,
-)
 from ckptvault.format.layout import (
     MANIFEST_NAME,
     SIGNATURE_NAME,
-    TENSOR_FILE_SUFFIX,
-    is_encrypted_name,
-    is_tensor_file_name,
 )
 from ckptvault.format.manifest import (
     MAX_MANIFEST_BYTES,
@@ -67,15 +58,11 @@ from ckptvault.format.manifest import (
     parse_manifest,
 )
 from ckptvault.format.tensorfile import (
-    HEADER_LENGTH_BYTES,
     TensorFileHeader,
-    header_length,
-    header_size_limit,
-    parse_header,
 )
 from ckptvault.storage.base import EntryInfo, GenerationRef, Store
-from ckptvault.trust.chunk_layout import check_chunk_layout
-from ckptvault.trust.digests import read_verified_head, verify_stream
+from ckptvault.trust.digests import verify_stream
+from ckptvault.trust.file_formats import check_own_formats
 from ckptvault.trust.ledger import RestoreFloor
 from ckptvault.trust.problems import (
     DIGEST_MISMATCH,
@@ -84,7 +71,6 @@ from ckptvault.trust.problems import (
     FILE_SIZE,
     FORMAT_UNSUPPORTED,
     MANIFEST_CORRUPT,
-    MANIFEST_INCONSISTENT,
     MANIFEST_INVALID,
     MANIFEST_MISSING,
     NAME_MISMATCH,
@@ -94,7 +80,6 @@ from ckptvault.trust.problems import (
     SIGNATURE_INVALID,
     SIGNATURE_MISSING,
     SIGNATURE_UNTRUSTED,
-    TENSOR_FILE_INVALID,
     UNKNOWN_FORMAT,
     UNREADABLE,
     UNSAFE_ENTRY,
@@ -145,8 +130,29 @@ def check_structure(
 ) -> CheckedGeneration:
     """Apply rules 1-6; raise :class:`GenerationRejected` listing what failed."""
     policy = policy or TrustPolicy()
+    entries = _list_entries(store, ref)
+    problems = _check_entries(entries)
+    if problems:
+        raise GenerationRejected(ref, problems)
+    manifest_bytes, signature = _read_manifest(store, ref, entries)
+    signer = _check_signature(ref, manifest_bytes, signature, policy.trusted_keys)
+    manifest = _parse(ref, manifest_bytes)
+    problems = _check_identity(ref, manifest, policy) + _check_file_set(manifest, entries)
+    if problems:
+        raise GenerationRejected(ref, problems)
+    problems, headers = check_own_formats(store, ref, manifest)
+    if problems:
+        raise GenerationRejected(ref, problems)
+    return CheckedGeneration(ref=ref, manifest=manifest, headers=headers, signer=signer)
+
+
+def _where(ref: GenerationRef) -> str:
+    return f"generation {ref.generation_id} (step {ref.step})"
+
+
+def _list_entries(store: Store, ref: GenerationRef) -> dict[str, EntryInfo]:
     try:
-        entries = store.list_entries(ref)
+        return store.list_entries(ref)
     except UnsafeEntryError as exc:
         raise GenerationRejected(ref, [Problem(UNSAFE_ENTRY, str(exc))]) from exc
     except OSError as exc:
@@ -154,27 +160,22 @@ def check_structure(
             ref, [Problem(UNREADABLE, f"cannot list {ref.location}: {exc}")]
         ) from exc
 
-    entry_problems = _check_entries(entries)
-    if entry_problems:
-        raise GenerationRejected(ref, entry_problems)
+
+def _read_manifest(
+    store: Store, ref: GenerationRef, entries: dict[str, EntryInfo]
+) -> tuple[bytes, bytes | None]:
+    """The manifest's and the signature's bytes, bounded by the listing."""
     if MANIFEST_NAME not in entries:
         raise GenerationRejected(ref, [Problem(MANIFEST_MISSING, f"{MANIFEST_NAME} is missing")])
-    where = f"generation {ref.generation_id} (step {ref.step})"
-    if entries[MANIFEST_NAME].size > MAX_MANIFEST_BYTES:  # not even read, let alone parsed
+    size = entries[MANIFEST_NAME].size
+    if size > MAX_MANIFEST_BYTES:  # not even read, let alone parsed
         raise GenerationRejected(
             ref,
-            [
-                Problem(
-                    MANIFEST_INVALID,
-                    manifest_too_large(entries[MANIFEST_NAME].size, where),
-                    MANIFEST_NAME,
-                )
-            ],
+            [Problem(MANIFEST_INVALID, manifest_too_large(size, _where(ref)), MANIFEST_NAME)],
         )
     try:
-        # No more than the listing said (and never above the cap): read_bytes may
-        # reserve its limit up front.
-        manifest_bytes = store.read_bytes(ref, MANIFEST_NAME, entries[MANIFEST_NAME].size)
+        # No more than the listing said: read_bytes may reserve its limit up front.
+        manifest_bytes = store.read_bytes(ref, MANIFEST_NAME, size)
         signature = (
             store.read_bytes(ref, SIGNATURE_NAME, MAX_SIGNATURE_BYTES)
             if SIGNATURE_NAME in entries
@@ -186,30 +187,25 @@ def check_structure(
         raise GenerationRejected(
             ref, [Problem(UNREADABLE, f"cannot read the manifest: {exc}")]
         ) from exc
+    return manifest_bytes, signature
 
-    signer = _check_signature(ref, manifest_bytes, signature, policy.trusted_keys)
+
+def _parse(ref: GenerationRef, manifest_bytes: bytes) -> Manifest:
+    """Rule 3: the manifest parses, is canonical, of a readable version, names safely."""
     try:
-        manifest = parse_manifest(manifest_bytes, where)
-    except UnsafeNameError as exc:
-        raise GenerationRejected(ref, [Problem(UNSAFE_PATH, str(exc), MANIFEST_NAME)]) from exc
-    except ManifestDigestError as exc:
-        raise GenerationRejected(ref, [Problem(MANIFEST_CORRUPT, str(exc), MANIFEST_NAME)]) from exc
-    except UnsupportedFormatVersion as exc:
-        raise GenerationRejected(
-            ref, [Problem(FORMAT_UNSUPPORTED, str(exc), MANIFEST_NAME)]
-        ) from exc
+        return parse_manifest(manifest_bytes, _where(ref))
     except FormatError as exc:
-        raise GenerationRejected(ref, [Problem(MANIFEST_INVALID, str(exc), MANIFEST_NAME)]) from exc
+        raise GenerationRejected(ref, [Problem(_parse_code(exc), str(exc), MANIFEST_NAME)]) from exc
 
-    problems = _check_identity(ref, manifest, policy)
-    problems += _check_file_set(manifest, entries)
-    if problems:
-        raise GenerationRejected(ref, problems)
-    checked = CheckedGeneration(ref=ref, manifest=manifest, signer=signer)
-    problems = _check_own_formats(store, checked)
-    if problems:
-        raise GenerationRejected(ref, problems)
-    return checked
+
+def _parse_code(exc: FormatError) -> str:
+    if isinstance(exc, UnsafeNameError):
+        return UNSAFE_PATH
+    if isinstance(exc, ManifestDigestError):
+        return MANIFEST_CORRUPT
+    if isinstance(exc, UnsupportedFormatVersion):
+        return FORMAT_UNSUPPORTED
+    return MANIFEST_INVALID
 
 
 def _check_entries(entries: dict[str, EntryInfo]) -> list[Problem]:
@@ -304,72 +300,6 @@ def _check_file_set(manifest: Manifest, entries: dict[str, Any]) -> list[Problem
                 )
             )
     return problems
-
-
-def _check_own_formats(store: Store, checked: CheckedGeneration) -> list[Problem]:
-    """Every file must parse as a tensor file or an encrypted container.
-
-    A header is bounded and verified before it is parsed: a tensor file's may be no
-    larger than the entries the manifest places in it need (``header_size_limit``),
-    a container's no larger than ``MAX_HEADER``, and its bytes must match the
-    manifest's digests of the chunks that hold them (``digest-mismatch``).
-    """
-    manifest = checked.manifest
-    encrypted = manifest.encryption.wrapped_keys if manifest.encryption else {}
-    entry_names: dict[str, list[str]] = {}
-    for info in manifest.dcp["tensors"].values():
-        for chunk in info["chunks"]:
-            entry_names.setdefault(chunk["file"], []).append(chunk["name"])
-    regions: dict[str, tuple[int, int]] = {}  # where each tensor file holds tensor bytes
-    problems = []
-    for name, record in sorted(manifest.files.items()):
-        try:
-            if is_encrypted_name(name):
-                if name not in encrypted:
-                    problems.append(
-                        Problem(MANIFEST_INCONSISTENT, f"{name} has no wrapped key", name)
-                    )
-                    continue
-                length_of = partial(container_header_length, where=name)
-                header = _verified_head(store, checked, name, CONTAINER_PREFIX_BYTES, length_of)
-                container = parse_container_header(header, record.size, name)
-                if is_tensor_file_name(name):
-                    regions[name] = (HEADER_LENGTH_BYTES, container.plaintext_size)
-            elif name.endswith(TENSOR_FILE_SUFFIX):
-                limit = header_size_limit(entry_names.get(name, ()))
-                length_of = partial(header_length, file_size=record.size, where=name, limit=limit)
-                header = _verified_head(store, checked, name, HEADER_LENGTH_BYTES, length_of)
-                parsed = parse_header(header, record.size, name, limit)
-                checked.headers[name] = parsed
-                regions[name] = (parsed.data_start, record.size)
-            else:
-                problems.append(
-                    Problem(UNKNOWN_FORMAT, f"{name} is not a format ckptvault writes", name)
-                )
-        except FormatError as exc:
-            problems.append(Problem(TENSOR_FILE_INVALID, str(exc), name))
-        except UnsafeEntryError as exc:
-            problems.append(Problem(UNSAFE_ENTRY, str(exc), name))
-        except IntegrityError as exc:
-            problems.append(Problem(DIGEST_MISMATCH, str(exc), name))
-        except OSError as exc:
-            problems.append(Problem(UNREADABLE, f"cannot read {name}: {exc}", name))
-    if problems:
-        return problems
-    return check_chunk_layout(manifest, checked.headers, regions)
-
-
-def _verified_head(
-    store: Store,
-    checked: CheckedGeneration,
-    name: str,
-    probe: int,
-    length_of: Callable[[bytes], int],
-) -> bytes:
-    """A file's header bytes, checked against the manifest's chunk digests."""
-    record, chunk_size = checked.manifest.files[name], checked.manifest.chunk_size
-    with store.open_file(checked.ref, name) as stream:
-        return read_verified_head(stream, record, chunk_size, name, probe, length_of)
 
 
 def check_digests(
