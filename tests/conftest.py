@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from subprocess import CompletedProcess
 
@@ -77,6 +79,22 @@ def run_cli(*args: str, timeout: float = 120, env: dict | None = None) -> Comple
         timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mount_point: Path, options: str) -> Iterator[Path]:
+    """A size-limited tmpfs at ``mount_point`` for the duration; skips the test where
+    mounting is not allowed (it needs root or CAP_SYS_ADMIN)."""
+    mount_point.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount_point)], capture_output=True
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.decode().strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 @pytest.fixture(autouse=True)

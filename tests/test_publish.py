@@ -15,7 +15,7 @@ import torch
 import ckptvault as cv
 from ckptvault.errors import StorageFullError, StoreLockedError
 from ckptvault.storage import posix
-from conftest import REPO
+from conftest import REPO, mounted_tmpfs
 
 
 def test_publish_protocol_order(store: Path, monkeypatch: pytest.MonkeyPatch):
@@ -127,15 +127,8 @@ def test_two_managers_in_one_process_do_not_interleave(store: Path):
 
 @pytest.fixture
 def tiny_filesystem(tmp_path: Path):
-    mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)], capture_output=True
-    )
-    if result.returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    yield mount_point
-    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+    with mounted_tmpfs(tmp_path / "tiny", "size=2m") as mount_point:
+        yield mount_point
 
 
 def test_full_disk_is_a_typed_error_and_loses_nothing(tiny_filesystem: Path):

@@ -36,6 +36,10 @@ from ckptvault.storage.base import StagingArea
 from ckptvault.storage.listing import GenerationInfo
 from ckptvault.trust.envelope import FileEncryption
 
+# Manifest, headers and state JSON, estimated generously: a base plus some per tensor.
+MANIFEST_ALLOWANCE = 64 * 1024
+METADATA_PER_TENSOR = 1024
+
 
 @dataclass(frozen=True)
 class WriteSettings:
@@ -70,6 +74,10 @@ class GenerationWriter:
         """Write, sign and publish one generation (the caller holds the writer lock)."""
         started = time.perf_counter()
         self.store.remove_stale_staging()
+        tensor_bytes = sum(t.numel() * t.element_size() for t in captured.tensors.values())
+        # Manifest, signature, state file and one tensor file per writer thread at most.
+        metadata = MANIFEST_ALLOWANCE + METADATA_PER_TENSOR * len(captured.tensors)
+        self.store.check_capacity(tensor_bytes + metadata, self.settings.threads + 4)
         generation_id = new_generation_id(not_before=self._newest_rollback_cutoff())
         staging = self.store.begin_generation(generation_id)
         try:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from io import RawIOBase
 from pathlib import Path
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from ckptvault.format.layout import GenerationName
 
@@ -141,7 +141,42 @@ class Store(Protocol):
 
     def release_writer(self) -> None: ...
 
-    def remove_stale_staging(self) -> list[str]:
-        """Delete staging leftovers of crashed saves; only while holding the lock."""
-
     def begin_generation(self, generation_id: str) -> StagingArea: ...
+
+    def check_capacity(self, nbytes: int, nfiles: int) -> None:
+        """Raise ``StorageFullError`` (naming the bytes needed and free) when a save of
+        about ``nbytes`` in ``nfiles`` files would not fit, before anything is written.
+        Backends without a meaningful limit (object stores) accept everything."""
+
+    # -- lifecycle (garbage collection, retention) ------------------------------------
+
+    def remove_stale_staging(self, older_than: float | None = None) -> list[str]:
+        """Delete what crashed saves left behind (staging areas, incomplete uploads);
+        returns what was removed.
+
+        ``older_than=None``: whatever the backend can prove dead. On POSIX that is
+        every leftover, and it needs the writer lock (``UsageError`` otherwise); an
+        object store has no lock that proves an upload dead, so it removes nothing.
+        ``older_than=SECONDS``: leftovers whose newest write is older than that, never
+        one that is still making progress (``ckptvault gc --stale-after``).
+        """
+
+    def delete_generation(self, ref: GenerationRef) -> None:
+        """Remove a published generation: first what makes it a generation (POSIX:
+        an atomic rename out of the listing; object stores: the manifest), so that
+        no reader ever takes the rest for one, then its bytes. Idempotent."""
+
+    # -- records: small JSON documents about generations (marks, pins, leases) --------
+    #
+    # Whoever can write the store can write these too, so a record may only withhold
+    # a generation from restore or keep one from deletion; it never makes bytes count
+    # as verified. ``kind`` is a lowercase word; ``name`` a plain file-name-like key.
+
+    def put_record(self, kind: str, name: str, data: dict[str, Any]) -> None:
+        """Create or replace one record, atomically."""
+
+    def list_records(self, kind: str) -> dict[str, dict[str, Any]]:
+        """Every well-formed record of ``kind`` by name; malformed ones are skipped."""
+
+    def delete_record(self, kind: str, name: str) -> None:
+        """Remove one record; missing is fine."""

@@ -30,11 +30,14 @@ import contextlib
 import errno
 import logging
 import os
+import secrets
+import time
 from io import FileIO
 from pathlib import Path
+from typing import Any
 
 from ckptvault.durable import make_dirs_durable
-from ckptvault.errors import UnsafeEntryError, UsageError
+from ckptvault.errors import StorageFullError, UnsafeEntryError, UsageError
 from ckptvault.format.layout import (
     MANIFEST_NAME,
     SIGNATURE_NAME,
@@ -48,13 +51,25 @@ from ckptvault.storage.lock import WriterLock
 from ckptvault.storage.posix_files import (
     PosixWritableFile,
     describe_unsafe,
+    newest_change,
     open_dir,
     opened,
+    read_small_file,
     remove_tree,
     translate_os_error,
 )
+from ckptvault.storage.records import (
+    MAX_RECORD_BYTES,
+    RECORD_SUFFIX,
+    RECORDS_DIR,
+    check_record_key,
+    decode_record,
+    encode_record,
+    record_name_of,
+)
 
 logger = logging.getLogger("ckptvault")
+CAPACITY_HEADROOM = 256 * 1024  # beyond 1/16 of the save: directory blocks, metadata
 
 
 class PosixStagingArea:
@@ -286,23 +301,135 @@ class PosixStore:
     def release_writer(self) -> None:
         self._lock.release()
 
-    def remove_stale_staging(self) -> list[str]:
-        if not self._lock.held:
+    def remove_stale_staging(self, older_than: float | None = None) -> list[str]:
+        if older_than is None and not self._lock.held:
             raise UsageError(
-                "removing staging leftovers needs the writer lock; call acquire_writer() first"
+                "removing every staging leftover needs the writer lock; call acquire_writer() "
+                "first, or give older_than"
             )
+        if not self.root.is_dir():
+            return []
+        cutoff = None if older_than is None else time.time() - older_than
+        removed = []
         try:
             with opened(self.open_staging_dir()) as staging_fd:
-                stale = sorted(os.listdir(staging_fd))
-                for name in stale:
-                    if not remove_tree(staging_fd, name):
+                for name in sorted(os.listdir(staging_fd)):
+                    if cutoff is not None and newest_change(staging_fd, name) >= cutoff:
+                        continue  # still being written, or too recent to call dead
+                    if remove_tree(staging_fd, name):
+                        removed.append(name)
+                    else:
                         logger.warning(
                             "could not remove the staging leftover %s; it is ignored",
                             os.path.join(self.location, STAGING_DIR, name),
                         )
         except OSError as exc:
             raise translate_os_error(exc, f"cleaning {self.location}/{STAGING_DIR}") from exc
-        return stale
+        return removed
+
+    def delete_generation(self, ref: GenerationRef) -> None:
+        """One atomic rename takes the generation out of the listing (into staging,
+        where an interrupted delete is a leftover like any other); then its bytes go."""
+        doomed = f"{ref.generation_id}.deleted"
+        try:
+            with opened(self.open_root()) as root_fd, opened(self.open_staging_dir()) as staging_fd:
+                try:
+                    os.rename(ref.name.dirname, doomed, src_dir_fd=root_fd, dst_dir_fd=staging_fd)
+                except FileNotFoundError:
+                    return  # already gone
+                os.fsync(root_fd)
+                remove_tree(staging_fd, doomed)
+        except OSError as exc:
+            raise translate_os_error(exc, f"deleting {ref.location}") from exc
+
+    # -- records -----------------------------------------------------------------------
+
+    def _records_dir(self, kind: str, create: bool) -> int | None:
+        """``.records/<kind>`` by descriptor (links refused); None when absent."""
+        where = os.path.join(self.location, RECORDS_DIR)
+        with opened(self.open_root()) as root_fd:
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(RECORDS_DIR, 0o755, dir_fd=root_fd)
+            try:
+                records_fd = open_dir(RECORDS_DIR, root_fd, where)
+            except FileNotFoundError:
+                return None
+        with opened(records_fd):
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(kind, 0o755, dir_fd=records_fd)
+            try:
+                return open_dir(kind, records_fd, os.path.join(where, kind))
+            except FileNotFoundError:
+                return None
+
+    def put_record(self, kind: str, name: str, data: dict[str, Any]) -> None:
+        check_record_key(kind, name)
+        encoded = encode_record(data)
+        make_dirs_durable(self.root)
+        kind_fd = self._records_dir(kind, create=True)
+        assert kind_fd is not None  # created above
+        with opened(kind_fd):
+            temporary = f".{name}.{secrets.token_hex(6)}.tmp"
+            record = PosixWritableFile(kind_fd, temporary, os.path.join(self.location, name))
+            try:
+                record.write(encoded)
+                record.commit()
+                os.rename(temporary, name + RECORD_SUFFIX, src_dir_fd=kind_fd, dst_dir_fd=kind_fd)
+                os.fsync(kind_fd)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(temporary, dir_fd=kind_fd)
+
+    def list_records(self, kind: str) -> dict[str, dict[str, Any]]:
+        check_record_key(kind, "x")
+        kind_fd = self._records_dir(kind, create=False)
+        if kind_fd is None:
+            return {}
+        records = {}
+        with opened(kind_fd):
+            for file_name in sorted(os.listdir(kind_fd)):
+                name = record_name_of(file_name)
+                if name is None:
+                    continue
+                try:
+                    raw = read_small_file(kind_fd, file_name, MAX_RECORD_BYTES)
+                except (OSError, UnsafeEntryError):
+                    continue
+                data = decode_record(raw, os.path.join(self.location, RECORDS_DIR, kind, file_name))
+                if data is not None:
+                    records[name] = data
+        return records
+
+    def delete_record(self, kind: str, name: str) -> None:
+        check_record_key(kind, name)
+        kind_fd = self._records_dir(kind, create=False)
+        if kind_fd is None:
+            return
+        with opened(kind_fd), contextlib.suppress(FileNotFoundError):
+            os.unlink(name + RECORD_SUFFIX, dir_fd=kind_fd)
+            os.fsync(kind_fd)
+
+    def check_capacity(self, nbytes: int, nfiles: int) -> None:
+        """Free bytes and inodes (as the writing user sees them) must cover the save
+        plus headroom: 1/16 more bytes and 256 KiB, and a few more inodes."""
+        try:
+            info = os.statvfs(self.root)
+        except OSError as exc:
+            raise translate_os_error(exc, f"checking free space in {self.location}") from exc
+        free = info.f_bavail * info.f_frsize
+        needed = nbytes + nbytes // 16 + CAPACITY_HEADROOM
+        free_inodes, needed_inodes = info.f_favail, nfiles + 8
+        inodes_short = info.f_files > 0 and free_inodes < needed_inodes  # 0: no inode limit
+        if free < needed or inodes_short:
+            raise StorageFullError(
+                f"store {self.location} has {free:,} bytes and {free_inodes:,} inodes free, "
+                f"but this save needs about {needed:,} bytes ({nbytes:,} plus headroom) and "
+                f"{needed_inodes} inodes. Nothing was written and earlier generations are "
+                "intact; free space, or keep fewer generations "
+                "(retention=cv.Retention(keep_last=...)), then save again"
+            )
 
     def begin_generation(self, generation_id: str) -> PosixStagingArea:
         try:

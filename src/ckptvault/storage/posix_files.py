@@ -51,7 +51,7 @@ def translate_os_error(exc: OSError, what: str) -> CheckpointError:
         return StorageFullError(
             f"{what}: the filesystem is full or over quota ({exc.strerror}). Nothing was "
             "published and earlier generations are intact; free space or keep fewer "
-            "generations, then save again."
+            "generations (retention=cv.Retention(keep_last=...)), then save again."
         )
     return SaveFailedError(f"{what}: {exc.strerror or exc} ({type(exc).__name__})")
 
@@ -162,3 +162,34 @@ class PosixWritableFile:
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             os.close(fd)
+
+
+def newest_change(parent_fd: int, name: str) -> float:
+    """The newest modification time of ``name`` and (for a directory) its direct
+    entries: when a staging area was last written to."""
+    info = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    newest = info.st_mtime
+    if stat.S_ISDIR(info.st_mode):
+        try:
+            fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+        except OSError:
+            return newest
+        with opened(fd):
+            for child in os.listdir(fd):
+                with contextlib.suppress(OSError):
+                    child_info = os.stat(child, dir_fd=fd, follow_symlinks=False)
+                    newest = max(newest, child_info.st_mtime)
+    return newest
+
+
+def read_small_file(dir_fd: int, name: str, limit: int) -> bytes:
+    """A plain file's bytes (at most ``limit``), opened without following links."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    with opened(fd):
+        info = os.fstat(fd)
+        unsafe = describe_unsafe(info)
+        if unsafe is not None:
+            raise UnsafeEntryError(f"{name} {unsafe}; refusing to read it")
+        if info.st_size > limit:
+            raise OSError(errno.EFBIG, f"{name} is larger than {limit} bytes")
+        return os.pread(fd, info.st_size, 0)
