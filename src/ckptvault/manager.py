@@ -23,6 +23,7 @@ from ckptvault.errors import UsageError
 from ckptvault.events import EventBus
 from ckptvault.format.container import DEFAULT_SEGMENT_SIZE
 from ckptvault.io.writer import default_threads
+from ckptvault.lifecycle.replication import Replicator
 from ckptvault.restoring.restorer import RestoreInfo, Restorer
 from ckptvault.restoring.selector import SkippedGeneration
 from ckptvault.run_context import RunContext
@@ -75,6 +76,8 @@ class CheckpointManager:
         chunk_size: bytes per digest chunk in the manifest (default 4 MiB).
         segment_size: plaintext bytes per encrypted segment (default 1 MiB).
         coordinator: the rank/world seam (default: this process alone).
+        replicate_to: a second, durable tier (path or URL): every published generation
+            is copied there in the background, and restore falls back to it.
     """
 
     def __init__(
@@ -96,6 +99,7 @@ class CheckpointManager:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         segment_size: int = DEFAULT_SEGMENT_SIZE,
         coordinator: Coordinator | None = None,
+        replicate_to: StoreLocation | None = None,
     ) -> None:
         self.store = open_store(directory)
         trust_options: dict[str, Any] = dict(
@@ -122,6 +126,7 @@ class CheckpointManager:
         self.trust.check_outside(self.store)
         self.coordinator = coordinator or SingleProcess()
         self.events = EventBus(self.trust.subscribers())
+        self.replicator = Replicator.attach(self.store, replicate_to, self.events, self.trust)
         run = RunContext(self.store, self.run_id, self.trust, self.coordinator, self.events)
         contract_record = build_contract(self.config.contract, code_revision())
         settings = WriteSettings(self.config.threads, chunk_size, segment_size)
@@ -129,7 +134,14 @@ class CheckpointManager:
         self._scheduler = SaveScheduler(
             self._writer.write, self._writer.announce, max_in_flight, if_busy
         )
-        self._restorer = Restorer(run, self.config.threads, self.config.contract, max_fallback)
+        self._restorer = Restorer(
+            run,
+            self.config.threads,
+            self.config.contract,
+            max_fallback,
+            remote_tiers=[self.replicator.target] if self.replicator else [],
+            on_remote_restore=self.replicator.fetch if self.replicator else None,
+        )
         self._closed = False
 
     @property
@@ -203,6 +215,8 @@ class CheckpointManager:
         try:
             self._scheduler.close()
         finally:
+            if self.replicator is not None:
+                self.replicator.close()  # waits for copies in flight
             self.store.release_writer()
             self._writer.close()
 

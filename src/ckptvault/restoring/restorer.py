@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ckptvault.errors import AuditError, CheckpointError
+from ckptvault.errors import AuditError, CheckpointError, NoValidCheckpoint
 from ckptvault.events import Refused, Restored, RollbackApplied
 from ckptvault.io.load import LoadedGeneration, load_verified
 from ckptvault.restoring.selector import CandidateSelector, Selection, SkippedGeneration
 from ckptvault.run_context import RunContext
 from ckptvault.state.apply import plan_restore
 from ckptvault.state.contract import compare_contracts
-from ckptvault.storage.base import GenerationRef
+from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import TrustPolicy
 from ckptvault.trust.ledger import rollback_cutoff
 
@@ -68,6 +68,8 @@ class Restorer:
         threads: int,
         contract_fields: Mapping[str, Any] | None,
         max_fallback: int | None = None,
+        remote_tiers: Sequence[Store] = (),
+        on_remote_restore: Callable[[Store, GenerationRef], None] | None = None,
     ) -> None:
         self.store = run.store
         self.run_id = run.run_id
@@ -77,7 +79,11 @@ class Restorer:
         self.threads = threads
         self.contract_fields = contract_fields
         self.max_fallback = max_fallback  # newer generations restore may skip; None: any
-        self.selector = CandidateSelector(run.store, run.run_id, run.trust)
+        # The local tier first; remote tiers only when it has nothing that verifies.
+        self.selectors = [
+            CandidateSelector(store, run.run_id, run.trust) for store in (run.store, *remote_tiers)
+        ]
+        self.on_remote_restore = on_remote_restore
 
     def restore(
         self,
@@ -105,10 +111,10 @@ class Restorer:
     ) -> RestoreInfo | None:
         started = time.perf_counter()
         self.trust.ensure_key_usable(self.run_id)  # crypto-erased runs are gone for good
-        selection = self.selector.select(step, rollback_to=allow_rollback_to)
-        if not selection.candidates:
+        chosen = self._choose(step, allow_rollback_to)
+        if chosen is None:
             return None
-        ref, loaded = self.selector.first_verified(selection, self._load, self.max_fallback)
+        store, selection, ref, loaded = chosen
         where = f"generation {ref.generation_id} (step {ref.step})"
         if self.contract_fields is not None and not allow_contract_change:
             compare_contracts(loaded.manifest.contract, self.contract_fields, where)
@@ -117,7 +123,9 @@ class Restorer:
             raise plan.mismatch_error(where)
         plan.apply(where)
         _warn_fallback(ref, selection.skipped)
-        self._report_restored(ref, selection)
+        self._report_restored(store, ref, selection)
+        if store is not self.store and self.on_remote_restore is not None:
+            self.on_remote_restore(store, ref)  # bring it back to the local tier
         return RestoreInfo(
             step=ref.step,
             generation_id=ref.generation_id,
@@ -131,9 +139,38 @@ class Restorer:
             signer=loaded.signer,
         )
 
-    def _load(self, ref: GenerationRef, policy: TrustPolicy) -> LoadedGeneration:
+    def _choose(
+        self, step: int | None, allow_rollback_to: int | None
+    ) -> tuple[Store, Selection, GenerationRef, LoadedGeneration] | None:
+        """The newest generation that verifies in any tier, trying the local copy of
+        each generation before a remote one; None when every tier is empty. When a
+        tier has nothing to offer (empty, or without that step) the others still
+        count; when no tier has a candidate, the first tier's error is raised."""
+        selections: list[tuple[Store, Selection]] = []
+        first_error: NoValidCheckpoint | None = None
+        for selector in self.selectors:
+            try:
+                selections.append(
+                    (selector.store, selector.select(step, rollback_to=allow_rollback_to))
+                )
+            except NoValidCheckpoint as exc:
+                first_error = first_error or exc
+        tiers = [(store, selection) for store, selection in selections if selection.candidates]
+        if not tiers:
+            if first_error is not None:
+                raise first_error
+            return None
+        merged, store_of = _merge_tiers(tiers)
+
+        def load(ref: GenerationRef, policy: TrustPolicy) -> LoadedGeneration:
+            return self._load(store_of[ref.location], ref, policy)
+
+        ref, loaded = self.selectors[0].first_verified(merged, load, self.max_fallback)
+        return store_of[ref.location], merged, ref, loaded
+
+    def _load(self, store: Store, ref: GenerationRef, policy: TrustPolicy) -> LoadedGeneration:
         return load_verified(
-            self.store,
+            store,
             ref,
             policy,
             self.trust.keystore,
@@ -141,7 +178,7 @@ class Restorer:
             require_encryption=self.trust.keystore is not None,
         )
 
-    def _report_restored(self, ref: GenerationRef, selection: Selection) -> None:
+    def _report_restored(self, store: Store, ref: GenerationRef, selection: Selection) -> None:
         rollback = None
         if selection.rollback_to is not None and self.trust.ledger is not None:
             # Only a ledger can lower a floor and abandon generations; without one the
@@ -158,7 +195,7 @@ class Restorer:
             self.events.emit(
                 Restored(
                     run_id=self.run_id,
-                    store=self.store.location,
+                    store=store.location,
                     step=ref.step,
                     generation_id=ref.generation_id,
                     skipped=list(selection.skipped),
@@ -180,3 +217,23 @@ class Restorer:
             self.events.emit(event)
         except Exception as failure:  # the refusal itself matters more than its record
             logger.error("could not record a refusal: %s", failure)
+
+
+def _merge_tiers(
+    tiers: list[tuple[Store, Selection]],
+) -> tuple[Selection, dict[str, Store]]:
+    """One selection over several tiers: newest generation first and, for the same
+    generation, the tiers in their order (local first)."""
+    ordered = [
+        (ref, rank, store) for rank, (store, sel) in enumerate(tiers) for ref in sel.candidates
+    ]
+    ordered.sort(key=lambda item: item[1])  # stable: tier order within a generation
+    ordered.sort(key=lambda item: item[0].name, reverse=True)
+    base = tiers[0][1]
+    merged = replace(
+        base,
+        candidates=[ref for ref, _rank, _store in ordered],
+        listed=list({ref.generation_id: ref for _s, sel in tiers for ref in sel.listed}.values()),
+        skipped=[],
+    )
+    return merged, {ref.location: store for ref, _rank, store in ordered}

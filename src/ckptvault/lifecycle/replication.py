@@ -1,0 +1,200 @@
+"""Tiers: copy published generations from one store to another, verified.
+
+Training writes to a fast local tier, restorable at once; a :class:`Replicator`
+(an event subscriber) copies each published generation to a slower, durable tier
+in the background. A copy goes through the target's own publish rule — data
+first, manifest last — so a crash mid-copy leaves nothing visible there, and every
+byte is checked against the source manifest's chunk digests on its way through,
+so a copy is never better than verified. :func:`copy_generation` is also how a
+restore from the remote tier is brought back to the local one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ckptvault.errors import CheckpointError, IntegrityError, UsageError
+from ckptvault.events import Event, EventBus, Published
+from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, utc_now
+from ckptvault.storage import StoreLocation, open_store
+from ckptvault.storage.base import GenerationRef, Store
+from ckptvault.trust.checks import MAX_SIGNATURE_BYTES, TrustPolicy, check_structure
+from ckptvault.trust.context import TrustContext
+from ckptvault.trust.digests import ChunkVerifier, read_full
+
+logger = logging.getLogger("ckptvault")
+REPLICA_RECORD = "replica"
+COPY_BLOCK = 8 * 1024 * 1024
+
+
+def find_generation(store: Store, generation_id: str) -> GenerationRef | None:
+    return next((r for r in store.list_generations() if r.generation_id == generation_id), None)
+
+
+def copy_generation(
+    source: Store, ref: GenerationRef, target: Store, policy: TrustPolicy | None = None
+) -> GenerationRef:
+    """Copy one published generation, verified, into ``target`` under the same name.
+
+    The source's structure is checked first (the manifest parses, files are ours),
+    every byte is verified against its chunk digests as it is copied, and the
+    target publishes the source's exact manifest and signature bytes last. Returns
+    the target's generation; an existing copy is left as it is. Raises
+    :class:`GenerationRejected` when the source does not verify.
+    """
+    existing = find_generation(target, ref.generation_id)
+    if existing is not None:
+        return existing
+    manifest = check_structure(source, ref, policy).manifest
+    manifest_bytes = source.read_bytes(ref, MANIFEST_NAME, len(manifest.to_bytes()))
+    if manifest_bytes != manifest.to_bytes():  # changed since it was checked
+        raise IntegrityError(f"{ref.location}: the manifest changed while it was being copied")
+    names = source.list_entries(ref)
+    signature = (
+        source.read_bytes(ref, SIGNATURE_NAME, MAX_SIGNATURE_BYTES)
+        if SIGNATURE_NAME in names
+        else None
+    )
+    staging = target.begin_generation(ref.generation_id)
+    try:
+        buffer = memoryview(bytearray(min(COPY_BLOCK, manifest.chunk_size)))
+        for name, record in sorted(manifest.files.items()):
+            verifier = ChunkVerifier(record, manifest.chunk_size, name, whole_file=False)
+            sink = staging.create_file(name)
+            try:
+                with source.open_file(ref, name) as stream:
+                    while count := read_full(stream, buffer):
+                        verifier.update(buffer[:count])  # raises before a bad byte is written
+                        sink.write(buffer[:count])
+                verifier.finish()
+            except BaseException:
+                sink.abort()
+                raise
+            sink.commit()
+        return staging.publish(ref.step, manifest_bytes, signature)
+    except BaseException:
+        staging.abort()
+        raise
+
+
+@dataclass(frozen=True)
+class ReplicationStatus:
+    """Where replication stands: what waits, and for how long the oldest has."""
+
+    pending: int
+    lag_seconds: float  # 0 when every published generation has been copied
+    failures: int
+
+
+class Replicator:
+    """Copies each published generation to ``target`` on one background thread.
+
+    Subscribe it to the manager's events. ``wait()`` blocks until every copy in
+    flight finished; ``close()`` waits, then stops the thread. A failed copy is
+    logged, counted and retried with the next generation's (the newest first is
+    what matters for recovery); it never fails a save.
+    """
+
+    def __init__(self, source: Store, target: Store) -> None:
+        self.source = source
+        self.target = target
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptvault-replicate")
+        self._lock = threading.Lock()
+        self._pending: dict[str, float] = {}  # generation id -> when it was published
+        self._futures: list[Future[None]] = []
+        self._failures = 0
+        self._target_locked = False
+
+    @classmethod
+    def attach(
+        cls, source: Store, target: StoreLocation | None, events: EventBus, trust: TrustContext
+    ) -> Replicator | None:
+        """A replicator to ``target`` subscribed to ``events``, or None without a target."""
+        if target is None:
+            return None
+        remote = open_store(target)
+        if remote.location == source.location:
+            raise UsageError(f"replicate_to names the store itself ({remote.location})")
+        trust.check_outside(remote)  # keys, ledger and audit log stay out of every tier
+        replicator = cls(source, remote)
+        events.subscribe(replicator)
+        return replicator
+
+    def __call__(self, event: Event) -> None:
+        if not isinstance(event, Published):
+            return
+        with self._lock:
+            self._pending[event.generation_id] = time.monotonic() - event.seconds
+            self._futures = [f for f in self._futures if not f.done()]
+            self._futures.append(self._pool.submit(self._replicate, event.generation_id))
+
+    def _replicate(self, generation_id: str) -> None:
+        try:
+            ref = find_generation(self.source, generation_id)
+            if ref is None:  # deleted (retention) before it could be copied
+                return
+            if not self._target_locked:
+                self.target.acquire_writer()
+                self._target_locked = True
+            copied = copy_generation(self.source, ref, self.target)
+            self.source.put_record(
+                REPLICA_RECORD,
+                ref.name.dirname,
+                {"tiers": [self.target.location], "verified_at": utc_now()},
+            )
+            logger.info("replicated %s to %s", ref.location, copied.location)
+        except (CheckpointError, OSError) as exc:
+            with self._lock:
+                self._failures += 1
+            logger.error(
+                "replicating generation %s to %s failed: %s",
+                generation_id,
+                self.target.location,
+                exc,
+            )
+        finally:
+            with self._lock:
+                self._pending.pop(generation_id, None)
+
+    def fetch(self, tier: Store, ref: GenerationRef) -> None:
+        """Copy a generation restored from ``tier`` back into the local tier, in the
+        background: the next restore on this node is local again."""
+        with self._lock:
+            self._futures.append(self._pool.submit(self._fetch, tier, ref))
+
+    def _fetch(self, tier: Store, ref: GenerationRef) -> None:
+        try:
+            self.source.acquire_writer()  # no concurrent cleanup of our staging area
+            copied = copy_generation(tier, ref, self.source)
+            logger.info("copied %s back to the local tier as %s", ref.location, copied.location)
+        except (CheckpointError, OSError) as exc:
+            with self._lock:
+                self._failures += 1
+            logger.error(
+                "copying %s back to %s failed: %s", ref.location, self.source.location, exc
+            )
+
+    def status(self) -> ReplicationStatus:
+        with self._lock:
+            oldest = min(self._pending.values(), default=None)
+            lag = 0.0 if oldest is None else time.monotonic() - oldest
+            return ReplicationStatus(len(self._pending), lag, self._failures)
+
+    def wait(self) -> None:
+        with self._lock:
+            futures = list(self._futures)
+        for future in futures:
+            future.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+            if self._target_locked:
+                self.target.release_writer()
+                self._target_locked = False
