@@ -23,9 +23,11 @@ def dumps_canonical(value: Any) -> bytes:
         text = json.dumps(
             value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
         )
-    except ValueError as exc:  # NaN/inf slipped through: a bug in the caller
+        # Strict UTF-8: a lone surrogate (from a "\ud800" escape, or a file name that
+        # is not UTF-8) has no canonical encoding.
+        return text.encode("utf-8")
+    except ValueError as exc:  # NaN/inf or a lone surrogate (UnicodeEncodeError)
         raise FormatError(f"value cannot be written as canonical JSON: {exc}") from exc
-    return text.encode("utf-8")
 
 
 def loads_canonical(

@@ -21,6 +21,7 @@ STAGING_DIR = ".staging"
 WRITER_LOCK = ".writer.lock"
 TENSOR_FILE_SUFFIX = ".safetensors"
 ENCRYPTED_SUFFIX = ".enc"
+MAX_STEP = 2**63 - 1  # steps are stored as signed 64-bit integers (SQLite, JSON readers)
 ENCRYPTED_STATE_SUFFIX = "-state.json" + ENCRYPTED_SUFFIX
 
 _GENERATION_ID = r"[0-9]{8}T[0-9]{12}Z-[0-9a-f]{8}"
@@ -110,7 +111,10 @@ def parse_generation_dirname(name: str) -> GenerationName | None:
     match = _GENERATION_DIR_RE.match(name)
     if match is None:
         return None
-    parsed = GenerationName(step=int(match.group(1)), generation_id=match.group(2))
+    step = int(match.group(1))
+    if step > MAX_STEP:
+        return None
+    parsed = GenerationName(step=step, generation_id=match.group(2))
     # Only the canonical spelling: "step-0000000000005" must not pass for step 5.
     if parsed.dirname != name or not is_generation_id(parsed.generation_id):
         return None

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ckptvault.errors import CheckpointError, IntegrityError, UsageError
 from ckptvault.events import Event, EventBus, Published
-from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, utc_now
+from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, GenerationName, utc_now
 from ckptvault.storage import StoreLocation, open_store
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import MAX_SIGNATURE_BYTES, TrustPolicy, check_structure
@@ -31,8 +31,10 @@ REPLICA_RECORD = "replica"
 COPY_BLOCK = 8 * 1024 * 1024
 
 
-def find_generation(store: Store, generation_id: str) -> GenerationRef | None:
-    return next((r for r in store.list_generations() if r.generation_id == generation_id), None)
+def find_generation(store: Store, name: GenerationName) -> GenerationRef | None:
+    """The generation of exactly this step and id (a planted directory that reuses
+    the id under another step is a different name)."""
+    return next((ref for ref in store.list_generations() if ref.name == name), None)
 
 
 def copy_generation(
@@ -46,13 +48,20 @@ def copy_generation(
     the target's generation; an existing copy is left as it is. Raises
     :class:`GenerationRejected` when the source does not verify.
     """
-    existing = find_generation(target, ref.generation_id)
-    if existing is not None:
-        return existing
     manifest = check_structure(source, ref, policy).manifest
     manifest_bytes = source.read_bytes(ref, MANIFEST_NAME, len(manifest.to_bytes()))
     if manifest_bytes != manifest.to_bytes():  # changed since it was checked
         raise IntegrityError(f"{ref.location}: the manifest changed while it was being copied")
+    existing = find_generation(target, ref.name)
+    if existing is not None:
+        # Already there, or something planted under its name: only the same manifest
+        # bytes count as a copy (restore still verifies every byte of it).
+        if target.read_bytes(existing, MANIFEST_NAME, len(manifest_bytes)) != manifest_bytes:
+            raise IntegrityError(
+                f"{existing.location} holds a different generation under the name of "
+                f"{ref.location}; remove it, then replicate again"
+            )
+        return existing
     names = source.list_entries(ref)
     signature = (
         source.read_bytes(ref, SIGNATURE_NAME, MAX_SIGNATURE_BYTES)
@@ -99,9 +108,10 @@ class Replicator:
     what matters for recovery); it never fails a save.
     """
 
-    def __init__(self, source: Store, target: Store) -> None:
+    def __init__(self, source: Store, target: Store, policy: TrustPolicy | None = None) -> None:
         self.source = source
         self.target = target
+        self.policy = policy  # run id and trusted keys a copy must satisfy
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptvault-replicate")
         self._lock = threading.Lock()
         self._pending: dict[str, float] = {}  # generation id -> when it was published
@@ -111,7 +121,12 @@ class Replicator:
 
     @classmethod
     def attach(
-        cls, source: Store, target: StoreLocation | None, events: EventBus, trust: TrustContext
+        cls,
+        source: Store,
+        target: StoreLocation | None,
+        events: EventBus,
+        trust: TrustContext,
+        run_id: str,
     ) -> Replicator | None:
         """A replicator to ``target`` subscribed to ``events``, or None without a target."""
         if target is None:
@@ -120,27 +135,30 @@ class Replicator:
         if remote.location == source.location:
             raise UsageError(f"replicate_to names the store itself ({remote.location})")
         trust.check_outside(remote)  # keys, ledger and audit log stay out of every tier
-        replicator = cls(source, remote)
+        replicator = cls(source, remote, trust.policy(run_id, floor=None))
         events.subscribe(replicator)
         return replicator
 
     def __call__(self, event: Event) -> None:
         if not isinstance(event, Published):
             return
+        # Exactly what was published (step and id, at its location): never a look-up
+        # by id, which a directory planted under another step could answer.
+        ref = GenerationRef(GenerationName(event.step, event.generation_id), event.location)
         with self._lock:
             self._pending[event.generation_id] = time.monotonic() - event.seconds
             self._futures = [f for f in self._futures if not f.done()]
-            self._futures.append(self._pool.submit(self._replicate, event.generation_id))
+            self._futures.append(self._pool.submit(self._replicate, ref))
 
-    def _replicate(self, generation_id: str) -> None:
+    def _replicate(self, ref: GenerationRef) -> None:
+        generation_id = ref.generation_id
         try:
-            ref = find_generation(self.source, generation_id)
-            if ref is None:  # deleted (retention) before it could be copied
-                return
+            if find_generation(self.source, ref.name) is None:
+                return  # deleted (retention) before it could be copied
             if not self._target_locked:
                 self.target.acquire_writer()
                 self._target_locked = True
-            copied = copy_generation(self.source, ref, self.target)
+            copied = copy_generation(self.source, ref, self.target, self.policy)
             self.source.put_record(
                 REPLICA_RECORD,
                 ref.name.dirname,
@@ -169,7 +187,7 @@ class Replicator:
     def _fetch(self, tier: Store, ref: GenerationRef) -> None:
         try:
             self.source.acquire_writer()  # no concurrent cleanup of our staging area
-            copied = copy_generation(tier, ref, self.source)
+            copied = copy_generation(tier, ref, self.source, self.policy)
             logger.info("copied %s back to the local tier as %s", ref.location, copied.location)
         except (CheckpointError, OSError) as exc:
             with self._lock:

@@ -54,6 +54,7 @@ from ckptvault.storage.posix_files import (
     newest_change,
     open_dir,
     opened,
+    printable_name,
     read_small_file,
     remove_tree,
     translate_os_error,
@@ -243,6 +244,12 @@ class PosixStore:
         with opened(self._open_generation(ref)) as fd:
             for name in os.listdir(fd):
                 info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                shown = printable_name(name)
+                if shown != name:  # never a name ckptvault writes: report it, escaped
+                    entries[shown] = EntryInfo(
+                        shown, info.st_size, "has a non-UTF-8 or control-character name"
+                    )
+                    continue
                 entries[name] = EntryInfo(name, info.st_size, describe_unsafe(info))
         return entries
 

@@ -56,6 +56,19 @@ def translate_os_error(exc: OSError, what: str) -> CheckpointError:
     return SaveFailedError(f"{what}: {exc.strerror or exc} ({type(exc).__name__})")
 
 
+def printable_name(name: str) -> str:
+    """``name`` when it is plain printable UTF-8, else an escaped ASCII rendering that
+    is safe in messages, JSON and terminals (non-UTF-8 bytes and control characters)."""
+    if name.isprintable():
+        try:
+            name.encode("utf-8")
+            return name
+        except UnicodeEncodeError:
+            pass
+    decoded = os.fsencode(name).decode("utf-8", "backslashreplace")
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in decoded)
+
+
 def describe_unsafe(info: os.stat_result) -> str | None:
     """Why an entry is not a plain, singly linked file, or None when it is one."""
     mode = info.st_mode

@@ -34,7 +34,7 @@ from typing import Any
 
 from blake3 import blake3
 
-from ckptvault.errors import AuditError
+from ckptvault.errors import AuditError, FormatError
 from ckptvault.format.canonical import dumps_canonical
 from ckptvault.format.layout import utc_now
 from ckptvault.trust.ledger import Ledger, default_state_dir
@@ -197,6 +197,10 @@ class AuditLog:
     def append(self, event: str, **fields: Any) -> dict[str, Any]:
         """Append one entry; first a ``gap`` entry when the log disagrees with the
         ledger's head (see the module docstring). Returns the entry appended."""
+        try:
+            dumps_canonical(fields)  # every value needs a canonical form; check before the log
+        except FormatError as exc:
+            raise AuditError(f"cannot record a {event!r} entry in {self.path}: {exc}") from exc
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
