@@ -126,7 +126,9 @@ class CheckpointManager:
         self.trust.check_outside(self.store)
         self.coordinator = coordinator or SingleProcess()
         self.events = EventBus(self.trust.subscribers())
-        self.replicator = Replicator.attach(self.store, replicate_to, self.events, self.trust)
+        self.replicator = Replicator.attach(
+            self.store, replicate_to, self.events, self.trust, self.run_id
+        )
         run = RunContext(self.store, self.run_id, self.trust, self.coordinator, self.events)
         contract_record = build_contract(self.config.contract, code_revision())
         settings = WriteSettings(self.config.threads, chunk_size, segment_size)
