@@ -14,6 +14,7 @@ from typing import Any
 
 from ckptvault.errors import UsageError
 from ckptvault.format.container import DEFAULT_SEGMENT_SIZE, MAX_SEGMENT_SIZE
+from ckptvault.format.layout import MAX_STEP
 from ckptvault.format.manifest import MAX_CHUNK_SIZE
 from ckptvault.trust.digests import DEFAULT_CHUNK_SIZE
 
@@ -22,8 +23,8 @@ IF_BUSY = ("wait", "skip")
 
 def validate_step(step: Any, what: str = "step") -> int:
     """A step is a non-negative int (not a bool)."""
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise UsageError(f"{what} must be a non-negative int, got {step!r}")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        raise UsageError(f"{what} must be an int in 0..{MAX_STEP}, got {step!r}")
     return step
 
 

@@ -30,7 +30,7 @@ from blake3 import blake3
 from ckptvault.errors import FormatError
 from ckptvault.format.bounded_json import MAX_DOCUMENT_DEPTH, scan_json
 from ckptvault.format.canonical import dumps_canonical, loads_canonical
-from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, is_generation_id
+from ckptvault.format.layout import MANIFEST_NAME, MAX_STEP, SIGNATURE_NAME, is_generation_id
 from ckptvault.format.records import EncryptionSection, FileRecord, check_dcp_section
 
 FORMAT_VERSION = 1
@@ -200,8 +200,8 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     if not is_generation_id(generation_id):
         raise FormatError(f"{where}: generation_id {generation_id!r} is malformed")
     step = _require(raw, "step", int, where)
-    if step < 0:
-        raise FormatError(f"{where}: step {step} is negative")
+    if not 0 <= step <= MAX_STEP:
+        raise FormatError(f"{where}: step {step} is outside 0..{MAX_STEP}")
     parent = raw.get("parent")
     if parent is not None and not isinstance(parent, str):
         raise FormatError(f"{where}: parent must be a generation id or null")
