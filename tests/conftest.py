@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ckptvault as cv
+from s3_server import s3_bucket, s3_endpoint  # noqa: F401  (S3 fixtures)
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 import struct
 from pathlib import Path
 
@@ -16,7 +17,11 @@ import ckptvault as cv
 from ckptvault.errors import KeyDestroyedError, NoValidCheckpoint
 from ckptvault.format.canonical import dumps_canonical
 from ckptvault.format.container import SEGMENT_OVERHEAD
+from ckptvault.format.layout import generation_dirname
+from ckptvault.format.manifest import authenticated_bytes, stored_authenticated_bytes
+from ckptvault.trust.envelope import manifest_key_binding
 from ckptvault.trust.keystore import LocalKeyStore
+from ckptvault.trust.manifest_auth import manifest_mac
 from conftest import (
     assert_same_tensors,
     make_training_state,
@@ -75,6 +80,29 @@ def refresh_digests(path: Path) -> None:
     writable(path / "manifest.json").write_bytes(dumps_canonical(document))
 
 
+def reseal(path: Path, document: dict) -> None:
+    """Write ``document`` as the generation's manifest with a correct self-digest, as
+    anyone who can write the store can."""
+    document.pop("manifest_blake3", None)
+    document["manifest_blake3"] = blake3(dumps_canonical(document)).hexdigest()
+    writable(path / "manifest.json").write_bytes(dumps_canonical(document))
+
+
+def remac(path: Path, keystore: Path) -> None:
+    """Recompute the manifest's MAC with the run's key, as only the KEK holder can.
+    Lets a test reach the checks behind the MAC (AES-GCM segments, key bindings)."""
+    document = json.loads((path / "manifest.json").read_bytes())
+    section = document["encryption"]
+    mac_key = LocalKeyStore(keystore).unwrap(
+        document["run_id"],
+        section["kek_id"],
+        base64.b64decode(section["wrapped_mac_key"]),
+        manifest_key_binding(document["run_id"], document["generation_id"]),
+    )
+    section["manifest_mac"] = manifest_mac(mac_key, authenticated_bytes(document))
+    reseal(path, document)
+
+
 def restore_codes(store, keystore, run_id: str = "r") -> list[str]:
     with encrypted_manager(store, keystore, run_id=run_id) as mgr:
         try:
@@ -119,7 +147,12 @@ def test_roundtrip_and_what_is_stored(store, keystore, encrypted):
 def test_anyone_can_verify_integrity_without_the_key(store, encrypted):
     result = run_cli("verify", str(store), "--all", "--json")
     assert result.returncode == 0
-    assert all(r["encrypted"] for r in json.loads(result.stdout))
+    reports = json.loads(result.stdout)
+    assert all(r["encrypted"] and r["ok"] for r in reports)
+    # ...but not the manifest's MAC, which takes the run's key: a note, not a failure.
+    assert all(len(r["notes"]) == 1 and "MAC" in r["notes"][0] for r in reports)
+    text = run_cli("verify", str(store))
+    assert text.returncode == 0 and "note:" in text.stdout and "MAC" in text.stdout
 
 
 def test_restore_without_the_key_store_is_refused(store, encrypted):
@@ -154,9 +187,9 @@ def test_any_flipped_ciphertext_byte_is_detected(store, keystore, encrypted, whe
     writable(file).write_bytes(bytes(data))
     assert restore_codes(store, keystore) == ["digest-mismatch"]  # the manifest digest catches it
     refresh_digests(paths[2])  # an attacker also rewrites the digests...
-    assert restore_codes(store, keystore) == [
-        "authentication-failed"
-    ]  # ...AES-GCM still catches it
+    assert restore_codes(store, keystore) == ["manifest-unauthenticated"]  # ...the MAC catches it
+    remac(paths[2], keystore)  # and were the MAC forged too (it takes the run's key)...
+    assert restore_codes(store, keystore) == ["authentication-failed"]  # ...AES-GCM still would
 
 
 def test_reordered_segments_are_detected(store, keystore, encrypted):
@@ -168,6 +201,8 @@ def test_reordered_segments_are_detected(store, keystore, encrypted):
     data[start : start + 2 * record] = second + first
     writable(file).write_bytes(bytes(data))
     refresh_digests(paths[2])
+    assert restore_codes(store, keystore) == ["manifest-unauthenticated"]
+    remac(paths[2], keystore)
     assert restore_codes(store, keystore) == ["authentication-failed"]
 
 
@@ -255,6 +290,8 @@ def test_file_moved_between_generations_is_detected(store, keystore, encrypted):
     older, newer = enc_file(paths[1]), enc_file(paths[2])
     writable(newer).write_bytes(older.read_bytes())
     refresh_digests(paths[2])
+    assert restore_codes(store, keystore) == ["manifest-unauthenticated"]
+    remac(paths[2], keystore)  # behind the MAC:
     assert restore_codes(store, keystore) == ["authentication-failed"]  # other data key
     # Moving the wrapped key along does not help: it is bound to its generation.
     source = json.loads((paths[1] / "manifest.json").read_bytes())["encryption"]["files"][
@@ -266,9 +303,9 @@ def test_file_moved_between_generations_is_detected(store, keystore, encrypted):
 
     document = json.loads((paths[2] / "manifest.json").read_bytes())
     take_key(document)
-    document.pop("manifest_blake3")
-    document["manifest_blake3"] = blake3(dumps_canonical(document)).hexdigest()
-    writable(paths[2] / "manifest.json").write_bytes(dumps_canonical(document))
+    reseal(paths[2], document)
+    assert restore_codes(store, keystore) == ["manifest-unauthenticated"]
+    remac(paths[2], keystore)
     assert restore_codes(store, keystore) == ["key-unavailable"]
 
 
@@ -281,6 +318,8 @@ def test_generation_moved_between_runs_is_detected(tmp_path, keystore):
         path_b = Path(mgr.save(1, make_training_state(width=64)).result().path)
     writable(enc_file(path_b)).write_bytes(enc_file(path_a).read_bytes())
     refresh_digests(path_b)
+    assert restore_codes(b, keystore, run_id="run-b") == ["manifest-unauthenticated"]
+    remac(path_b, keystore)
     assert restore_codes(b, keystore, run_id="run-b") == ["authentication-failed"]
 
 
@@ -438,3 +477,216 @@ def test_concurrent_first_use_creates_one_key(tmp_path):
     for thread in threads:
         thread.join()
     assert len(set(ids)) == 1 and len(list((tmp_path / "keys").glob("*.kek"))) == 1
+
+
+# -- manifest authentication: an encrypted run without signatures ---------------------
+
+
+def _clone_as_step(source: Path, store: Path, step: int) -> Path:
+    """Copy a generation under another step (same generation id), as anyone who can
+    write the store can: only ``step`` changes in the manifest, resealed."""
+    document = json.loads((source / "manifest.json").read_bytes())
+    document["step"] = step
+    target = store / generation_dirname(step, document["generation_id"])
+    shutil.copytree(source, target)
+    target.chmod(0o755)
+    reseal(target, document)
+    return target
+
+
+def test_relabelled_old_generation_is_refused_and_the_floor_holds(
+    store, keystore, encrypted, tmp_path
+):
+    """Red-team finding 6a: step 1 copied as step 10**11 would have raised the floor
+    past every genuine generation."""
+    paths, weights = encrypted
+    ledger = tmp_path / "control" / "ledger.sqlite3"
+    forged = _clone_as_step(paths[1], store, 10**11)
+    fresh = make_training_state(width=64, seed=9)
+    with encrypted_manager(store, keystore, ledger=ledger) as mgr:
+        info = mgr.restore(fresh)
+    assert info.step == 2
+    assert [s.reason.split(":")[0] for s in info.skipped] == ["manifest-unauthenticated"]
+    assert_same_tensors(model_snapshot(fresh["model"]), weights[2])
+    shutil.rmtree(forged)  # the floor was never raised: step 2 still restores
+    with encrypted_manager(store, keystore, ledger=ledger) as mgr:
+        assert mgr.restore(make_training_state(width=64, seed=9)).step == 2
+
+
+def _swap_weight_and_moment(document: dict) -> None:
+    tensors = document["dcp"]["tensors"]
+    a, b = "model/fc1.weight", "optimizer/state/0/exp_avg"
+    tensors[a]["chunks"], tensors[b]["chunks"] = tensors[b]["chunks"], tensors[a]["chunks"]
+
+
+def test_swapped_chunk_records_are_refused(store, keystore, encrypted):
+    """Red-team finding 6b: the model weight would have received the optimizer's
+    exp_avg bytes (same shape, the decrypted headers move with the records)."""
+    paths, weights = encrypted
+    document = json.loads((paths[2] / "manifest.json").read_bytes())
+    _swap_weight_and_moment(document)
+    reseal(paths[2], document)
+    fresh = make_training_state(width=64, seed=9)
+    with encrypted_manager(store, keystore) as mgr:
+        info = mgr.restore(fresh)
+    assert info.step == 1
+    assert [s.reason.split(":")[0] for s in info.skipped] == ["manifest-unauthenticated"]
+    assert_same_tensors(model_snapshot(fresh["model"]), weights[1])
+    # The MAC is what stops it: re-MACed (which takes the run's key), the swap loads.
+    remac(paths[2], keystore)
+    with encrypted_manager(store, keystore) as mgr:
+        assert mgr.restore(fresh).step == 2
+    assert not torch.equal(fresh["model"].fc1.weight.detach(), weights[2]["fc1.weight"])
+
+
+@pytest.mark.parametrize(
+    ("taken", "code"),
+    [
+        (("manifest_mac",), "manifest-unauthenticated"),
+        (("wrapped_mac_key",), "key-unavailable"),
+        (("wrapped_mac_key", "manifest_mac"), "key-unavailable"),
+    ],
+)
+def test_mac_or_mac_key_of_another_generation_is_refused(store, keystore, encrypted, taken, code):
+    paths, _ = encrypted
+    other = json.loads((paths[1] / "manifest.json").read_bytes())["encryption"]
+    document = json.loads((paths[2] / "manifest.json").read_bytes())
+    for key in taken:
+        document["encryption"][key] = other[key]
+    reseal(paths[2], document)
+    assert restore_codes(store, keystore) == [code]
+
+
+def test_an_untampered_encrypted_generation_carries_a_mac_and_restores(store, keystore, encrypted):
+    paths, weights = encrypted
+    data = (paths[2] / "manifest.json").read_bytes()
+    document = json.loads(data)
+    section = document["encryption"]
+    assert len(base64.b64decode(section["wrapped_mac_key"])) == 12 + 32 + 16
+    # The MAC is the run key holder's keyed BLAKE3 over the manifest without the
+    # self-digest and without the MAC itself.
+    body = stored_authenticated_bytes(data, "gen")
+    assert b"manifest_blake3" not in body and b"manifest_mac" not in body
+    assert b"wrapped_mac_key" in body
+    mac_key = LocalKeyStore(keystore).unwrap(
+        "r",
+        section["kek_id"],
+        base64.b64decode(section["wrapped_mac_key"]),
+        manifest_key_binding("r", document["generation_id"]),
+    )
+    assert manifest_mac(mac_key, body) == section["manifest_mac"]
+    # The MAC key's context is not a file's: it never opens as a data key.
+    from ckptvault.errors import KeyUnavailableError
+    from ckptvault.trust.envelope import binding
+
+    for name in document["files"]:
+        with pytest.raises(KeyUnavailableError):
+            LocalKeyStore(keystore).unwrap(
+                "r",
+                section["kek_id"],
+                base64.b64decode(section["wrapped_mac_key"]),
+                binding("r", document["generation_id"], name),
+            )
+    fresh = make_training_state(width=64, seed=9)
+    with encrypted_manager(store, keystore) as mgr:
+        info = mgr.restore(fresh)
+    assert info.step == 2 and not info.skipped
+    assert_same_tensors(model_snapshot(fresh["model"]), weights[2])
+
+
+def _edit(name: str):
+    def set_step(document: dict) -> None:
+        document["step"] = 2  # the directory is renamed to agree (see the test)
+
+    def swap_wrapped_keys(document: dict) -> None:
+        files = document["encryption"]["files"]
+        first, second = sorted(files)
+        files[first], files[second] = files[second], files[first]
+
+    return {
+        "step": set_step,
+        "created_at": lambda d: d.update(created_at="2020-01-01T00:00:00Z"),
+        "parent": lambda d: d.update(parent=None if d["parent"] else d["generation_id"]),
+        "contract": lambda d: d["contract"].update(dataset="ds-planted"),
+        "writer": lambda d: d["writer"].update(world_size=8),
+        "metrics": lambda d: d.update(metrics={"loss": 0.0}),
+        "dcp": _swap_weight_and_moment,
+        "unknown top-level key": lambda d: d.update(planted=True),
+        "unknown encryption key": lambda d: d["encryption"].update(planted=True),
+        "wrapped data keys": swap_wrapped_keys,
+    }[name]
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "step",
+        "created_at",
+        "parent",
+        "contract",
+        "writer",
+        "metrics",
+        "dcp",
+        "unknown top-level key",
+        "unknown encryption key",
+        "wrapped data keys",
+    ],
+)
+def test_the_mac_covers_every_manifest_field(store, keystore, encrypted, field):
+    """Each edit passes every structure check (resealed self-digest, names agree);
+    only the MAC catches it, before a key is unwrapped or a byte decrypted."""
+    paths, _ = encrypted
+    shutil.rmtree(paths[2])  # the edited generation is the only candidate
+    document = json.loads((paths[1] / "manifest.json").read_bytes())
+    _edit(field)(document)
+    reseal(paths[1], document)
+    if field == "step":  # the directory name agrees with the edited step
+        paths[1].rename(store / generation_dirname(document["step"], document["generation_id"]))
+    with encrypted_manager(store, keystore) as mgr, pytest.raises(NoValidCheckpoint) as caught:
+        mgr.restore(make_training_state(width=64, seed=9))
+    assert [reason.split(":")[0] for _, _, reason in caught.value.rejected] == [
+        "manifest-unauthenticated"
+    ]
+
+
+def test_every_key_of_the_manifest_is_in_the_authenticated_bytes(encrypted):
+    """Generically, for whatever keys a manifest holds now or later: changing any of
+    them (top level or in the encryption section) changes what the MAC covers, except
+    the self-digest and the MAC themselves."""
+    paths, _ = encrypted
+    document = json.loads((paths[2] / "manifest.json").read_bytes())
+    base = authenticated_bytes(document)
+    for key in document:
+        edited = json.loads(json.dumps(document))
+        edited[key] = ["edited"]
+        assert (authenticated_bytes(edited) == base) == (key == "manifest_blake3"), key
+    for key in document["encryption"]:
+        edited = json.loads(json.dumps(document))
+        edited["encryption"][key] = ["edited"]
+        assert (authenticated_bytes(edited) == base) == (key == "manifest_mac"), key
+
+
+@pytest.mark.parametrize("stripped", [("wrapped_mac_key", "manifest_mac"), ("manifest_mac",)])
+def test_an_encrypted_generation_without_a_mac_is_refused(store, keystore, encrypted, stripped):
+    """Stripping the MAC (or a generation written before manifests were
+    authenticated): refused; half a MAC does not even parse."""
+    paths, _ = encrypted
+    document = json.loads((paths[2] / "manifest.json").read_bytes())
+    for key in stripped:
+        del document["encryption"][key]
+    reseal(paths[2], document)
+    expected = "manifest-unauthenticated" if len(stripped) == 2 else "manifest-invalid"
+    assert restore_codes(store, keystore) == [expected]
+
+
+def test_export_refuses_an_unauthenticated_manifest(store, keystore, encrypted, tmp_path):
+    from ckptvault.ops.export import export_weights
+
+    paths, _ = encrypted
+    document = json.loads((paths[2] / "manifest.json").read_bytes())
+    _swap_weight_and_moment(document)
+    reseal(paths[2], document)
+    with pytest.raises(NoValidCheckpoint, match="manifest-unauthenticated"):
+        export_weights(
+            store, 2, tmp_path / "w.safetensors", run_id="r", keystore=LocalKeyStore(keystore)
+        )

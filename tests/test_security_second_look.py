@@ -16,7 +16,7 @@ from blake3 import blake3
 import ckptvault as cv
 from ckptvault.events import Published
 from ckptvault.format.canonical import dumps_canonical
-from ckptvault.format.layout import MAX_STEP, new_generation_id, parse_generation_dirname
+from ckptvault.format.layout import MAX_STEP, parse_generation_dirname
 from ckptvault.lifecycle.replication import Replicator
 from ckptvault.storage import open_store
 from ckptvault.trust.audit_verify import verify_audit_log
@@ -156,3 +156,53 @@ def test_steps_beyond_64_bits_are_not_generations(store: Path, signing: dict):
         info = mgr.restore(restored, allow_rollback_to=10)  # an operator's deliberate rollback
     assert info.step == 10 and torch.equal(restored["w"], torch.ones(4))
     assert Ledger(signing["ledger"]).floor("r").step == 10
+
+
+def test_hiding_the_newest_generations_is_a_loud_bounded_fallback(
+    store: Path, tmp_path: Path, signing: dict
+):
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    with cv.CheckpointManager(store, run_id="r", **signing) as mgr:
+        for step in (10, 20, 30):
+            mgr.save(step, {"w": torch.full((4,), float(step))})
+    for generation in sorted(store.glob("step-00000000002*")) + sorted(
+        store.glob("step-00000000003*")
+    ):
+        generation.rename(hidden / generation.name)  # the attack: not corrupted, just gone
+    restored = {"w": torch.zeros(4)}
+    with cv.CheckpointManager(store, run_id="r", **signing) as mgr:
+        info = mgr.restore(restored)
+    assert info.step == 10 and [s.step for s in info.skipped] == [30, 20]
+    assert all("generation-missing" in s.reason for s in info.skipped)
+    with (
+        cv.CheckpointManager(store, run_id="r", max_fallback=1, **signing) as mgr,
+        pytest.raises(cv.errors.RollbackError, match="max_fallback=1"),
+    ):
+        mgr.restore({"w": torch.zeros(4)})
+
+
+def test_a_store_emptied_behind_the_ledgers_back_is_not_a_fresh_start(
+    tmp_path: Path, signing: dict
+):
+    store = tmp_path / "store"
+    with cv.CheckpointManager(store, run_id="r", **signing) as mgr:
+        mgr.save(10, {"w": torch.ones(4)})
+    for generation in store.glob("step-*"):
+        shutil.rmtree(generation)
+    with (
+        cv.CheckpointManager(store, run_id="r", **signing) as mgr,
+        pytest.raises(cv.errors.NoValidCheckpoint, match="generation-missing"),
+    ):
+        mgr.restore({"w": torch.zeros(4)})  # not None: training must not restart silently
+
+
+def test_generations_deleted_by_retention_are_not_missing(tmp_path: Path, signing: dict):
+    store = tmp_path / "store"
+    retention = cv.Retention(keep_last=2, delete_delay=0)
+    with cv.CheckpointManager(store, run_id="r", retention=retention, **signing) as mgr:
+        for step in (10, 20, 30, 40):
+            mgr.save(step, {"w": torch.full((4,), float(step))})
+    with cv.CheckpointManager(store, run_id="r", **signing) as mgr:
+        info = mgr.restore({"w": torch.zeros(4)})
+    assert info.step == 40 and info.skipped == []

@@ -11,7 +11,9 @@ directory it may use, for example to name a unique bucket prefix). Tests that ne
 a hostile entry planted in the store use the backend's *saboteurs*: small,
 backend-specific helpers registered beside the factory. A backend that cannot hold
 such an entry (an object store has no FIFO or hard link) leaves it out, and the case
-is skipped as not applicable to it.
+is skipped as not applicable to it. The S3 backend runs against a real S3-protocol
+server on loopback (``tests/s3_server.py``); its saboteurs are in
+``tests/s3_saboteurs.py``.
 
 The last few tests cover :func:`ckptvault.storage.open_store` on local paths and
 URLs; ``open_store(store.location)`` itself is checked for every backend.
@@ -40,6 +42,7 @@ from ckptvault.storage import open_store
 from ckptvault.storage.base import EntryInfo, GenerationRef, StagingArea, Store
 from ckptvault.storage.posix import PosixStore
 from conftest import REPO
+from s3_saboteurs import S3_ENTRY_SABOTEURS, S3_STORE_SABOTEURS, make_s3_store
 
 # A saboteur plants something hostile and returns a check that everything outside
 # the store it pointed at is still exactly as it was (nothing written, deleted).
@@ -55,16 +58,25 @@ class Backend:
 
     make: Callable[[Path], Store]  # a fresh, empty store (not created yet)
     # Hostile entries planted inside a published generation, by kind: "symlink",
-    # "fifo", "hardlink", "directory".
+    # "fifo", "hardlink", "directory"; for object stores also "duplicate" (a second
+    # copy under another key prefix) and "misplaced" (under a prefix never used).
     entry_saboteurs: Mapping[str, EntrySaboteur] = field(default_factory=dict)
     # The generation itself replaced by something else: "symlink", "file".
     generation_saboteurs: Mapping[str, GenerationSaboteur] = field(default_factory=dict)
-    # The store's own control entries replaced: "staging_symlink", "lock_symlink";
-    # "stale_staging_links": staging leftovers that are (or hold) links out of the store.
+    # The store's own control entries replaced: "staging_symlink", "lock_symlink",
+    # "lock_garbage"; "stale_staging_links": staging leftovers that are (or hold)
+    # links out of the store.
     store_saboteurs: Mapping[str, StoreSaboteur] = field(default_factory=dict)
     # Where a store keeps its bytes on the local filesystem, for holds_path; None for
     # a backend that holds no local path at all (an object store).
     local_root: Callable[[Store], Path] | None = None
+    # True: remove_stale_staging() without an age removes every leftover, and only
+    # under the writer lock (POSIX). False: without an age it removes nothing and
+    # needs no lock (no lock proves an object store's upload dead); leftovers then
+    # go with remove_stale_staging(older_than=0).
+    cleanup_needs_lock: bool = True
+    # pytest fixtures the backend needs (a server, say), requested before make().
+    fixtures: tuple[str, ...] = ()
 
 
 # -- the POSIX backend and its saboteurs --------------------------------------------
@@ -174,6 +186,13 @@ def _posix_stale_staging_links(store: Store) -> Untouched:
     return _tree_kept(victim)
 
 
+def _posix_lock_garbage(store: Store) -> Untouched:
+    root = _posix_root(store)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / ".writer.lock").write_bytes(b"\xff{" * (512 * 1024))
+    return lambda: None
+
+
 def _posix_lock_symlink(store: Store) -> Untouched:
     root = _posix_root(store)
     root.mkdir(parents=True, exist_ok=True)
@@ -195,6 +214,7 @@ POSIX = Backend(
     store_saboteurs={
         "staging_symlink": _posix_staging_symlink,
         "lock_symlink": _posix_lock_symlink,
+        "lock_garbage": _posix_lock_garbage,
         "stale_staging_links": _posix_stale_staging_links,
     },
     local_root=_posix_root,
@@ -202,13 +222,31 @@ POSIX = Backend(
 
 BACKENDS: dict[str, Backend] = {
     "posix": POSIX,
-    # "s3": Backend(make=make_s3_store, ...),
+    "s3": Backend(
+        make=make_s3_store,
+        entry_saboteurs=S3_ENTRY_SABOTEURS,
+        store_saboteurs=S3_STORE_SABOTEURS,
+        cleanup_needs_lock=False,
+        fixtures=("s3_endpoint",),
+    ),
 }
 
 
 @pytest.fixture(params=sorted(BACKENDS))
 def backend(request: pytest.FixtureRequest) -> Backend:
-    return BACKENDS[request.param]
+    chosen = BACKENDS[request.param]
+    for name in chosen.fixtures:
+        request.getfixturevalue(name)
+    return chosen
+
+
+def assert_cleanup_without_age(backend: Backend, store: Store) -> None:
+    """remove_stale_staging() by a store that does not hold the writer lock."""
+    if backend.cleanup_needs_lock:
+        with pytest.raises(UsageError):
+            store.remove_stale_staging()
+    else:
+        assert store.remove_stale_staging() == []
 
 
 @pytest.fixture
@@ -453,7 +491,9 @@ def test_aborted_save_leaves_nothing(backend_store: Store):
     assert backend_store.list_generations() == [later, kept]
 
 
-def test_crashed_save_is_never_listed_and_is_removed_under_the_lock(backend_store: Store):
+def test_crashed_save_is_never_listed_and_is_removed_under_the_lock(
+    backend: Backend, backend_store: Store
+):
     backend_store.acquire_writer()
     kept = publish(backend_store, 1, {"w.bin": b"kept"})
     crashed_id = new_generation_id()
@@ -467,12 +507,15 @@ def test_crashed_save_is_never_listed_and_is_removed_under_the_lock(backend_stor
 
         restarted = open_store(backend_store.location)
         assert restarted.list_generations() == [kept]
-        with pytest.raises(UsageError):
-            restarted.remove_stale_staging()  # not without the writer lock
+        assert_cleanup_without_age(backend, restarted)  # not without the writer lock
         restarted.acquire_writer()
         try:
             assert restarted.list_generations() == [kept]
-            assert restarted.remove_stale_staging() == [crashed_id]
+            if backend.cleanup_needs_lock:
+                assert restarted.remove_stale_staging() == [crashed_id]
+            else:
+                assert restarted.remove_stale_staging() == []  # nothing proves it dead
+                assert restarted.remove_stale_staging(older_than=0) == [crashed_id]
             assert restarted.remove_stale_staging() == []
             assert restarted.list_generations() == [kept]
             assert entry_table(restarted, kept) == expected_table({"w.bin": b"kept"})
@@ -484,22 +527,19 @@ def test_crashed_save_is_never_listed_and_is_removed_under_the_lock(backend_stor
         area.abort()
 
 
-def test_remove_stale_staging_needs_the_writer_lock(backend_store: Store):
-    with pytest.raises(UsageError):
-        backend_store.remove_stale_staging()  # never acquired
+def test_remove_stale_staging_needs_the_writer_lock(backend: Backend, backend_store: Store):
+    assert_cleanup_without_age(backend, backend_store)  # never acquired
     holder = open_store(backend_store.location)
     holder.acquire_writer()
     try:
-        with pytest.raises(UsageError):
-            backend_store.remove_stale_staging()  # another object holds it
+        assert_cleanup_without_age(backend, backend_store)  # another object holds it
         assert holder.remove_stale_staging() == []
     finally:
         holder.release_writer()
     backend_store.acquire_writer()
     assert backend_store.remove_stale_staging() == []
     backend_store.release_writer()
-    with pytest.raises(UsageError):
-        backend_store.remove_stale_staging()  # released
+    assert_cleanup_without_age(backend, backend_store)  # released
 
 
 # -- 7: listing order ---------------------------------------------------------------
@@ -647,7 +687,7 @@ def _lock_holder(location: str) -> subprocess.Popen[str]:
 
 
 @pytest.mark.timeout(120)
-def test_writer_lock_excludes_another_process(backend_store: Store):
+def test_writer_lock_excludes_another_process(backend: Backend, backend_store: Store):
     holder = _lock_holder(backend_store.location)
     try:
         assert holder.stdout is not None and holder.stdin is not None
@@ -655,8 +695,7 @@ def test_writer_lock_excludes_another_process(backend_store: Store):
         with pytest.raises(StoreLockedError) as raised:
             backend_store.acquire_writer()
         assert backend_store.location in str(raised.value)
-        with pytest.raises(UsageError):
-            backend_store.remove_stale_staging()
+        assert_cleanup_without_age(backend, backend_store)
         assert backend_store.list_generations() == []  # reading is never blocked
 
         holder.stdin.write("release\n")
@@ -697,7 +736,9 @@ def test_writer_lock_of_a_killed_process_is_released(backend_store: Store):
 
 
 @pytest.mark.timeout(20)  # a reader that blocks on the FIFO would hang here
-@pytest.mark.parametrize("kind", ["symlink", "fifo", "hardlink", "directory"])
+@pytest.mark.parametrize(
+    "kind", ["symlink", "fifo", "hardlink", "directory", "duplicate", "misplaced"]
+)
 def test_planted_entry_is_reported_unsafe_and_never_opened(
     backend: Backend, backend_store: Store, kind: str
 ):
@@ -755,7 +796,7 @@ def test_generation_that_is_not_a_generation_is_refused(
 
 
 @pytest.mark.timeout(20)
-@pytest.mark.parametrize("kind", ["staging_symlink", "lock_symlink"])
+@pytest.mark.parametrize("kind", ["staging_symlink", "lock_symlink", "lock_garbage"])
 def test_control_entries_are_never_followed_out_of_the_store(
     backend: Backend, backend_store: Store, kind: str
 ):

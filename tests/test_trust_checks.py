@@ -133,8 +133,10 @@ def test_older_checkpoint_offered_is_a_rollback(store, keys, tmp_path, signed):
     with manager(store, keys, tmp_path) as mgr, pytest.raises(RollbackError) as raised:
         mgr.restore(fresh)
     assert isinstance(raised.value, NoValidCheckpoint)
+    # The vanished step 2000 is reported too: the ledger saw it published.
     assert [(step, reason.split(":")[0]) for _, step, reason in raised.value.rejected] == [
-        (1000, "rollback")
+        (2000, "generation-missing"),
+        (1000, "rollback"),
     ]
     assert "below the restore floor 2000" in str(raised.value)
     assert_same_tensors(model_snapshot(fresh["model"]), before)

@@ -3,7 +3,7 @@
 Public names::
 
     CheckpointManager, RNGState, RestoreInfo, SaveHandle, GenerationInfo,
-    SkippedGeneration, errors, __version__
+    SkippedGeneration, Retention, errors, __version__
 
 Names that need torch are imported on first use, so ``ckptvault.errors`` and the
 command-line tools for listing and verifying stores start without importing torch.
@@ -17,6 +17,7 @@ from ckptvault import errors
 from ckptvault._version import __version__
 
 if TYPE_CHECKING:
+    from ckptvault.lifecycle.retention import Retention
     from ckptvault.manager import (
         CheckpointManager,
         RestoreInfo,
@@ -30,6 +31,7 @@ _LAZY = {
     "CheckpointManager": "ckptvault.manager",
     "GenerationInfo": "ckptvault.storage.listing",
     "RestoreInfo": "ckptvault.manager",
+    "Retention": "ckptvault.lifecycle.retention",
     "SaveHandle": "ckptvault.saving.handles",
     "SaveStats": "ckptvault.saving.handles",
     "SkippedGeneration": "ckptvault.manager",
@@ -41,6 +43,7 @@ __all__ = [
     "GenerationInfo",
     "RNGState",
     "RestoreInfo",
+    "Retention",
     "SaveHandle",
     "SaveStats",
     "SkippedGeneration",

@@ -1,9 +1,10 @@
 """What happened to a store, told to whoever listens.
 
 The manager's parts emit an event after each thing that happened: a generation was
-published, restored, refused (or, later, deleted). Subscribers turn events into
-their own records: the rollback ledger raises its floor, the audit log appends an
-entry; the catalog, metrics, replication and retention subscribe the same way. A
+published, restored, refused, marked for deletion, unmarked or deleted. Subscribers
+turn events into their own records: the rollback ledger raises its floor, the audit
+log appends an entry, retention plans and applies itself after a publish; the
+catalog, metrics and replication subscribe the same way. A
 new feature is a new subscriber, not a new branch in the manager.
 
 Subscribers run in the order they subscribed. An exception from one stops the rest
@@ -78,7 +79,55 @@ class Refused:
         return f"a restore from {self.store} was refused ({self.error})"
 
 
-Event = Published | Restored | Refused
+@dataclass(frozen=True)
+class Marked:
+    """Retention marked a generation for deletion: hidden from restore and ``ls``, its
+    bytes kept until the delete delay has passed (``ckptvault gc --undelete`` undoes it)."""
+
+    run_id: str | None
+    store: str
+    step: int
+    generation_id: str
+    reason: str
+    marked_at: str
+
+    @property
+    def summary(self) -> str:
+        return f"generation {self.generation_id} (step {self.step}) was marked for deletion"
+
+
+@dataclass(frozen=True)
+class Unmarked:
+    """A deletion mark was removed (undeleted, or kept again by the rules)."""
+
+    run_id: str | None
+    store: str
+    step: int
+    generation_id: str
+    reason: str
+
+    @property
+    def summary(self) -> str:
+        return f"generation {self.generation_id} (step {self.step}) was unmarked"
+
+
+@dataclass(frozen=True)
+class Deleted:
+    """A marked generation's bytes were deleted from every store (tier)."""
+
+    run_id: str | None
+    store: str
+    step: int
+    generation_id: str
+    reason: str
+    marked_at: str | None = None
+
+    @property
+    def summary(self) -> str:
+        return f"generation {self.generation_id} (step {self.step}) was deleted"
+
+
+Event = Published | Restored | Refused | Marked | Unmarked | Deleted
 Subscriber = Callable[[Event], None]
 
 

@@ -11,33 +11,26 @@ details; a new feature is a new part or an event subscriber.
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
+from datetime import datetime, timezone
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ckptvault.config import ManagerConfig, resolve_run_id, validate_step
-from ckptvault.coordinator import Coordinator, SingleProcess
+from ckptvault.assembly import ManagerOptions, assemble
+from ckptvault.config import validate_step
 from ckptvault.errors import UsageError
-from ckptvault.events import EventBus
-from ckptvault.format.container import DEFAULT_SEGMENT_SIZE
-from ckptvault.io.writer import default_threads
-from ckptvault.lifecycle.replication import Replicator
-from ckptvault.restoring.restorer import RestoreInfo, Restorer
+from ckptvault.lifecycle import marks
+from ckptvault.lifecycle.metrics import validate_metrics
+from ckptvault.restoring.restorer import RestoreInfo
 from ckptvault.restoring.selector import SkippedGeneration
-from ckptvault.run_context import RunContext
-from ckptvault.saving.generation_writer import GenerationWriter, WriteSettings
 from ckptvault.saving.handles import SaveHandle, SaveStats
-from ckptvault.saving.scheduler import SaveScheduler
 from ckptvault.state.capture import capture_state
-from ckptvault.state.contract import build_contract, code_revision, encode_contract_fields
-from ckptvault.storage import StoreLocation, open_store
+from ckptvault.storage import StoreLocation
 from ckptvault.storage.listing import GenerationInfo, list_generation_infos
-from ckptvault.trust.context import TrustContext
-from ckptvault.trust.digests import DEFAULT_CHUNK_SIZE
-from ckptvault.trust.keystore import KeyStore
-from ckptvault.trust.signing import PrivateKeyLike, PublicKeyLike
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 __all__ = ["CheckpointManager", "RestoreInfo", "SkippedGeneration"]
 
@@ -48,7 +41,7 @@ class CheckpointManager:
     """Saves and restores the training state of one run in one store.
 
     Args:
-        directory: the store: a local path or ``file://`` URL.
+        directory: the store: a local path, ``file://`` or ``s3://bucket/prefix`` URL.
         run_id: this run's identity, recorded in every manifest; restore skips
             generations of other runs. Required with any trust option; otherwise it
             defaults to the store directory's name.
@@ -76,74 +69,22 @@ class CheckpointManager:
         chunk_size: bytes per digest chunk in the manifest (default 4 MiB).
         segment_size: plaintext bytes per encrypted segment (default 1 MiB).
         coordinator: the rank/world seam (default: this process alone).
+        s3_endpoint_url, s3_part_size, s3_max_concurrency, object_lock_days: options of
+            an ``s3://bucket/prefix`` store (:class:`~ckptvault.storage.S3Options`).
         replicate_to: a second, durable tier (path or URL): every published generation
             is copied there in the background, and restore falls back to it.
+        retention: a :class:`~ckptvault.Retention` policy, applied after every publish
+            (generations it drops are marked, then deleted after its ``delete_delay``).
     """
 
-    def __init__(
-        self,
-        directory: StoreLocation,
-        *,
-        run_id: str | None = None,
-        contract: Mapping[str, Any] | None = None,
-        signing_key: PrivateKeyLike | None = None,
-        trusted_keys: Iterable[PublicKeyLike] | PublicKeyLike | None = None,
-        keystore: str | os.PathLike[str] | KeyStore | None = None,
-        ledger: str | os.PathLike[str] | None = None,
-        audit_log: str | os.PathLike[str] | None = None,
-        max_fallback: int | None = None,
-        async_save: bool = False,
-        max_in_flight: int = 1,
-        if_busy: str = "wait",
-        threads: int | None = None,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
-        segment_size: int = DEFAULT_SEGMENT_SIZE,
-        coordinator: Coordinator | None = None,
-        replicate_to: StoreLocation | None = None,
-    ) -> None:
-        self.store = open_store(directory)
-        trust_options: dict[str, Any] = dict(
-            signing_key=signing_key,
-            trusted_keys=trusted_keys,
-            keystore=keystore,
-            ledger=ledger,
-            audit_log=audit_log,
-        )
-        self.config = ManagerConfig(
-            run_id=resolve_run_id(run_id, self.store.location, trust_options),
-            contract=dict(contract) if contract is not None else None,
-            async_save=async_save,
-            max_in_flight=max_in_flight,
-            if_busy=if_busy,
-            threads=threads or default_threads(),
-            chunk_size=chunk_size,
-            segment_size=segment_size,
-            max_fallback=max_fallback,
-        )
-        self.run_id = self.config.run_id
-        encode_contract_fields(self.config.contract or {})  # fail now, not at the first save
-        self.trust = TrustContext.configure(**trust_options)
-        self.trust.check_outside(self.store)
-        self.coordinator = coordinator or SingleProcess()
-        self.events = EventBus(self.trust.subscribers())
-        self.replicator = Replicator.attach(
-            self.store, replicate_to, self.events, self.trust, self.run_id
-        )
-        run = RunContext(self.store, self.run_id, self.trust, self.coordinator, self.events)
-        contract_record = build_contract(self.config.contract, code_revision())
-        settings = WriteSettings(self.config.threads, chunk_size, segment_size)
-        self._writer = GenerationWriter(run, contract_record, settings)
-        self._scheduler = SaveScheduler(
-            self._writer.write, self._writer.announce, max_in_flight, if_busy
-        )
-        self._restorer = Restorer(
-            run,
-            self.config.threads,
-            self.config.contract,
-            max_fallback,
-            remote_tiers=[self.replicator.target] if self.replicator else [],
-            on_remote_restore=self.replicator.fetch if self.replicator else None,
-        )
+    def __init__(self, directory: StoreLocation, **options: Unpack[ManagerOptions]) -> None:
+        parts = assemble(directory, options)
+        self.store, self.config, self.trust = parts.store, parts.config, parts.trust
+        self.run_id = parts.config.run_id
+        self.coordinator, self.events = parts.coordinator, parts.events
+        self.replicator, self.retention = parts.replicator, parts.retention
+        self._writer, self._scheduler = parts.writer, parts.scheduler
+        self._restorer = parts.restorer
         self._closed = False
 
     @property
@@ -151,8 +92,15 @@ class CheckpointManager:
         """Counters of saves started, completed, failed and skipped, bytes, timings."""
         return self._scheduler.stats
 
-    def save(self, step: int, state: Mapping[str, Any], blocking: bool | None = None) -> SaveHandle:
-        """Save ``state`` as a new generation of ``step``.
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        blocking: bool | None = None,
+        metrics: Mapping[str, float] | None = None,
+    ) -> SaveHandle:
+        """Save ``state`` as a new generation of ``step``; ``metrics`` (name -> finite
+        number, e.g. ``{"val_loss": 0.3}``) are recorded in its manifest.
 
         Synchronous (the default unless ``async_save=True``): the generation is durable
         when this returns. Asynchronous (``blocking=False``): returns as soon as the
@@ -161,6 +109,7 @@ class CheckpointManager:
         ``wait`` or ``close``.
         """
         step = validate_step(step)
+        recorded = validate_metrics(metrics)
         self._check_open()
         self._scheduler.raise_background_error()
         started = time.perf_counter()
@@ -168,7 +117,7 @@ class CheckpointManager:
         captured = capture_state(state)  # unsupported values fail here, before any I/O
         self.store.acquire_writer()
         blocking = not self.config.async_save if blocking is None else blocking
-        return self._scheduler.submit(step, captured, blocking, started)
+        return self._scheduler.submit(step, captured, blocking, started, recorded)
 
     def wait(self) -> None:
         """Wait for every save in flight; raise the first background error not yet raised."""
@@ -203,9 +152,19 @@ class CheckpointManager:
             self._writer.parent = info.generation_id
         return info
 
-    def generations(self) -> list[GenerationInfo]:
-        """Published generations, newest first (not verified; see ``ckptvault verify``)."""
-        return list_generation_infos(self.store)
+    def generations(self, include_marked: bool = False) -> list[GenerationInfo]:
+        """Published generations, newest first (not verified; see ``ckptvault verify``);
+        those marked for deletion only with ``include_marked``."""
+        return list_generation_infos(self.store, include_marked)
+
+    def pin(self, step: int) -> GenerationInfo:
+        """Keep the newest generation of ``step`` from retention (a mark on it goes too)."""
+        ref = marks.pin(self.store, validate_step(step), datetime.now(timezone.utc))
+        return next(g for g in self.generations(True) if g.generation_id == ref.generation_id)
+
+    def unpin(self, step: int) -> None:
+        """Let retention decide about ``step``'s generations again."""
+        marks.unpin(self.store, validate_step(step))
 
     def close(self) -> None:
         """Wait for saves in flight and release the store's writer lock.

@@ -8,12 +8,15 @@ checked does not verify.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import typer
 
 from ckptvault.cli import audit, keys
+from ckptvault.cli._common import safe_text
 from ckptvault.cli.export import export, verify_export
+from ckptvault.cli.gc import gc
 from ckptvault.cli.inspect import inspect
 from ckptvault.cli.ls import ls
 from ckptvault.cli.verify import verify
@@ -33,12 +36,33 @@ app.command("inspect")(inspect)
 app.command("verify")(verify)
 app.command("export")(export)
 app.command("verify-export")(verify_export)
+app.command("gc")(gc)
 app.add_typer(keys.app, name="keys")
 app.add_typer(audit.app, name="audit")
 
 
+class _SafeLogText(logging.Filter):
+    """Warnings quote the store (why a generation was skipped: key ids, run ids,
+    names); on a terminal they are escaped like everything else the CLI prints."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg = safe_text(record.getMessage())
+        record.args = None
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns (and, as a script, exits with) the status code."""
+    logger = logging.getLogger("ckptvault")
+    log_filter = _SafeLogText()
+    logger.addFilter(log_filter)
+    try:
+        return _main(argv)
+    finally:
+        logger.removeFilter(log_filter)
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         result = app(args=argv, standalone_mode=False)
     except (CheckpointError, OSError) as exc:
@@ -78,7 +102,8 @@ def _version() -> str:
 
 
 def _fail(reason: str, code: int) -> int:
-    print(f"ckptvault: error: {reason}", file=sys.stderr)
+    # Error messages quote the store: one line, no control characters, on any terminal.
+    print(f"ckptvault: error: {safe_text(reason)}", file=sys.stderr)
     return code
 
 

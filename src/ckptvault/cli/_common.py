@@ -6,13 +6,17 @@ Nothing here imports torch: listing and verifying a store must start fast.
 from __future__ import annotations
 
 import json
+import re
 import sys
-from typing import Any
+from typing import Annotated, Any
 
+import typer
 from rich.console import Console
+from rich.markup import escape
 
 from ckptvault.errors import UsageError
 from ckptvault.restoring.selector import CandidateSelector
+from ckptvault.storage import S3Options
 from ckptvault.storage import open_store as _open_store
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.context import TrustContext
@@ -21,9 +25,22 @@ out = Console(soft_wrap=True, highlight=False)
 err = Console(stderr=True, soft_wrap=True, highlight=False)
 
 
-def open_store(location: str) -> Store:
+# Every command that takes a store takes this too; boto3 also reads AWS_ENDPOINT_URL.
+S3EndpointUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--s3-endpoint-url",
+        help="S3-compatible endpoint for s3:// stores (default: boto3's configuration, "
+        "e.g. AWS_ENDPOINT_URL).",
+    ),
+]
+STORE_HELP = "The checkpoint store (path, file:// or s3://bucket/prefix URL)."
+
+
+def open_store(location: str, s3_endpoint_url: str | None = None) -> Store:
     """The store a command reads; an error when nothing is there."""
-    return _open_store(location, must_exist=True)
+    s3 = S3Options.from_keywords(endpoint_url=s3_endpoint_url)
+    return _open_store(location, must_exist=True, s3=s3)
 
 
 def select(
@@ -38,9 +55,42 @@ def select(
     return selection.candidates[:1]
 
 
+# Characters a terminal acts on or that change what is shown: C0 and C1 controls
+# (ESC starts escape sequences, BEL, CR, backspace), DEL, line and paragraph
+# separators, bidirectional overrides; and lone surrogates, which are not text.
+_UNSAFE_BEYOND_C0 = "\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff"
+_UNSAFE_TEXT = re.compile(f"[\x00-\x1f{_UNSAFE_BEYOND_C0}]")
+_UNSAFE_IN_JSON = re.compile(f"[{_UNSAFE_BEYOND_C0}]")  # json.dumps escapes C0 itself
+
+
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def safe_text(value: object) -> str:
+    """``value`` as text that is safe on a terminal: every control character (and
+    every other character listed above) shown as a ``\\xNN``/``\\uNNNN`` escape.
+    For any string that came from the store (run ids, key ids, reasons, names)."""
+    return _UNSAFE_TEXT.sub(_escaped, str(value))
+
+
+def safe_markup(value: object) -> str:
+    """:func:`safe_text` with rich markup escaped: for store-derived strings placed
+    inside a string printed with markup, or in a table cell."""
+    return escape(safe_text(value))
+
+
+def json_text(value: Any, indent: int | None = 2) -> str:
+    """Exact JSON whose text is safe on a terminal: what :func:`safe_text` escapes is
+    written as JSON ``\\uNNNN`` escapes (the same value), never raw."""
+    text = json.dumps(value, indent=indent, ensure_ascii=False)
+    return _UNSAFE_IN_JSON.sub(lambda match: f"\\u{ord(match.group()):04x}", text)
+
+
 def print_json(value: Any) -> None:
     """Pure JSON on stdout, never wrapped or styled, whatever the terminal width."""
-    sys.stdout.write(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+    sys.stdout.write(json_text(value) + "\n")
     sys.stdout.flush()
 
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ckptvault.cli._common import err, out, print_json
+from ckptvault.cli._common import err, out, print_json, safe_markup
 from ckptvault.errors import UsageError
 from ckptvault.trust.audit_verify import verify_audit_log
 from ckptvault.trust.ledger import Ledger, default_ledger_path
@@ -49,7 +49,7 @@ def verify(
         )
     else:
         for problem in report.problems:
-            out.print(f"[red]FAIL[/red] {problem}", markup=True)
+            out.print(f"[red]FAIL[/red] {safe_markup(problem)}", markup=True)
         if report.ok:
             out.print(f"[green]OK[/green]   {report.entries} entries, chain intact")
             if not report.head_checked:

@@ -7,12 +7,13 @@ from typing import Annotated
 
 import typer
 
-from ckptvault.cli._common import human_bytes, out
+from ckptvault.cli._common import STORE_HELP, S3EndpointUrl, human_bytes, out, safe_markup
+from ckptvault.storage import S3Options
 from ckptvault.trust.keystore import LocalKeyStore
 
 
 def export(
-    store: Annotated[str, typer.Argument(help="The checkpoint store (path or file:// URL).")],
+    store: Annotated[str, typer.Argument(help=STORE_HELP)],
     step: Annotated[int, typer.Option(help="The step to export.")],
     out_path: Annotated[Path, typer.Option("--out", help="The safetensors file to write.")],
     key: Annotated[str, typer.Option(help="The state entry to export.")] = "model",
@@ -33,6 +34,7 @@ def export(
     run_id: Annotated[str | None, typer.Option(help="Require this run id.")] = None,
     audit_log: Annotated[Path | None, typer.Option(help="Audit log to record in.")] = None,
     ledger: Annotated[Path | None, typer.Option(help="Ledger of abandoned generations.")] = None,
+    s3_endpoint_url: S3EndpointUrl = None,
 ) -> None:
     """Write the tensors of one state entry, and nothing else, as safetensors.
 
@@ -53,13 +55,15 @@ def export(
         keystore=LocalKeyStore(keystore) if keystore else None,
         audit_log=audit_log,
         ledger=ledger,
+        s3=S3Options.from_keywords(endpoint_url=s3_endpoint_url),
     )
     out.print(
-        f"exported {result.tensors} tensors ({human_bytes(result.bytes)}) of {key!r} from step "
-        f"{result.step} ({result.generation_id}) to {result.path}"
+        f"exported {result.tensors} tensors ({human_bytes(result.bytes)}) of "
+        f"{safe_markup(repr(key))} from step {result.step} "
+        f"({safe_markup(result.generation_id)}) to {safe_markup(result.path)}"
     )
     if result.manifest_path is not None:
-        out.print(f"signed export manifest: {result.manifest_path}")
+        out.print(f"signed export manifest: {safe_markup(result.manifest_path)}")
 
 
 def verify_export(
@@ -74,6 +78,7 @@ def verify_export(
     result = check(file, trusted_key)
     source = result.source
     out.print(
-        f"[green]OK[/green] {file} signed by {result.signer}: run {source['run_id']!r}, step "
-        f"{source['step']}, generation {source['generation_id']}"
+        f"[green]OK[/green] {safe_markup(file)} signed by {safe_markup(result.signer)}: run "
+        f"{safe_markup(repr(source['run_id']))}, step {safe_markup(source['step'])}, "
+        f"generation {safe_markup(source['generation_id'])}"
     )

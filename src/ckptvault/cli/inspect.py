@@ -8,14 +8,23 @@ against its chunk digests, as restore does); it does not hash the rest of the da
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from ckptvault.cli._common import human_bytes, open_store, out, print_json, select
+from ckptvault.cli._common import (
+    STORE_HELP,
+    S3EndpointUrl,
+    human_bytes,
+    json_text,
+    open_store,
+    out,
+    print_json,
+    safe_markup,
+    select,
+)
 from ckptvault.errors import FormatError
 from ckptvault.format.manifest import Manifest
 from ckptvault.format.tensorfile import element_size
@@ -24,14 +33,15 @@ from ckptvault.trust.problems import GenerationRejected
 
 
 def inspect(
-    directory: Annotated[str, typer.Argument(help="The checkpoint store (path or file:// URL).")],
+    directory: Annotated[str, typer.Argument(help=STORE_HELP)],
     step: Annotated[
         int | None, typer.Option(help="Inspect the newest generation of this step.")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False,
+    s3_endpoint_url: S3EndpointUrl = None,
 ) -> None:
     """Show a generation's tensors, JSON leaves, contract and files."""
-    store = open_store(directory)
+    store = open_store(directory, s3_endpoint_url)
     ref = select(store, step, every=False)[0]
     try:
         manifest = check_structure(store, ref).manifest
@@ -77,26 +87,34 @@ def _report(manifest: Manifest, location: str) -> dict[str, Any]:
 
 
 def _print_report(report: dict[str, Any]) -> None:
+    # Everything below comes from the manifest, unverified: escaped for the terminal
+    # (control characters) and for rich (markup such as "[/bold]").
     gen = report["generation"]
     out.print(
-        f"[bold]step {gen['step']}[/bold]  {gen['generation_id']}  run {gen['run_id']}  "
-        f"{human_bytes(gen['bytes'])}  created {gen['created_at']}"
+        f"[bold]step {gen['step']}[/bold]  {safe_markup(gen['generation_id'])}  "
+        f"run {safe_markup(gen['run_id'])}  {human_bytes(gen['bytes'])}  "
+        f"created {safe_markup(gen['created_at'])}"
     )
     tensors = Table(title="tensors", box=None, pad_edge=False, title_justify="left")
     for column in ("key", "dtype", "shape", "bytes"):
         tensors.add_column(column, justify="right" if column == "bytes" else "left")
     for row in report["tensors"]:
-        tensors.add_row(row["key"], row["dtype"], str(row["shape"]), human_bytes(row["bytes"]))
+        tensors.add_row(
+            safe_markup(row["key"]),
+            safe_markup(row["dtype"]),
+            safe_markup(row["shape"]),
+            human_bytes(row["bytes"]),
+        )
     out.print(tensors)
     out.print("[bold]state[/bold] (tensors shown as <dtype\\[shape]>)")
-    out.print(json.dumps(report["state"], indent=2, ensure_ascii=False), markup=False)
+    out.print(json_text(report["state"]), markup=False, emoji=False)
     out.print("[bold]contract[/bold]")
-    out.print(json.dumps(report["contract"], indent=2, ensure_ascii=False), markup=False)
+    out.print(json_text(report["contract"]), markup=False, emoji=False)
     files = Table(title="files", box=None, pad_edge=False, title_justify="left")
     for column in ("name", "size", "blake3"):
         files.add_column(column)
     for name, record in sorted(report["files"].items()):
-        files.add_row(name, human_bytes(record["size"]), record["blake3"])
+        files.add_row(safe_markup(name), human_bytes(record["size"]), safe_markup(record["blake3"]))
     out.print(files)
 
 
@@ -106,7 +124,8 @@ def _describe(value: Any, tensors: dict[str, Any]) -> Any:
         return [_describe(v, tensors) for v in value]
     if isinstance(value, dict):
         if set(value) == {"$tensor"}:
-            info = tensors.get(value["$tensor"])
+            key = value["$tensor"]
+            info = tensors.get(key) if isinstance(key, str) else None
             return f"<{info['dtype']}{info['shape']}>" if info else "<missing tensor>"
         return {k: _describe(v, tensors) for k, v in value.items()}
     return value

@@ -1,4 +1,8 @@
-"""``ckptvault ls DIR [--json]``: the store's generations, newest first."""
+"""``ckptvault ls DIR [--json] [--all]``: the store's generations, newest first.
+
+Generations retention marked for deletion are left out; ``--all`` shows them with
+their mark (since when, and why).
+"""
 
 from __future__ import annotations
 
@@ -7,29 +11,53 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ckptvault.cli._common import human_bytes, open_store, out, print_json
+from ckptvault.cli._common import (
+    STORE_HELP,
+    S3EndpointUrl,
+    human_bytes,
+    open_store,
+    out,
+    print_json,
+    safe_markup,
+)
 from ckptvault.storage.listing import list_generation_infos
 
 
 def ls(
-    directory: Annotated[str, typer.Argument(help="The checkpoint store (path or file:// URL).")],
+    directory: Annotated[str, typer.Argument(help=STORE_HELP)],
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list on stdout.")] = False,
+    every: Annotated[
+        bool, typer.Option("--all", help="Also list generations marked for deletion.")
+    ] = False,
+    s3_endpoint_url: S3EndpointUrl = None,
 ) -> None:
     """List generations (step, id, path, size, creation time), newest first."""
-    infos = list_generation_infos(open_store(directory))
+    infos = list_generation_infos(open_store(directory, s3_endpoint_url), include_marked=every)
     if as_json:
         print_json([info.to_json() for info in infos])
         return
     if not infos:
-        out.print(f"no generations in {directory}")
+        out.print(f"no generations in {safe_markup(directory)}")
         return
     table = Table(box=None, pad_edge=False)
-    for column in ("step", "generation id", "created", "size", "path"):
+    columns = ["step", "generation id", "created", "size", "path"]
+    if every:
+        columns.append("marked for deletion")
+    for column in columns:
         table.add_column(
             column, justify="right" if column in ("step", "size") else "left", overflow="fold"
         )
     for info in infos:
-        table.add_row(
-            str(info.step), info.generation_id, info.created_at, human_bytes(info.bytes), info.path
-        )
+        row = [
+            str(info.step),
+            info.generation_id,
+            info.created_at,
+            human_bytes(info.bytes),
+            info.path,
+        ]
+        if every:
+            row.append(f"since {info.marked_at}: {info.mark_reason}" if info.marked_at else "")
+        # Names, times and deletion marks are read from the store: escaped for the
+        # terminal and for rich's markup.
+        table.add_row(*(safe_markup(cell) for cell in row))
     out.print(table)

@@ -4,7 +4,8 @@ Without a flag the newest generation is checked. Exit status 0 only when every
 generation checked verifies; each failing rule is printed with its file and reason.
 The JSON report's ``signer`` is a key id only when the signature was verified against
 a ``--trusted-key``; ``"unverified"`` when the generation is signed but no trusted key
-was given; null when it is unsigned.
+was given; null when it is unsigned. ``notes`` says what could not be checked: verify
+takes no key store, so an encrypted manifest's MAC is left to restore and export.
 """
 
 from __future__ import annotations
@@ -15,10 +16,26 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from ckptvault.cli._common import err, human_bytes, open_store, out, print_json, select
+from ckptvault.cli._common import (
+    STORE_HELP,
+    S3EndpointUrl,
+    err,
+    human_bytes,
+    open_store,
+    out,
+    print_json,
+    safe_markup,
+    safe_text,
+    select,
+)
 from ckptvault.errors import CheckpointError, UsageError
 from ckptvault.storage.base import GenerationRef, Store
-from ckptvault.trust.checks import TrustPolicy, VerificationReport, verify_generation
+from ckptvault.trust.checks import (
+    UNVERIFIED_SIGNER,
+    TrustPolicy,
+    VerificationReport,
+    verify_generation,
+)
 from ckptvault.trust.context import TrustContext
 from ckptvault.trust.signing import TrustedKeys
 
@@ -26,7 +43,7 @@ PROGRESS_THRESHOLD = 64 * 1024 * 1024  # show a bar only when hashing is not ins
 
 
 def verify(
-    directory: Annotated[str, typer.Argument(help="The checkpoint store (path or file:// URL).")],
+    directory: Annotated[str, typer.Argument(help=STORE_HELP)],
     step: Annotated[int | None, typer.Option(help="Check the generations of this step.")] = None,
     every: Annotated[bool, typer.Option("--all", help="Check every generation.")] = False,
     run_id: Annotated[str | None, typer.Option(help="Also require this run id.")] = None,
@@ -35,11 +52,12 @@ def verify(
         typer.Option("--trusted-key", help="Require a signature by this public key (repeatable)."),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON report on stdout.")] = False,
+    s3_endpoint_url: S3EndpointUrl = None,
 ) -> None:
     """Verify manifests, file sets, sizes and every digest."""
     if step is not None and every:
         raise UsageError("--step and --all are mutually exclusive")
-    store = open_store(directory)
+    store = open_store(directory, s3_endpoint_url)
     trust = TrustContext(trusted=TrustedKeys.load(trusted_key) if trusted_key else None)
     policy = trust.policy(run_id, floor=None)
     reports = [_verify_one(store, ref, policy) for ref in select(store, step, every, trust)]
@@ -80,7 +98,21 @@ def _report_json(report: VerificationReport) -> dict[str, Any]:
         "signer": report.signer,
         "encrypted": bool(report.manifest and report.manifest.encryption),
         "problems": [{"code": p.code, "file": p.file, "detail": p.detail} for p in report.problems],
+        "notes": _notes(report),
     }
+
+
+def _notes(report: VerificationReport) -> list[str]:
+    """What this check could not cover. Not failures: verify runs without a key."""
+    manifest = report.manifest
+    if manifest is None or manifest.encryption is None:
+        return []
+    if report.signer not in (None, UNVERIFIED_SIGNER):
+        return []  # the verified signature covers the whole manifest
+    return [
+        "encrypted and not signed by a trusted key: the digests were checked, but the "
+        "manifest's MAC needs the run's key and was not (restore and export check it)"
+    ]
 
 
 def _print_report(report: VerificationReport) -> None:
@@ -89,14 +121,21 @@ def _print_report(report: VerificationReport) -> None:
         size = human_bytes(report.manifest.total_bytes) if report.manifest else "?"
         files = len(report.manifest.files) if report.manifest else 0
         out.print(
-            f"[green]OK[/green]   step {ref.step}  {ref.generation_id}  ({files} files, {size})"
+            f"[green]OK[/green]   step {ref.step}  {safe_markup(ref.generation_id)}  "
+            f"({files} files, {size})"
         )
-        return
-    out.print(f"[red]FAIL[/red] step {ref.step}  {ref.generation_id}  {ref.location}")
-    for problem in report.problems:
-        where = (
-            f"{problem.file}: "
-            if problem.file and not problem.detail.startswith(problem.file)
-            else ""
+    else:
+        out.print(
+            f"[red]FAIL[/red] step {ref.step}  {safe_markup(ref.generation_id)}  "
+            f"{safe_markup(ref.location)}"
         )
-        out.print(f"     - {problem.code}: {where}{problem.detail}", markup=False)
+        for problem in report.problems:
+            where = (
+                f"{problem.file}: "
+                if problem.file and not problem.detail.startswith(problem.file)
+                else ""
+            )
+            # Details quote the store (key ids, run ids, names): never raw on a terminal.
+            out.print(safe_text(f"     - {problem.code}: {where}{problem.detail}"), markup=False)
+    for note in _notes(report):
+        out.print(f"     note: {note}", markup=False)

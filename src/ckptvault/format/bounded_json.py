@@ -13,7 +13,10 @@ whatever it is handed. :func:`loads_bounded` checks, in this order and before
 3. integer literals longer than :data:`MAX_INT_DIGITS` digits (CPython's default
    limit, which a process may have lifted, and which Python 3.10 lacks).
 
-While parsing it refuses ``NaN``/``Infinity`` and numbers that overflow to infinity.
+While parsing it refuses ``NaN``/``Infinity`` and numbers that overflow to infinity,
+and afterwards strings holding a lone surrogate (a ``"\ud800"`` escape without its
+pair): UTF-8 cannot encode one, so every later ``.encode()`` of it (canonical JSON,
+the audit log, a terminal) would fail far from here.
 Every failure is a :class:`~ckptvault.errors.FormatError`, never a raw exception.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -39,6 +43,8 @@ _STEPS[[ord("["), ord("{")]] = 1
 _STEPS[[ord("]"), ord("}")]] = -1
 _DIGITS = np.zeros(256, dtype=bool)
 _DIGITS[ord("0") : ord("9") + 1] = True
+# A \uD800-\uDFFF escape: the only way a surrogate gets into strictly decoded UTF-8.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _run_lengths(flags: np.ndarray, carried: int) -> np.ndarray:
@@ -123,8 +129,37 @@ def loads_bounded(
     if refusal is not None:
         raise FormatError(f"{what} {refusal}; ckptvault never writes that")
     try:
-        return json.loads(
+        value = json.loads(
             data.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float
         )
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"{what} is not valid UTF-8 JSON: {exc}") from exc
+    if _SURROGATE_ESCAPE.search(data) and _has_lone_surrogate(value):
+        raise FormatError(
+            f"{what} holds a string with a lone surrogate escape (\\ud800-\\udfff), which is "
+            "not text; ckptvault never writes that"
+        )
+    return value
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether any string (or object key) in a parsed document cannot be UTF-8."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            strings = [item]
+        elif isinstance(item, dict):
+            strings = list(item)
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+            continue
+        else:
+            continue
+        for text in strings:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+    return False

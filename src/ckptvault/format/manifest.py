@@ -15,11 +15,16 @@ Top-level keys (format version 1):
   ``{"$tensor": key}`` references into ``dcp``)
 - ``contract``: the run contract (user fields, code revision, versions)
 - ``writer``: who wrote it (ckptvault version, world size)
-- ``encryption`` (encrypted generations only): see :class:`EncryptionSection`
+- ``encryption`` (encrypted generations only): see :class:`EncryptionSection`;
+  it also carries the manifest's MAC over :func:`authenticated_bytes`
+- ``metrics`` (optional): name -> finite number, as given to ``save(..., metrics=)``;
+  retention's ``keep_best`` reads it. Covered by the self-digest and the signature
+  like every other key; manifests without it parse as before.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,7 +36,12 @@ from ckptvault.errors import FormatError
 from ckptvault.format.bounded_json import MAX_DOCUMENT_DEPTH, scan_json
 from ckptvault.format.canonical import dumps_canonical, loads_canonical
 from ckptvault.format.layout import MANIFEST_NAME, MAX_STEP, SIGNATURE_NAME, is_generation_id
-from ckptvault.format.records import EncryptionSection, FileRecord, check_dcp_section
+from ckptvault.format.records import (
+    MANIFEST_MAC,
+    EncryptionSection,
+    FileRecord,
+    check_dcp_section,
+)
 
 FORMAT_VERSION = 1
 MAX_CHUNK_SIZE = 1 << 30
@@ -47,6 +57,9 @@ MAX_MANIFEST_DEPTH = MAX_DOCUMENT_DEPTH
 # traversal, never one of the reserved names.
 _FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
 RESERVED_NAMES = frozenset({MANIFEST_NAME, SIGNATURE_NAME})
+MAX_METRICS = 256
+_METRIC_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:/-]{0,127}$")
+_MAX_METRIC_INT = 2**63
 
 
 class ManifestDigestError(FormatError):
@@ -80,6 +93,7 @@ class Manifest:
     writer: dict[str, Any] = field(default_factory=dict)
     encryption: EncryptionSection | None = None
     format_version: int = FORMAT_VERSION
+    metrics: dict[str, int | float] | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -102,7 +116,13 @@ class Manifest:
         }
         if self.encryption is not None:
             document["encryption"] = self.encryption.to_json()
+        if self.metrics is not None:
+            document["metrics"] = dict(self.metrics)
         return document
+
+    def authenticated_bytes(self) -> bytes:
+        """What the MAC of this manifest covers (see :func:`authenticated_bytes`)."""
+        return authenticated_bytes(self.to_json())
 
     def to_bytes(self) -> bytes:
         """Canonical bytes, with the BLAKE3 of everything else as ``manifest_blake3``
@@ -125,6 +145,36 @@ class Manifest:
         return data
 
 
+def authenticated_bytes(document: Mapping[str, Any]) -> bytes:
+    """The byte string an encrypted manifest's MAC covers.
+
+    It is the canonical JSON (:func:`dumps_canonical`) of the manifest document with
+    exactly two keys left out: the top-level self-digest ``manifest_blake3`` (derived
+    from everything else, and computed after the MAC) and ``encryption.manifest_mac``
+    (the MAC itself). Every other key at every level stays, unknown ones included,
+    and so does the wrapped MAC key. The writer computes it from the document it is
+    about to publish; a reader from the stored bytes (:func:`stored_authenticated_bytes`).
+    Both give the same bytes because the stored manifest must be canonical: one byte
+    string per value, so removing two keys and re-serializing is unambiguous.
+    """
+    body = {key: value for key, value in document.items() if key != SELF_DIGEST_KEY}
+    encryption = body.get("encryption")
+    if isinstance(encryption, dict):
+        body["encryption"] = {k: v for k, v in encryption.items() if k != MANIFEST_MAC}
+    return dumps_canonical(body)
+
+
+def stored_authenticated_bytes(data: bytes, where: str) -> bytes:
+    """:func:`authenticated_bytes` of a stored manifest, from its exact bytes (the
+    ones :func:`parse_manifest` accepted, so this parses them the same way)."""
+    raw = loads_canonical(
+        data, f"{where}/{MANIFEST_NAME}", max_depth=MAX_MANIFEST_DEPTH, max_bytes=MAX_MANIFEST_BYTES
+    )
+    if not isinstance(raw, dict):
+        raise FormatError(f"{where}: manifest is not a JSON object")
+    return authenticated_bytes(raw)
+
+
 def _require(obj: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
     if key not in obj:
         raise FormatError(f"{where}: required key {key!r} is missing")
@@ -132,6 +182,32 @@ def _require(obj: Mapping[str, Any], key: str, kind: type | tuple[type, ...], wh
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise FormatError(f"{where}: key {key!r} has the wrong type ({type(value).__name__})")
     return value
+
+
+def check_metrics(value: object, where: str) -> dict[str, int | float]:
+    """The ``metrics`` section: at most 256 names (letters, digits, ``_.:/-``, not
+    starting with a digit) mapped to finite ints or floats (never bools)."""
+    if not isinstance(value, dict):
+        raise FormatError(f"{where}: metrics must be an object of name -> number")
+    if len(value) > MAX_METRICS:
+        raise FormatError(f"{where}: at most {MAX_METRICS} metrics, got {len(value)}")
+    checked: dict[str, int | float] = {}
+    for name, number in value.items():
+        if not isinstance(name, str) or not _METRIC_NAME_RE.match(name):
+            raise FormatError(
+                f"{where}: metric name {name!r} is not a plain name (letters, digits, _ . : / -, "
+                "at most 128, not starting with a digit)"
+            )
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise FormatError(
+                f"{where}: metric {name!r} is {type(number).__name__}, not a plain number"
+            )
+        if isinstance(number, float) and not math.isfinite(number):
+            raise FormatError(f"{where}: metric {name!r} is {number}; only finite numbers")
+        if isinstance(number, int) and abs(number) >= _MAX_METRIC_INT:
+            raise FormatError(f"{where}: metric {name!r} is out of range (|n| < 2**63)")
+        checked[name] = number
+    return checked
 
 
 def check_format_version(version: object, where: str) -> int:
@@ -227,4 +303,5 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
             if raw.get("encryption") is not None
             else None
         ),
+        metrics=check_metrics(raw["metrics"], where) if raw.get("metrics") is not None else None,
     )

@@ -29,6 +29,9 @@ from ckptvault.format.tensorfile import (
 
 _HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
 MAX_WRAPPED_KEY_CHARS = 4096
+# The encryption section's manifest-authentication fields (see EncryptionSection).
+WRAPPED_MAC_KEY = "wrapped_mac_key"
+MANIFEST_MAC = "manifest_mac"
 
 
 @dataclass(frozen=True)
@@ -64,15 +67,25 @@ class FileRecord:
 @dataclass(frozen=True)
 class EncryptionSection:
     """How an encrypted generation's files are keyed: every file has its own data
-    key, stored only wrapped by the run's key-encryption key ``kek_id``."""
+    key, stored only wrapped by the run's key-encryption key ``kek_id``.
+
+    ``wrapped_mac_key`` and ``manifest_mac`` authenticate the whole manifest for
+    whoever holds the KEK (see :mod:`ckptvault.trust.manifest_auth`): a random key,
+    stored only wrapped, and the keyed BLAKE3 of the manifest's authenticated bytes
+    (:func:`ckptvault.format.manifest.authenticated_bytes`) as 64 hex digits. Both or
+    neither: a section without them (written before manifests were authenticated,
+    or stripped) parses, and restore refuses it (``manifest-unauthenticated``).
+    """
 
     cipher: str
     kek_id: str
     segment_size: int
     wrapped_keys: Mapping[str, bytes]  # file name -> wrapped data key
+    wrapped_mac_key: bytes | None = None  # the manifest MAC key, wrapped by the KEK
+    manifest_mac: str | None = None  # keyed BLAKE3, hex; None only while sealing
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        document: dict[str, Any] = {
             "cipher": self.cipher,
             "kek_id": self.kek_id,
             "segment_size": self.segment_size,
@@ -81,11 +94,17 @@ class EncryptionSection:
                 for name, wrapped in sorted(self.wrapped_keys.items())
             },
         }
+        if self.wrapped_mac_key is not None:
+            document[WRAPPED_MAC_KEY] = base64.b64encode(self.wrapped_mac_key).decode("ascii")
+        if self.manifest_mac is not None:
+            document[MANIFEST_MAC] = self.manifest_mac
+        return document
 
     @classmethod
     def parse(cls, raw: Any, files: Mapping[str, FileRecord], where: str) -> EncryptionSection:
         """Validate the ``encryption`` section: a wrapped key per listed file, never a
-        plaintext key."""
+        plaintext key; the manifest MAC and its wrapped key both present or both
+        absent."""
         where = f"{where} encryption"
         if not isinstance(raw, dict):
             raise FormatError(f"{where}: must be an object")
@@ -106,13 +125,31 @@ class EncryptionSection:
             encoded = entry.get("wrapped_key") if isinstance(entry, dict) else None
             if name not in files or not isinstance(encoded, str):
                 raise FormatError(f"{where}: entry for {name!r} is malformed")
-            if len(encoded) > MAX_WRAPPED_KEY_CHARS:
-                raise FormatError(f"{where}: wrapped key of {name!r} is implausibly long")
-            try:
-                wrapped_keys[name] = base64.b64decode(encoded, validate=True)
-            except (binascii.Error, ValueError) as exc:
-                raise FormatError(f"{where}: wrapped key of {name!r} is not base64") from exc
-        return cls(cipher, kek_id, segment_size, wrapped_keys)
+            wrapped_keys[name] = _wrapped_key(encoded, f"wrapped key of {name!r}", where)
+        wrapped_mac_key, manifest_mac = _manifest_authentication(raw, where)
+        return cls(cipher, kek_id, segment_size, wrapped_keys, wrapped_mac_key, manifest_mac)
+
+
+def _wrapped_key(encoded: str, what: str, where: str) -> bytes:
+    if len(encoded) > MAX_WRAPPED_KEY_CHARS:
+        raise FormatError(f"{where}: {what} is implausibly long")
+    try:
+        return base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise FormatError(f"{where}: {what} is not base64") from exc
+
+
+def _manifest_authentication(raw: dict[str, Any], where: str) -> tuple[bytes | None, str | None]:
+    """``(wrapped MAC key, MAC)``: both present and well formed, or both absent."""
+    encoded, mac = raw.get(WRAPPED_MAC_KEY), raw.get(MANIFEST_MAC)
+    if encoded is None and mac is None:
+        return None, None
+    if not isinstance(encoded, str) or not isinstance(mac, str) or not _HEX64_RE.match(mac):
+        raise FormatError(
+            f"{where}: {WRAPPED_MAC_KEY} (base64) and {MANIFEST_MAC} (64 lowercase hex digits) "
+            "must be given together"
+        )
+    return _wrapped_key(encoded, WRAPPED_MAC_KEY, where), mac
 
 
 def check_dcp_section(raw: Any, where: str) -> dict[str, Any]:

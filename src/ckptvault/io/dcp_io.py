@@ -9,6 +9,7 @@ callers see ckptvault's typed errors.
 
 from __future__ import annotations
 
+import errno
 import math
 import warnings
 from collections.abc import Callable
@@ -86,10 +87,19 @@ def allocate_destinations(
             f"{where}: the manifest's tensors take {needed} bytes, more than the "
             f"{manifest.total_bytes} its files hold"
         )
-    destinations = {
-        fqn: torch.empty(tuple(info.size), dtype=info.properties.dtype)
-        for fqn, info in infos.items()
-    }
+    try:
+        destinations = {
+            fqn: torch.empty(tuple(info.size), dtype=info.properties.dtype)
+            for fqn, info in infos.items()
+        }
+    except (RuntimeError, MemoryError) as exc:  # the allocator's own error, untyped
+        # An OSError, so that the loader skips the generation as unreadable here.
+        raise OSError(
+            errno.ENOMEM,
+            f"{where}: cannot allocate the {needed} bytes its tensors take "
+            f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); restore it on a "
+            "machine with more memory, or check that the generation is genuine",
+        ) from exc
     return destinations, metadata, locations
 
 

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckptvault.errors import FormatError
+from ckptvault.format.tensorfile import DTYPES
 
 
 @dataclass(frozen=True)
@@ -44,9 +45,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str, where: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
+    # Only names tensor files can hold: never getattr(torch, <a string from the store>).
+    dtype = getattr(torch, name, None) if type(name) is str and name in DTYPES else None
     if not isinstance(dtype, torch.dtype):
-        raise FormatError(f"{where}: unknown dtype {name!r}")
+        raise FormatError(f"{where}: unknown dtype {str(name)[:64]!r}")
     return dtype
 
 

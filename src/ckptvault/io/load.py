@@ -18,20 +18,22 @@ from ckptvault.errors import (
     KeyUnavailableError,
     UnsafeEntryError,
 )
-from ckptvault.format.layout import is_encrypted_name
+from ckptvault.format.layout import MANIFEST_NAME, is_encrypted_name
 from ckptvault.format.manifest import Manifest
 from ckptvault.io.dcp_io import read_tensors
 from ckptvault.io.state_file import encrypted_state_reference, read_state_file
 from ckptvault.state.capture import decode_tree
 from ckptvault.storage.base import GenerationRef, Store
-from ckptvault.trust.checks import TrustPolicy, check_structure
+from ckptvault.trust.checks import CheckedGeneration, TrustPolicy, check_structure
 from ckptvault.trust.envelope import binding
 from ckptvault.trust.keystore import KeyStore
+from ckptvault.trust.manifest_auth import ManifestAuthenticationError, authenticate_manifest
 from ckptvault.trust.problems import (
     AUTHENTICATION_FAILED,
     DIGEST_MISMATCH,
     KEY_UNAVAILABLE,
     MANIFEST_INVALID,
+    MANIFEST_UNAUTHENTICATED,
     NOT_ENCRYPTED,
     TENSOR_FILE_INVALID,
     UNREADABLE,
@@ -66,6 +68,7 @@ def load_verified(
     manifest = checked.manifest
     if require_encryption:
         _require_all_encrypted(ref, manifest)
+    _authenticate(ref, checked, keystore)  # before any key, tensor or state byte is used
     data_keys = _data_keys(ref, manifest, keystore)
     try:
         tree = _state_tree(store, ref, manifest, data_keys)
@@ -90,7 +93,10 @@ def load_verified(
 def _require_all_encrypted(ref: GenerationRef, manifest: Manifest) -> None:
     """An encrypted run never writes plaintext: every data file is an encrypted
     container with a wrapped key, and the state is in the encrypted state file. A
-    generation that is not was planted, or written before encryption was turned on."""
+    generation that is not was planted, or written before encryption was turned on.
+    Nor does it write an unauthenticated manifest: an encrypted generation without a
+    manifest MAC is refused by :func:`_authenticate` (``manifest-unauthenticated``),
+    which runs for every encrypted generation, in an encrypted run or not."""
     wrapped = manifest.encryption.wrapped_keys if manifest.encryption else {}
     plain = sorted(n for n in manifest.files if not (is_encrypted_name(n) and n in wrapped))
     try:
@@ -102,6 +108,34 @@ def _require_all_encrypted(ref: GenerationRef, manifest: Manifest) -> None:
         raise GenerationRejected(
             ref, [Problem(NOT_ENCRYPTED, f"{what} not encrypted, but this run encrypts")]
         )
+
+
+def _authenticate(
+    ref: GenerationRef, checked: CheckedGeneration, keystore: KeyStore | None
+) -> None:
+    """An encrypted manifest must carry a MAC made with its run's key, over exactly
+    the bytes that were parsed (see :mod:`ckptvault.trust.manifest_auth`)."""
+    manifest = checked.manifest
+    if manifest.encryption is None:
+        return
+    if keystore is None:
+        raise GenerationRejected(
+            ref,
+            [Problem(KEY_UNAVAILABLE, "the generation is encrypted; pass keystore= to read it")],
+        )
+    where = f"generation {ref.generation_id} (step {ref.step})"
+    try:
+        authenticate_manifest(manifest, checked.manifest_bytes, keystore, where)
+    except KeyDestroyedError:
+        raise
+    except ManifestAuthenticationError as exc:
+        problem = Problem(MANIFEST_UNAUTHENTICATED, str(exc), MANIFEST_NAME)
+        raise GenerationRejected(ref, [problem]) from exc
+    except (KeyUnavailableError, ValueError) as exc:  # ValueError: a malformed wrapped key
+        problem = Problem(KEY_UNAVAILABLE, f"the manifest MAC key: {exc}", MANIFEST_NAME)
+        raise GenerationRejected(ref, [problem]) from exc
+    except FormatError as exc:  # the bytes parsed once already; a second parse agrees
+        raise GenerationRejected(ref, [Problem(MANIFEST_INVALID, str(exc))]) from exc
 
 
 def _state_tree(

@@ -190,9 +190,9 @@ class VaultStorageReader(StorageReader):
         verifier = ChunkVerifier(record, chunk_size, where, whole_file=False)
         if name not in self.data_keys and hasattr(os, "preadv"):
             with self.store.open_file(self.ref, name) as stream:
-                fileno = getattr(stream, "fileno", None)
-                if fileno is not None:
-                    self._read_plain_direct(fileno(), name, record.size, file_plan, verifier)
+                fd = _descriptor(stream)
+                if fd is not None:
+                    self._read_plain_direct(fd, name, record.size, file_plan, verifier)
                     return
         scatter = _Scatter(file_plan.targets)
         decryptor = None
@@ -295,6 +295,15 @@ class VaultStorageReader(StorageReader):
         verifier.finish()
         for target in file_plan.targets:
             target.finish()
+
+
+def _descriptor(stream: Any) -> int | None:
+    """The stream's OS file descriptor; None for streams without one (an object
+    store's), whose ``fileno`` raises ``io.UnsupportedOperation``."""
+    try:
+        return int(stream.fileno())
+    except (AttributeError, OSError, ValueError):  # UnsupportedOperation is both
+        return None
 
 
 def _advise(fd: int, offset: int, length: int, advice: str) -> None:

@@ -1,1 +1,10 @@
-"""Retention, cadence, catalog and metrics (later issues)."""
+"""What happens to generations after they are published.
+
+- retention: ``retention`` (the ``Retention`` policy and its rules), ``plan`` (the
+  pure planner), ``apply`` (a plan applied to every tier), ``collector`` (facts,
+  verification, plan, apply; shared with ``ckptvault gc``), ``keeper`` (the
+  ``Published`` subscriber), ``marks`` and ``leases`` (store records), ``metrics``;
+- ``replication``: copies to a second tier.
+
+Cadence, catalog and metrics export come with later issues.
+"""

@@ -27,22 +27,24 @@ from safetensors.torch import save_file
 
 from ckptvault.durable import atomic_path, write_atomically
 from ckptvault.errors import (
-    CheckpointError,
     FormatError,
     IntegrityError,
+    NoValidCheckpoint,
     UsageError,
 )
 from ckptvault.format.canonical import dumps_canonical, loads_canonical
-from ckptvault.format.layout import MANIFEST_NAME, utc_now
-from ckptvault.format.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from ckptvault.format.layout import utc_now
+from ckptvault.format.manifest import Manifest
 from ckptvault.io.load import load_verified
 from ckptvault.io.writer import default_threads
 from ckptvault.restoring.selector import CandidateSelector
 from ckptvault.state.capture import StatefulPayload
-from ckptvault.storage import StoreLocation, open_store
+from ckptvault.storage import S3Options, StoreLocation, open_store
 from ckptvault.storage.base import Store
+from ckptvault.trust.checks import TrustPolicy, check_structure
 from ckptvault.trust.context import TrustContext
 from ckptvault.trust.keystore import KeyStore
+from ckptvault.trust.problems import GenerationRejected
 from ckptvault.trust.signing import (
     EXPORT_DOMAIN,
     PrivateKeyLike,
@@ -53,6 +55,8 @@ from ckptvault.trust.signing import (
 )
 
 EXPORT_FORMAT = "ckptvault-export/1"
+# Generations whose manifests export reads to learn the run id when none is given.
+MAX_RUN_PROBES = 4
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 SIGNING_NEEDS_TRUST = (
@@ -128,8 +132,10 @@ def export_weights(
     keystore: KeyStore | None = None,
     audit_log: str | os.PathLike[str] | None = None,
     ledger: str | os.PathLike[str] | None = None,
+    s3: S3Options | None = None,
 ) -> ExportResult:
-    """Export entry ``key`` of the newest verified generation of ``step`` to ``out``.
+    """Export entry ``key`` of the newest verified generation of ``step`` to ``out``
+    (``s3``: options of an ``s3://`` store).
 
     ``run_id`` defaults to the one run the store holds (ambiguity is an error, so
     another run's generation planted in the store is never exported by accident);
@@ -151,7 +157,7 @@ def export_weights(
         always_ledger=True,
         always_audit=True,
     )
-    store = open_store(store_dir, must_exist=True)
+    store = open_store(store_dir, must_exist=True, s3=s3)
     trust.check_outside(store)
     manifest, tensors = _load_weights(store, run_id, step, trust, key, dtype)
     out_path = Path(os.path.abspath(os.fspath(out)))
@@ -195,12 +201,20 @@ def _load_weights(
     """The newest generation of ``step`` that verifies (through restore's own path),
     and the tensors of its entry ``key``. Export never rewinds a run, so the floor
     does not apply; abandoned generations stay refused."""
-    run_id = run_id if run_id is not None else _only_run(store)
+    run_id = run_id if run_id is not None else _only_run(store, step, trust)
     selector = CandidateSelector(store, run_id, trust)
     selection = selector.select(step, floor_applies=False)  # never empty: a step is given
     _ref, loaded = selector.first_verified(
         selection,
-        lambda ref, policy: load_verified(store, ref, policy, trust.keystore, default_threads()),
+        lambda ref, policy: load_verified(
+            store,
+            ref,
+            policy,
+            trust.keystore,
+            default_threads(),
+            # As restore: an encrypted run never exports a planted plaintext generation.
+            require_encryption=trust.keystore is not None,
+        ),
     )
     return loaded.manifest, select_weights(loaded.saved, key, dtype)
 
@@ -258,21 +272,35 @@ def _write_export_manifest(
     return manifest_path
 
 
-def _only_run(store: Store) -> str:
-    runs = set()
-    for ref in store.list_generations():
+def _only_run(store: Store, step: int, trust: TrustContext) -> str:
+    """The run id of the generations of ``step``, when they agree (without
+    ``--run-id``). Bounded: only that step's generations, newest first, at most
+    :data:`MAX_RUN_PROBES` of them, each through the restore checks (with trusted
+    keys the signature is checked before the manifest is parsed, so a planted
+    unsigned manifest costs no parsing). Disagreement is an error."""
+    candidates = CandidateSelector(store, None, trust).select(step, floor_applies=False)
+    runs: set[str] = set()
+    rejected: list[GenerationRejected] = []
+    policy = TrustPolicy(trusted_keys=trust.trusted)
+    probed = candidates.candidates[:MAX_RUN_PROBES]
+    for ref in probed:
         try:
-            runs.add(
-                parse_manifest(
-                    store.read_bytes(ref, MANIFEST_NAME, MAX_MANIFEST_BYTES), ref.location
-                ).run_id
-            )
-        except (OSError, CheckpointError):
-            continue
+            runs.add(check_structure(store, ref, policy).manifest.run_id)
+        except GenerationRejected as exc:
+            rejected.append(exc)
+    if not runs:
+        raise NoValidCheckpoint(
+            f"none of the newest {len(probed)} generation(s) of step {step} in "
+            f"{store.location} verifies: "
+            + "; ".join(f"step {r.ref.step} ({r.ref.generation_id}): {r.reason}" for r in rejected)
+            + ". Pass --run-id to look further",
+            rejected=[(r.ref.generation_id, r.ref.step, r.reason) for r in rejected],
+        )
     if len(runs) != 1:
-        found = ", ".join(sorted(runs)) or "none"
+        found = ", ".join(run[:80] for run in sorted(runs)[:5])
         raise UsageError(
-            f"store {store.location} holds generations of runs: {found}; pass --run-id"
+            f"store {store.location} holds generations of step {step} of runs: {found}; "
+            "pass --run-id"
         )
     return runs.pop()
 

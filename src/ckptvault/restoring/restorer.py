@@ -4,7 +4,8 @@ The selector picks candidates newest first; :func:`load_verified` checks each on
 completely (signature, run, floor, files, every digest, decryption) into private
 buffers; the first that passes is matched against the live objects (contract,
 keys, shapes) and only then applied, RNG last. A restore that raises leaves the
-caller's state untouched; every outcome is told to the event subscribers.
+caller's state untouched; every outcome is told to the event subscribers. While a
+candidate is read, a reader lease on it keeps garbage collection from deleting it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from ckptvault.errors import AuditError, CheckpointError, NoValidCheckpoint
 from ckptvault.events import Refused, Restored, RollbackApplied
 from ckptvault.io.load import LoadedGeneration, load_verified
+from ckptvault.lifecycle.leases import reading_lease
 from ckptvault.restoring.selector import CandidateSelector, Selection, SkippedGeneration
 from ckptvault.run_context import RunContext
 from ckptvault.state.apply import plan_restore
@@ -169,14 +171,15 @@ class Restorer:
         return store_of[ref.location], merged, ref, loaded
 
     def _load(self, store: Store, ref: GenerationRef, policy: TrustPolicy) -> LoadedGeneration:
-        return load_verified(
-            store,
-            ref,
-            policy,
-            self.trust.keystore,
-            self.threads,
-            require_encryption=self.trust.keystore is not None,
-        )
+        with reading_lease(store, ref):  # released on errors too
+            return load_verified(
+                store,
+                ref,
+                policy,
+                self.trust.keystore,
+                self.threads,
+                require_encryption=self.trust.keystore is not None,
+            )
 
     def _report_restored(self, store: Store, ref: GenerationRef, selection: Selection) -> None:
         rollback = None

@@ -6,7 +6,9 @@ means, on the rollback floor and its override, and on what an empty store means.
 :meth:`CandidateSelector.first_verified` then tries candidates newest first with a
 caller's load function until one verifies, collecting why each newer one was
 skipped; restore bounds how many it may skip (``max_fallback``), so a damaged or
-tampered store cannot silently push a run back. Nothing here imports torch.
+tampered store cannot silently push a run back. A generation retention marked for
+deletion is no candidate (``ckptvault gc --undelete`` brings it back). Nothing here
+imports torch.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, TypeVar
 
 from ckptvault.config import validate_step
-from ckptvault.errors import NoValidCheckpoint, RollbackError, UsageError
+from ckptvault.errors import CheckpointError, NoValidCheckpoint, RollbackError, UsageError
+from ckptvault.format.layout import GenerationName
 from ckptvault.storage.base import GenerationRef, Store
+from ckptvault.storage.records import DELETION_MARK
 from ckptvault.trust.checks import TrustPolicy
 from ckptvault.trust.context import TrustContext
 from ckptvault.trust.ledger import RestoreFloor
-from ckptvault.trust.problems import ROLLBACK, GenerationRejected
+from ckptvault.trust.problems import GENERATION_MISSING, ROLLBACK, GenerationRejected, Problem
 
 T = TypeVar("T")
 logger = logging.getLogger("ckptvault")
@@ -44,6 +48,9 @@ class Selection:
     previous_floor: RestoreFloor | None = None  # the floor before a rollback override
     rollback_to: int | None = None
     rewinds_run: bool = True  # a restore (it can roll back on purpose); export does not
+    # Published generations (per the ledger) that are no longer listed: candidates that
+    # always fail, so that hiding the newest generations is a loud, bounded fallback.
+    missing: frozenset[GenerationName] = frozenset()
     skipped: list[SkippedGeneration] = field(default_factory=list)
 
 
@@ -95,25 +102,73 @@ class CandidateSelector:
             # Below the floor is the point; abandoned stays abandoned.
             floor = previous.without_step()
         policy = self.trust.policy(self.run_id, floor)
-        if not listed:
-            self._refuse_empty_store(floor, step)
+        vanished = (
+            self._vanished(listed, step, floor) if floor_applies and rollback_to is None else []
+        )
+        if not listed:  # a floor says more than what vanished; with neither: empty
+            self._refuse_empty_store(floor, step, quietly=not vanished)
         candidates = listed if step is None else [ref for ref in listed if ref.step == step]
+        candidates = self._without_marked(candidates, step)
+        if vanished:
+            candidates = sorted(candidates + vanished, key=lambda ref: ref.name, reverse=True)
         if listed and not candidates:
             present = summarize_steps(sorted({ref.step for ref in listed}))
             raise NoValidCheckpoint(
                 f"store {self.store.location} has no generation of step {step}; "
                 f"steps present: {present}"
             )
-        return Selection(candidates, listed, policy, previous, rollback_to, floor_applies)
+        missing = frozenset(ref.name for ref in vanished)
+        return Selection(
+            candidates, listed, policy, previous, rollback_to, floor_applies, missing=missing
+        )
 
-    def _refuse_empty_store(self, floor: RestoreFloor | None, step: int | None) -> None:
+    def _vanished(
+        self, listed: list[GenerationRef], step: int | None, floor: RestoreFloor | None
+    ) -> list[GenerationRef]:
+        """Generations the ledger saw published for this run that the store no longer
+        lists (deleted by hand, or hidden), and that the floor would still accept."""
+        if self.run_id is None:
+            return []
+        present = {ref.name for ref in listed}
+        return [
+            GenerationRef(name, f"{self.store.location}/{name.dirname}")
+            for name in self.trust.published(self.run_id)
+            if name not in present
+            and (step is None or name.step == step)
+            and (floor is None or floor.refuses(name.step, name.generation_id) is None)
+        ]
+
+    def _without_marked(self, refs: list[GenerationRef], step: int | None) -> list[GenerationRef]:
+        """``refs`` less those marked for deletion; when that leaves none, the marks
+        are the reason (restore must not start over quietly from an empty-looking store)."""
+        if not refs:
+            return refs
+        try:
+            marked = set(self.store.list_records(DELETION_MARK))
+        except (OSError, CheckpointError) as exc:  # marks only ever withhold: go on without
+            logger.warning("cannot read the deletion marks of %s: %s", self.store.location, exc)
+            return refs
+        kept = [ref for ref in refs if ref.name.dirname not in marked]
+        if not kept:
+            which = f"every generation of step {step}" if step is not None else "every generation"
+            raise NoValidCheckpoint(
+                f"{which} in {self.store.location} is marked for deletion by retention; bring "
+                f"one back with `ckptvault gc {self.store.location} --undelete STEP` before it "
+                "is deleted"
+            )
+        return kept
+
+    def _refuse_empty_store(
+        self, floor: RestoreFloor | None, step: int | None, quietly: bool = True
+    ) -> None:
+        """An empty store is a fresh start only when nothing says otherwise."""
         if floor is not None and floor.step is not None:
             raise RollbackError(
                 f"store {self.store.location} holds no generation, but run {self.run_id!r} "
                 f"restored step {floor.step} before: refusing to start over silently. Restore "
                 "the store from a copy, or start a new run id"
             )
-        if step is not None:
+        if step is not None and quietly:
             raise NoValidCheckpoint(
                 f"store {self.store.location} holds no generation (asked for step {step})"
             )
@@ -142,6 +197,8 @@ class CandidateSelector:
             if max_fallback is not None and failed > max_fallback:
                 raise self._too_many_skipped(selection, ref, failed, max_fallback)
             try:
+                if ref.name in selection.missing:
+                    raise GenerationRejected(ref, [_missing_problem(ref, self.store)])
                 return ref, load(ref, selection.policy)
             except GenerationRejected as rejected:
                 logger.warning("skipping %s: %s", ref.location, rejected.reason)
@@ -190,3 +247,12 @@ class CandidateSelector:
             "and state is unchanged. Run `ckptvault verify --all` on the store for details",
             rejected,
         )
+
+
+def _missing_problem(ref: GenerationRef, store: Store) -> Problem:
+    return Problem(
+        GENERATION_MISSING,
+        f"generation {ref.generation_id} (step {ref.step}) was published, as the ledger "
+        f"records, but {store.location} no longer holds it: it was deleted or hidden by "
+        "something other than ckptvault's retention",
+    )

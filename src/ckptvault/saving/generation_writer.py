@@ -35,6 +35,7 @@ from ckptvault.state.capture import CapturedState
 from ckptvault.storage.base import StagingArea
 from ckptvault.storage.listing import GenerationInfo
 from ckptvault.trust.envelope import FileEncryption
+from ckptvault.trust.manifest_auth import seal_manifest
 
 # Manifest, headers and state JSON, estimated generously: a base plus some per tensor.
 MANIFEST_ALLOWANCE = 64 * 1024
@@ -70,8 +71,14 @@ class GenerationWriter:
         self.parent: str | None = None  # the generation last saved or restored
         self._plan_cache_key = secrets.token_hex(8)
 
-    def write(self, step: int, captured: CapturedState) -> WrittenGeneration:
-        """Write, sign and publish one generation (the caller holds the writer lock)."""
+    def write(
+        self,
+        step: int,
+        captured: CapturedState,
+        metrics: dict[str, int | float] | None = None,
+    ) -> WrittenGeneration:
+        """Write, sign and publish one generation (the caller holds the writer lock);
+        ``metrics`` (validated) go into the manifest."""
         started = time.perf_counter()
         self.store.remove_stale_staging()
         tensor_bytes = sum(t.numel() * t.element_size() for t in captured.tensors.values())
@@ -83,7 +90,7 @@ class GenerationWriter:
         try:
             tensors = self._write_tensors(staging, generation_id, captured)
             state = self._write_state(staging, generation_id, captured, tensors)
-            manifest = self._manifest(step, generation_id, state, tensors)
+            manifest = self._manifest(step, generation_id, state, tensors, metrics)
             manifest_bytes = manifest.to_bytes()
             ref = staging.publish(step, manifest_bytes, self.trust.sign_manifest(manifest_bytes))
         except BaseException:
@@ -173,13 +180,18 @@ class GenerationWriter:
         generation_id: str,
         state: dict[str, Any],
         tensors: VaultStorageWriter,
+        metrics: dict[str, int | float] | None = None,
     ) -> Manifest:
-        encryption = (
-            encryption_section(tensors.wrapped_keys, self.settings.segment_size)
-            if self.trust.keystore is not None
-            else None
-        )
-        return Manifest(
+        """The manifest; an encrypted one sealed with a MAC under a fresh key that only
+        the run's KEK unwraps (``ckptvault.trust.manifest_auth``)."""
+        encryption = self._encryption(generation_id)
+        section, mac_key = None, None
+        if encryption is not None:
+            mac_key, kek_id, wrapped_mac_key = encryption.new_manifest_key()
+            section = encryption_section(
+                tensors.wrapped_keys, self.settings.segment_size, (kek_id, wrapped_mac_key)
+            )
+        manifest = Manifest(
             run_id=self.run_id,
             step=step,
             generation_id=generation_id,
@@ -191,15 +203,21 @@ class GenerationWriter:
             state=state,
             contract=self.contract,
             writer={"ckptvault": __version__, "world_size": self.coordinator.world_size},
-            encryption=encryption,
+            encryption=section,
+            metrics=metrics,
         )
+        return manifest if mac_key is None else seal_manifest(manifest, mac_key)
 
 
 def encryption_section(
-    wrapped_keys: dict[str, tuple[str, bytes]], segment_size: int
+    wrapped_keys: dict[str, tuple[str, bytes]],
+    segment_size: int,
+    wrapped_mac_key: tuple[str, bytes],
 ) -> EncryptionSection:
-    """The manifest's encryption section from each file's (KEK id, wrapped data key)."""
-    kek_ids = {kek for kek, _ in wrapped_keys.values()}
+    """The manifest's encryption section from each file's (KEK id, wrapped data key)
+    and the manifest MAC key's (KEK id, wrapped key); the MAC itself is added by
+    ``seal_manifest``."""
+    kek_ids = {kek for kek, _ in wrapped_keys.values()} | {wrapped_mac_key[0]}
     if len(kek_ids) > 1:
         raise KeyUnavailableError(
             f"files of one generation were wrapped by different keys ({sorted(kek_ids)}): the "
@@ -208,7 +226,8 @@ def encryption_section(
         )
     return EncryptionSection(
         cipher=CIPHER,
-        kek_id=kek_ids.pop() if kek_ids else "",
+        kek_id=kek_ids.pop(),
         segment_size=segment_size,
         wrapped_keys={name: wrapped for name, (_kek, wrapped) in wrapped_keys.items()},
+        wrapped_mac_key=wrapped_mac_key[1],
     )

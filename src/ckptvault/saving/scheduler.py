@@ -24,7 +24,8 @@ from ckptvault.saving.handles import SaveHandle, SaveStats
 from ckptvault.state.capture import CapturedState
 from ckptvault.storage.listing import GenerationInfo
 
-WriteFunction = Callable[[int, CapturedState], WrittenGeneration]
+Metrics = dict[str, int | float] | None  # validated, for the manifest
+WriteFunction = Callable[[int, CapturedState, Metrics], WrittenGeneration]
 AnnounceFunction = Callable[[WrittenGeneration], None]
 
 
@@ -43,13 +44,18 @@ class SaveScheduler:
         self._pool_finalizer: weakref.finalize | None = None
 
     def submit(
-        self, step: int, captured: CapturedState, blocking: bool, started: float
+        self,
+        step: int,
+        captured: CapturedState,
+        blocking: bool,
+        started: float,
+        metrics: Metrics = None,
     ) -> SaveHandle:
         """Save now (``blocking``) or stage and save in the background."""
         self.stats.saves_started += 1
         if blocking:
             self.drain()  # generations publish in the order they were asked for
-            info = self._run(step, captured)
+            info = self._run(step, captured, metrics)
             seconds = time.perf_counter() - started
             self.stats.last_stall_seconds = self.stats.last_save_seconds = seconds
             return SaveHandle.completed(info, seconds)
@@ -59,14 +65,15 @@ class SaveScheduler:
         self.stats.staging_allocations = self._staging.allocations
         stall = time.perf_counter() - started
         self.stats.last_stall_seconds = stall
-        handle = SaveHandle(step, self._executor().submit(self._run, step, staged), stall)
+        future = self._executor().submit(self._run, step, staged, metrics)
+        handle = SaveHandle(step, future, stall)
         self._in_flight.append(handle)
         return handle
 
-    def _run(self, step: int, captured: CapturedState) -> GenerationInfo:
+    def _run(self, step: int, captured: CapturedState, metrics: Metrics) -> GenerationInfo:
         """One save, inline or on the worker thread, counted in ``stats``."""
         try:
-            written = self._write(step, captured)
+            written = self._write(step, captured, metrics)
         except BaseException:
             self.stats.saves_failed += 1
             raise

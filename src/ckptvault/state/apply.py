@@ -7,22 +7,37 @@ Restoring happens in two phases so that a mismatch leaves ``state`` untouched:
    unexpected and mis-shaped entry) without changing anything.
 2. :meth:`RestorePlan.apply` runs the actions: objects get ``load_state_dict``;
    tensors are copied into in place; dicts and lists keep their identity and get
-   their contents replaced; other plain values are replaced in their parent. The
-   RNG-like actions (``RNGState``, NumPy and torch generators) run last.
+   their contents replaced; other plain values are replaced in their parent.
+
+Everything that can fail is checked while planning, against the live objects: keys,
+shapes, the structure of each object's state (an LR scheduler, GradScaler or other
+stateful object loads with ``__dict__.update``-like code, so a key its own
+``state_dict()`` does not have would become an attribute: it is refused), and RNG
+states, which are first tried on scratch generators. The saved tree itself was
+checked when it was decoded (:mod:`ckptvault.state.capture`).
+
+Apply runs in a fixed order, so that what is most likely to fail runs first and what
+must come last does: (1) loads into objects and in-place tensor copies, (2) the
+contents of plain containers and top-level entries, (3) the RNG-like actions
+(``RNGState``, NumPy and torch generators), so that nothing applied after them can
+draw random numbers. An exception that still escapes an action is re-raised as a
+:class:`StateMismatchError` naming the entry.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from ckptvault.errors import StateMismatchError
+from ckptvault.errors import CheckpointError, StateMismatchError
 from ckptvault.state.capture import (
+    GRAD_SCALER,
+    LR_SCHEDULER,
     MODULE,
     OPTIMIZER,
     NumpyGeneratorPayload,
@@ -33,16 +48,30 @@ from ckptvault.state.capture import (
     stateful_kind,
     type_name,
 )
-from ckptvault.state.codec import KeyPath, format_path
+from ckptvault.state.codec import KeyPath, format_path, parse_device
 from ckptvault.state.rng import RNGState
 
 _MISSING = object()
 _PLACEHOLDERS = (StatefulPayload, RngPayload, NumpyGeneratorPayload, TorchGeneratorPayload)
 
 
+@dataclass(frozen=True)
+class Action:
+    """One step of applying a plan; ``where`` names the entry it changes."""
+
+    where: str
+    run: Callable[[], None]
+
+    def __call__(self) -> None:
+        self.run()
+
+
 @dataclass
 class RestorePlan:
+    # Run in this order by apply(): loads and tensor copies, then the contents of
+    # plain containers, then the RNG-like states.
     actions: list[Callable[[], None]] = field(default_factory=list)
+    replacements: list[Callable[[], None]] = field(default_factory=list)
     rng_actions: list[Callable[[], None]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
@@ -53,18 +82,23 @@ class RestorePlan:
         return not (self.missing or self.unexpected or self.mismatched)
 
     def apply(self, where: str = "the checkpoint") -> None:
-        """Run every action; a failure here (rare: checks come first) is typed."""
-        try:
-            for action in self.actions:
+        """Run every action, in the order the module docstring gives. Planning checked
+        everything it can; whatever still fails here is re-raised as a typed error
+        naming the entry (the objects' own code may refuse a value)."""
+        for action in (*self.actions, *self.replacements, *self.rng_actions):
+            try:
                 action()
-            for action in self.rng_actions:
-                action()
-        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
-            raise StateMismatchError(
-                f"restoring {where} failed while loading into the live objects "
-                f"({type(exc).__name__}: {exc}); state may be partially restored. Rebuild the "
-                "objects and restore again, or restore with the layout the run was saved with."
-            ) from exc
+            except Exception as exc:
+                entry = action.where if isinstance(action, Action) else "an entry"
+                message = " ".join(str(exc).split())[:500]
+                failure = StateMismatchError(
+                    f"restoring {where} failed while loading {entry} into the live objects "
+                    f"({type(exc).__name__}: {message}); state may be partially restored. "
+                    "Rebuild the objects and restore again, or restore with the layout the "
+                    "run was saved with.",
+                    mismatched=[entry],
+                )
+                raise failure from exc
 
     def mismatch_error(self, where: str) -> StateMismatchError:
         parts = []
@@ -177,7 +211,7 @@ class _Planner:
             current.clear()
             current.update(contents)
 
-        self.plan.actions.append(replace_contents)
+        self.plan.replacements.append(Action(format_path(path), replace_contents))
         return current
 
     def _list(self, current: list[Any], saved: list[Any], path: KeyPath) -> Any:
@@ -197,7 +231,7 @@ class _Planner:
         def replace_contents() -> None:
             current[:] = contents
 
-        self.plan.actions.append(replace_contents)
+        self.plan.replacements.append(Action(format_path(path), replace_contents))
         return current
 
     def _tensor(self, current: Any, saved: torch.Tensor, path: KeyPath) -> Any:
@@ -214,7 +248,7 @@ class _Planner:
             with torch.no_grad():
                 current.copy_(saved)
 
-        self.plan.actions.append(copy_in_place)
+        self.plan.actions.append(Action(format_path(path), copy_in_place))
         return current
 
     def _stateful(self, current: Any, saved: StatefulPayload, path: KeyPath) -> Any:
@@ -252,6 +286,15 @@ class _Planner:
         state = saved.state
         missing = [k for k in expected if k not in state]
         unexpected = [k for k in state if k not in expected]
+        # A parameter or buffer takes a tensor of its shape (load_state_dict would
+        # copy the others first and then fail: refused here, before anything runs).
+        not_tensors = [
+            k
+            for k in state
+            if k in expected
+            and isinstance(expected[k], torch.Tensor)
+            and not isinstance(state[k], torch.Tensor)
+        ]
         mismatched = [
             k
             for k in state
@@ -266,6 +309,12 @@ class _Planner:
             f"{format_path((*path, k))}: checkpoint {_shape(state[k])}, model {_shape(expected[k])}"
             for k in mismatched
         ]
+        self.plan.mismatched += [
+            f"{format_path((*path, k))}: checkpoint value of type {type(state[k]).__name__}, "
+            "the model expects a tensor"
+            for k in not_tensors
+        ]
+        mismatched += not_tensors
         drop = set(unexpected) | set(mismatched)
         loadable: OrderedDict[str, Any] = OrderedDict(
             (k, v) for k, v in state.items() if k not in drop
@@ -275,17 +324,34 @@ class _Planner:
             # load_state_dict reads it back from there. Typeshed's OrderedDict has no slot.
             loadable._metadata = saved.module_metadata  # type: ignore[attr-defined]
         exact = not (missing or drop)
-        self.plan.actions.append(lambda: module.load_state_dict(loadable, strict=exact))
+        self.plan.actions.append(
+            Action(format_path(path), lambda: module.load_state_dict(loadable, strict=exact))
+        )
 
     def _optimizer(
         self, optimizer: torch.optim.Optimizer, saved: StatefulPayload, path: KeyPath
     ) -> None:
         where = format_path(path)
         groups = saved.state.get("param_groups")
-        if not isinstance(groups, list):
-            self.plan.mismatched.append(f"{where}: the checkpoint has no param_groups")
+        per_param = saved.state.get("state", {})
+        if not isinstance(groups, list) or not all(
+            isinstance(group, dict)
+            and isinstance(group.get("params"), list)
+            and all(type(pid) is int for pid in group["params"])
+            and all(type(name) is str for name in group)
+            for group in groups
+        ):
+            self.plan.mismatched.append(
+                f"{where}: the checkpoint has no param_groups (a list of groups, each "
+                "with a list of parameter ids)"
+            )
             return
-        saved_sizes = [len(group.get("params", [])) for group in groups]
+        if not isinstance(per_param, dict) or not all(
+            isinstance(entry, dict) for entry in per_param.values()
+        ):
+            self.plan.mismatched.append(f"{where}.state: not a dict of per-parameter dicts")
+            return
+        saved_sizes = [len(group["params"]) for group in groups]
         live_sizes = [len(group["params"]) for group in optimizer.param_groups]
         if saved_sizes != live_sizes:
             self.plan.mismatched.append(
@@ -295,15 +361,18 @@ class _Planner:
             return
         params = [p for group in optimizer.param_groups for p in group["params"]]
         saved_ids = [pid for group in groups for pid in group["params"]]
+        if len(set(saved_ids)) != len(saved_ids):
+            self.plan.mismatched.append(f"{where}.param_groups: a parameter id appears twice")
+            return
         by_id = dict(zip(saved_ids, params, strict=True))
         bad = False
-        for pid, entry in saved.state.get("state", {}).items():
+        for pid, entry in per_param.items():
             param = by_id.get(pid)
             if param is None:
                 self.plan.unexpected.append(format_path((*path, "state", pid)))
                 bad = True
                 continue
-            for name, value in entry.items() if isinstance(entry, dict) else ():
+            for name, value in entry.items():
                 # Per-element buffers (moments, momentum) have the parameter's shape.
                 if (
                     isinstance(value, torch.Tensor)
@@ -317,17 +386,53 @@ class _Planner:
                     )
                     bad = True
         if not bad:
-            self.plan.actions.append(lambda: optimizer.load_state_dict(saved.state))
+            self.plan.actions.append(Action(where, lambda: optimizer.load_state_dict(saved.state)))
 
     def _generic_stateful(self, obj: Any, saved: StatefulPayload, path: KeyPath) -> None:
-        self.plan.actions.append(lambda: obj.load_state_dict(saved.state))
+        """LR schedulers, GradScaler and other stateful objects. Their
+        ``load_state_dict`` often amounts to ``self.__dict__.update(state)``: a key the
+        object's own ``state_dict()`` does not have would become a new attribute (a
+        saved ``"step"`` shadows ``LRScheduler.step``), so such keys are refused.
+        Schedulers and scalers have a fixed layout, checked all the way down."""
+        where = format_path(path)
+        kind = saved.kind
+        live = obj.state_dict()
+        if not isinstance(live, Mapping):
+            self.plan.mismatched.append(
+                f"{where}: the live {type_name(obj)}.state_dict() is not a dict"
+            )
+            return
+        if kind == GRAD_SCALER and not live:
+            return  # a disabled scaler loads nothing
+        foreign = [key for key in saved.state if key not in live]
+        self.plan.unexpected += [
+            f"{format_path((*path, key))}: not in the live {type_name(obj)}'s state_dict()"
+            for key in foreign
+        ]
+        state = {key: value for key, value in saved.state.items() if key in live}
+        problems: list[str] = []
+        if kind in (LR_SCHEDULER, GRAD_SCALER):
+            for key, value in state.items():
+                problems += _layout_problems(live[key], value, format_path((*path, key)))
+        if kind == GRAD_SCALER:
+            problems += [
+                f"{format_path((*path, key))}: missing from the checkpoint"
+                for key in live
+                if key not in state
+            ]
+        if problems:
+            self.plan.mismatched += problems
+            return
+        self.plan.actions.append(Action(where, lambda: obj.load_state_dict(state)))
 
     def _rng(self, current: Any, saved: RngPayload, path: KeyPath) -> Any:
         if not isinstance(current, RNGState):
             self.plan.mismatched.append(f"{format_path(path)}: the checkpoint holds RNGState")
             return current
         current.check_state_dict(saved.state, format_path(path))
-        self.plan.rng_actions.append(lambda: current.load_state_dict(saved.state))
+        self.plan.rng_actions.append(
+            Action(format_path(path), lambda: current.load_state_dict(saved.state))
+        )
         return current
 
     def _numpy_generator(self, current: Any, saved: NumpyGeneratorPayload, path: KeyPath) -> Any:
@@ -338,13 +443,22 @@ class _Planner:
         live = current.bit_generator.state.get("bit_generator")
         stored = saved.state.get("bit_generator")
         if live != stored:
-            self.plan.mismatched.append(f"{where}: checkpoint bit generator {stored}, state {live}")
+            self.plan.mismatched.append(
+                f"{where}: checkpoint bit generator {str(stored)[:64]}, state {live}"
+            )
+            return current
+        try:  # on a scratch generator of the same kind: the live one stays untouched
+            type(current.bit_generator)().state = saved.state
+        except Exception as exc:
+            self.plan.mismatched.append(
+                f"{where}: the saved {live} state is malformed ({type(exc).__name__})"
+            )
             return current
 
         def set_state() -> None:
             current.bit_generator.state = saved.state
 
-        self.plan.rng_actions.append(set_state)
+        self.plan.rng_actions.append(Action(where, set_state))
         return current
 
     def _torch_generator(self, current: Any, saved: TorchGeneratorPayload, path: KeyPath) -> Any:
@@ -352,17 +466,64 @@ class _Planner:
         if not isinstance(current, torch.Generator):
             self.plan.mismatched.append(f"{where}: the checkpoint holds a torch.Generator")
             return current
-        if torch.device(saved.device).type != current.device.type:
+        device = parse_device(saved.device)
+        if device is None or device.type != current.device.type:
             self.plan.mismatched.append(
-                f"{where}: checkpoint generator on {saved.device}, state on {current.device}"
+                f"{where}: checkpoint generator on {str(saved.device)[:64]}, "
+                f"state on {current.device}"
+            )
+            return current
+        try:  # on a scratch generator of the same device: the live one stays untouched
+            torch.Generator(device=current.device).set_state(saved.state)
+        except Exception as exc:
+            self.plan.mismatched.append(
+                f"{where}: the saved generator state is malformed ({type(exc).__name__})"
             )
             return current
 
         def set_state() -> None:
             current.set_state(saved.state)
 
-        self.plan.rng_actions.append(set_state)
+        self.plan.rng_actions.append(Action(where, set_state))
         return current
+
+
+def _layout_problems(live: Any, saved: Any, where: str) -> list[str]:
+    """Where ``saved`` does not have the layout of ``live`` (a fixed-layout object's
+    state): dicts with string keys are attribute sets (no new keys, checked all the
+    way down); other dicts are data (any keys); lists keep their length; a container
+    never stands where the live object has a scalar; None only where it has None."""
+    if isinstance(live, Mapping):
+        if not isinstance(saved, Mapping):
+            return [f"{where}: checkpoint {type(saved).__name__}, live object a dict"]
+        if not all(type(key) is str for key in live):
+            return []
+        problems = [f"{where}[{key!r}]: not in the live object" for key in saved if key not in live]
+        for key, value in saved.items():
+            if key in live:
+                problems += _layout_problems(live[key], value, f"{where}[{key!r}]")
+        return problems
+    if isinstance(live, (list, tuple)):
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(live):
+            shown = f"{len(saved)} items" if isinstance(saved, (list, tuple)) else "no list"
+            return [f"{where}: checkpoint has {shown}, live object {len(live)} items"]
+        problems = []
+        for index, (live_item, saved_item) in enumerate(zip(live, saved, strict=True)):
+            problems += _layout_problems(live_item, saved_item, f"{where}[{index}]")
+        return problems
+    if isinstance(saved, (Mapping, list, tuple)):
+        return [f"{where}: checkpoint {type(saved).__name__}, live object {type(live).__name__}"]
+    if live is None or _scalar_kind(live) == _scalar_kind(saved):
+        return []
+    return [f"{where}: checkpoint {type(saved).__name__}, live object {type(live).__name__}"]
+
+
+def _scalar_kind(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, (bool, int, float, np.number, np.bool_, torch.Tensor)):
+        return "number"  # ints, floats and (0-d) tensors stand for one another
+    return type(value).__name__
 
 
 def plan_restore(state: MutableMapping[str, Any], saved: dict[str, Any]) -> RestorePlan:
@@ -375,13 +536,23 @@ def plan_restore(state: MutableMapping[str, Any], saved: dict[str, Any]) -> Rest
             plan.unexpected.append(format_path((key,)))
             continue
         current = state[key]
-        final = planner.resolve(current, value, (key,))
+        try:
+            final = planner.resolve(current, value, (key,))
+        except CheckpointError:
+            raise
+        except Exception as exc:  # a live object's own state_dict(), or a check's bug
+            message = " ".join(str(exc).split())[:500]
+            raise StateMismatchError(
+                f"cannot match the checkpoint's {format_path((key,))} against the live "
+                f"object ({type(exc).__name__}: {message}); nothing was restored",
+                mismatched=[format_path((key,))],
+            ) from exc
         if final is not current:
 
             def assign(key: str = key, final: Any = final) -> None:
                 state[key] = final
 
-            plan.actions.append(assign)
+            plan.replacements.append(Action(format_path((key,)), assign))
     for key in state:
         if key not in saved:
             plan.missing.append(format_path((key,)))

@@ -25,7 +25,14 @@ import numpy as np
 import torch
 
 from ckptvault.errors import FormatError, UnsupportedValueError, UsageError
-from ckptvault.state.codec import Decoder, Encoder, KeyPath, format_path, tensor_key
+from ckptvault.state.codec import (
+    Decoder,
+    Encoder,
+    KeyPath,
+    format_path,
+    parse_device,
+    tensor_key,
+)
 from ckptvault.state.rng import RNGState
 
 MODULE = "module"
@@ -167,32 +174,119 @@ class TorchGeneratorPayload:
     state: torch.Tensor
 
 
+_KINDS = frozenset({MODULE, OPTIMIZER, LR_SCHEDULER, GRAD_SCALER, STATEFUL})
+_STATEFUL_REQUIRED = frozenset({"kind", "type", "state"})
+_STATEFUL_KEYS = _STATEFUL_REQUIRED | {"module_metadata"}
+_RNG_REQUIRED = frozenset({"python", "numpy", "torch_cpu"})
+_RNG_KEYS = _RNG_REQUIRED | {"cuda"}
+_MAX_TYPE_NAME = 512
+# Module metadata entries torch writes: {"version": n}. ``assign_to_params_buffers``
+# is torch's own load-time flag (it replaces parameters instead of copying into them):
+# a checkpoint never sets it.
+_FORBIDDEN_METADATA = frozenset({"assign_to_params_buffers"})
+
+
+def _is_rng_state_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1
+
+
 class _StateDecoder(Decoder):
+    """Decodes the tags of :class:`_StateEncoder`, checking each payload's type and
+    shape as strictly as the encoder writes it: the store may hold anything, and a
+    payload that is not what a save writes is a :class:`FormatError` (the generation
+    is skipped), never a raw error later, in planning or while applying."""
+
     def __init__(self, tensors: Mapping[str, torch.Tensor], where: str) -> None:
         super().__init__(tensors, where)
         self._plain = Decoder(tensors, where)
 
     def decode_special(self, tag: str, payload: Any, path: KeyPath) -> Any:
-        try:
-            if tag == "$stateful":
-                return StatefulPayload(
-                    kind=payload["kind"],
-                    type_name=payload["type"],
-                    state=self._plain.decode(payload["state"], path),
-                    module_metadata=self._plain.decode(payload.get("module_metadata"), path),
-                )
-            if tag == "$rng":
-                return RngPayload(self._plain.decode(payload, path))
-            if tag == "$np_generator":
-                return NumpyGeneratorPayload(self._plain.decode(payload, path))
-            if tag == "$torch_generator":
-                return TorchGeneratorPayload(
-                    device=payload["device"],
-                    state=self._plain.decode(payload["state"], (*path, "state")),
-                )
-        except (KeyError, TypeError) as exc:
-            raise self.fail(path, f"malformed {tag} entry ({exc!r})") from exc
+        if tag == "$stateful":
+            return self._stateful(payload, path)
+        if tag == "$rng":
+            return RngPayload(self._rng_state(payload, path))
+        if tag == "$np_generator":
+            state = self._plain.decode(payload, path)
+            if not isinstance(state, dict) or type(state.get("bit_generator")) is not str:
+                raise self.fail(path, "$np_generator must hold a bit generator's state dict")
+            return NumpyGeneratorPayload(state)
+        if tag == "$torch_generator":
+            if type(payload) is not dict or set(payload) != {"device", "state"}:
+                raise self.fail(path, "$torch_generator must hold exactly device and state")
+            if parse_device(payload["device"]) is None:
+                raise self.fail(path, f"not a device name: {str(payload['device'])[:64]!r}")
+            state = self._plain.decode(payload["state"], (*path, "state"))
+            if not _is_rng_state_tensor(state):
+                raise self.fail(path, "a torch.Generator state must be a 1-d uint8 tensor")
+            return TorchGeneratorPayload(device=payload["device"], state=state)
         return NotImplemented
+
+    def _stateful(self, payload: Any, path: KeyPath) -> StatefulPayload:
+        if (
+            type(payload) is not dict
+            or not set(payload) >= _STATEFUL_REQUIRED
+            or not set(payload) <= _STATEFUL_KEYS
+        ):
+            raise self.fail(path, "$stateful must hold kind, type, state (and module_metadata)")
+        kind, name = payload["kind"], payload["type"]
+        if type(kind) is not str or kind not in _KINDS:
+            raise self.fail(path, f"unknown stateful kind {str(kind)[:64]!r}")
+        if type(name) is not str or len(name) > _MAX_TYPE_NAME:
+            raise self.fail(path, "$stateful type must be a class name")
+        state = self._plain.decode(payload["state"], path)
+        if not isinstance(state, dict):
+            raise self.fail(path, f"{kind} state must be a dict, not {type(state).__name__}")
+        metadata = None
+        if kind == MODULE:
+            if not all(type(key) is str for key in state):
+                raise self.fail(path, "a module's state keys must be strings")
+            metadata = self._module_metadata(payload.get("module_metadata"), path)
+        elif payload.get("module_metadata") is not None:
+            raise self.fail(path, f"a {kind} has no module_metadata")
+        return StatefulPayload(kind=kind, type_name=name, state=state, module_metadata=metadata)
+
+    def _module_metadata(self, raw: Any, path: KeyPath) -> Any:
+        """``state_dict()._metadata``: submodule prefix -> {"version": n}."""
+        where = (*path, "_metadata")
+        metadata = self._plain.decode(raw, where)
+        if metadata is None:
+            return None
+        if not isinstance(metadata, dict):
+            raise self.fail(where, "module metadata must be a dict")
+        for prefix, entry in metadata.items():
+            if type(prefix) is not str or not isinstance(entry, dict):
+                raise self.fail(where, "module metadata maps submodule names to dicts")
+            for key, value in entry.items():
+                if type(key) is not str or key in _FORBIDDEN_METADATA:
+                    raise self.fail(where, f"module metadata may not set {str(key)[:64]!r}")
+                if value is not None and type(value) not in (bool, int, float, str):
+                    raise self.fail(where, "module metadata values must be plain scalars")
+        return metadata
+
+    def _rng_state(self, payload: Any, path: KeyPath) -> dict[str, Any]:
+        """What ``RNGState.state_dict()`` writes; the values themselves are checked
+        against scratch generators when the restore is planned."""
+        state = self._plain.decode(payload, path)
+        if not isinstance(state, dict) or not (_RNG_REQUIRED <= set(state) <= _RNG_KEYS):
+            raise self.fail(path, "$rng must hold the python, numpy, torch_cpu and cuda states")
+        python = state["python"]
+        if not (
+            isinstance(python, tuple)
+            and len(python) == 3
+            and type(python[0]) is int
+            and isinstance(python[1], tuple)
+            and all(type(word) is int for word in python[1])
+            and (python[2] is None or type(python[2]) is float)
+        ):
+            raise self.fail(path, "the saved Python RNG state is malformed")
+        if not isinstance(state["numpy"], dict):
+            raise self.fail(path, "the saved NumPy RNG state is malformed")
+        cuda = state.get("cuda", [])
+        if not _is_rng_state_tensor(state["torch_cpu"]) or not (
+            isinstance(cuda, list) and all(_is_rng_state_tensor(t) for t in cuda)
+        ):
+            raise self.fail(path, "the saved torch RNG states must be 1-d uint8 tensors")
+        return state
 
 
 def decode_tree(

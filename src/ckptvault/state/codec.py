@@ -19,13 +19,18 @@ single-key tagged object whose key starts with ``$``:
 ====================  ============================================================
 
 Any other type raises :class:`UnsupportedValueError` at save time, naming the key
-path. Decoding refuses unknown tags. Nothing is ever executed or imported by name.
+path. Decoding refuses unknown tags, and checks every tagged payload's type and
+shape strictly (what the store holds was chosen by whoever could write it): a
+malformed one is a :class:`FormatError`, never a raw exception. Nothing is ever
+executed or imported by name: dtypes come from an explicit table of names, devices
+are parsed and must read back exactly as written.
 """
 
 from __future__ import annotations
 
 import base64
 import math
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -44,6 +49,74 @@ TensorSink = Callable[[KeyPath, torch.Tensor], str]
 MAX_NESTING = 32
 _BIGINT_BITS = 10_000  # ~3000 decimal digits, well inside CPython's 4300-digit limit
 _SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "-0.0": -0.0}
+_BIGINT_RE = re.compile(r"-?0x[0-9a-f]+")  # base 16: parsing is linear in the length
+_MAX_SHAPE_RANK = 64  # dimensions of a $torch_size or $ndarray shape
+_MAX_NAME = 64  # characters of a dtype or device name
+
+# Every torch dtype the codec names, looked up from this fixed list: never
+# ``getattr(torch, <string from the store>)``, which reaches deprecated functions
+# and lazily imported submodules. Names this torch lacks are left out.
+_TORCH_DTYPE_NAMES = (
+    *DTYPES,  # what tensor files hold
+    "complex32",
+    "complex128",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+    "quint8",
+    "qint8",
+    "qint32",
+    "quint4x2",
+    "quint2x4",
+    "bits1x8",
+    "bits2x4",
+    "bits4x2",
+    "bits8",
+    "bits16",
+    *(f"int{bits}" for bits in range(1, 8)),
+    *(f"uint{bits}" for bits in range(1, 8)),
+)
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    name: dtype
+    for name in _TORCH_DTYPE_NAMES
+    if isinstance(dtype := getattr(torch, name, None), torch.dtype)
+    and str(dtype) == f"torch.{name}"
+}
+_DEVICE_RE = re.compile(r"[a-z][a-z0-9_]{0,31}(:[0-9]{1,4})?")
+# ``dtype.str`` of a plain dtype: byte order, kind, item size, datetime unit.
+_NUMPY_DTYPE_RE = re.compile(r"[<>|][biufcmMSUV][0-9]{1,9}(\[[0-9]{0,9}[A-Za-z]{1,2}\])?")
+# NumPy kinds a scalar may have (exact in JSON) and an array may have (plain data).
+_SCALAR_KINDS = "biuf"
+_ARRAY_KINDS = "biufcmMSUV"
+
+
+def torch_dtype_named(name: Any) -> torch.dtype | None:
+    """The torch dtype called ``name`` (``"float32"``), or None for anything else."""
+    return TORCH_DTYPES.get(name) if type(name) is str else None
+
+
+def parse_device(text: Any) -> torch.device | None:
+    """A device name from the store (``"cpu"``, ``"cuda:1"``), or None unless it
+    parses and reads back exactly as written."""
+    if type(text) is not str or len(text) > _MAX_NAME or not _DEVICE_RE.fullmatch(text):
+        return None
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        return None
+    return device if str(device) == text else None
+
+
+def _plain_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _shape_of(payload: Any) -> list[int] | None:
+    """A shape: a list of at most 64 non-negative plain ints, else None."""
+    if type(payload) is not list or len(payload) > _MAX_SHAPE_RANK:
+        return None
+    if not all(_plain_int(d) and d >= 0 for d in payload):
+        return None
+    return payload
 
 
 def format_path(path: KeyPath) -> str:
@@ -133,10 +206,23 @@ class Encoder:
         if isinstance(value, np.generic):
             return self._encode_np_scalar(value, path)
         if isinstance(value, torch.dtype):
-            return {"$torch_dtype": str(value).removeprefix("torch.")}
+            name = str(value).removeprefix("torch.")
+            if name not in TORCH_DTYPES:
+                raise UnsupportedValueError(
+                    format_path(path), value, f"readers do not know the dtype {value}"
+                )
+            return {"$torch_dtype": name}
         if isinstance(value, torch.device):
+            if parse_device(str(value)) is None:
+                raise UnsupportedValueError(
+                    format_path(path), value, "readers would not parse this device name back"
+                )
             return {"$torch_device": str(value)}
         if isinstance(value, torch.Size):
+            if len(value) > _MAX_SHAPE_RANK:
+                raise UnsupportedValueError(
+                    format_path(path), value, f"sizes of more than {_MAX_SHAPE_RANK} dimensions"
+                )
             return {"$torch_size": list(value)}
         raise UnsupportedValueError(format_path(path), value, _hint_for(value))
 
@@ -164,7 +250,14 @@ class Encoder:
         return {"$tensor": self.tensor_sink(path, tensor)}
 
     def _encode_ndarray(self, array: np.ndarray, path: KeyPath) -> Any:
-        if array.dtype.hasobject or array.dtype.fields is not None:
+        dtype = array.dtype
+        if (
+            dtype.hasobject
+            or dtype.fields is not None
+            or dtype.kind not in _ARRAY_KINDS
+            or dtype.itemsize == 0
+            or not _NUMPY_DTYPE_RE.fullmatch(dtype.str)
+        ):
             raise UnsupportedValueError(
                 format_path(path), array, f"numpy dtype {array.dtype} is not plain data"
             )
@@ -217,7 +310,10 @@ class Decoder:
         return NotImplemented
 
     def fail(self, path: KeyPath, message: str) -> FormatError:
-        return FormatError(f"{self.where}: {format_path(path)}: {message}")
+        shown = format_path(path)  # keys come from the store: bound what is echoed
+        if len(shown) > 300:
+            shown = shown[:300] + "...]"
+        return FormatError(f"{self.where}: {shown}: {message}")
 
     def decode(self, obj: Any, path: KeyPath) -> Any:
         if obj is None or isinstance(obj, (bool, int, float, str)):
@@ -233,60 +329,131 @@ class Decoder:
             raise self.fail(path, "tagged value has extra keys")
         tag = tags[0]
         payload = obj[tag]
-        special = self.decode_special(tag, payload, path)
-        if special is not NotImplemented:
-            return special
         try:
+            special = self.decode_special(tag, payload, path)
+            if special is not NotImplemented:
+                return special
             return self._decode_tag(tag, payload, path)
         except (TypeError, ValueError, KeyError, OverflowError, RuntimeError) as exc:
-            # RuntimeError: torch's for an unknown device or an unrepresentable size.
-            raise self.fail(path, f"malformed {tag} value ({exc})") from exc
+            # Payloads are checked before use; this is the backstop (numpy's overflow
+            # of a scalar, a base64 error), so that nothing raw ever escapes decoding.
+            raise self.fail(path, f"malformed {tag[:64]} value ({exc})") from exc
 
     def _decode_tag(self, tag: str, payload: Any, path: KeyPath) -> Any:
+        # Each payload is checked for exactly the type and shape the encoder writes.
         if tag == "$float":
+            if type(payload) is not str or payload not in _SPECIAL_FLOATS:
+                raise self.fail(path, f"$float must be one of {', '.join(_SPECIAL_FLOATS)}")
             return _SPECIAL_FLOATS[payload]
         if tag == "$bigint":
+            if type(payload) is not str or not _BIGINT_RE.fullmatch(payload):
+                raise self.fail(path, "$bigint must be a lowercase hex string")
             return int(payload, 16)
         if tag == "$tuple":
-            return tuple(self.decode(item, (*path, i)) for i, item in enumerate(payload))
+            items = self._list(tag, payload, path)
+            return tuple(self.decode(item, (*path, i)) for i, item in enumerate(items))
         if tag == "$dict":
-            return self._decode_pairs(payload, path)
+            return self._decode_pairs(tag, payload, path)
         if tag == "$odict":
-            return OrderedDict(self._decode_pairs(payload, path))
+            return OrderedDict(self._decode_pairs(tag, payload, path))
         if tag == "$bytes":
+            if type(payload) is not str:
+                raise self.fail(path, "$bytes must be a base64 string")
             return base64.b64decode(payload, validate=True)
         if tag == "$tensor":
+            if type(payload) is not str:
+                raise self.fail(path, "$tensor must name a tensor")
             if self.tensors is None or payload not in self.tensors:
-                raise self.fail(path, f"tensor {payload!r} is not in the checkpoint")
+                raise self.fail(path, f"tensor {payload[:200]!r} is not in the checkpoint")
             return self.tensors[payload]
         if tag == "$ndarray":
-            dtype = np.dtype(payload["dtype"])
-            if dtype.hasobject or dtype.fields is not None:
-                raise self.fail(path, f"refusing numpy dtype {dtype}")
-            data = base64.b64decode(payload["data"], validate=True)
-            return np.frombuffer(data, dtype=dtype).reshape(payload["shape"]).copy()
+            return self._decode_ndarray(payload, path)
         if tag == "$np_scalar":
-            dtype = np.dtype(payload["dtype"])
-            if dtype.hasobject or dtype.fields is not None:
-                raise self.fail(path, f"refusing numpy dtype {dtype}")
-            return dtype.type(self.decode(payload["value"], path))
+            return self._decode_np_scalar(payload, path)
         if tag == "$torch_dtype":
-            dtype = getattr(torch, payload, None)
-            if not isinstance(dtype, torch.dtype):
-                raise self.fail(path, f"unknown torch dtype {payload!r}")
+            dtype = torch_dtype_named(payload)
+            if dtype is None:
+                raise self.fail(path, f"unknown torch dtype {str(payload)[:_MAX_NAME]!r}")
             return dtype
         if tag == "$torch_device":
-            return torch.device(payload)
+            device = parse_device(payload)
+            if device is None:
+                raise self.fail(path, f"not a device name: {str(payload)[:_MAX_NAME]!r}")
+            return device
         if tag == "$torch_size":
-            return torch.Size(int(d) for d in payload)
-        raise self.fail(path, f"unknown tag {tag!r} (written by a newer ckptvault?)")
+            shape = _shape_of(payload)
+            if shape is None:
+                raise self.fail(path, "$torch_size must be a list of non-negative ints")
+            return torch.Size(shape)
+        raise self.fail(path, f"unknown tag {tag[:_MAX_NAME]!r} (written by a newer ckptvault?)")
 
-    def _decode_pairs(self, payload: list[list[Any]], path: KeyPath) -> dict[Any, Any]:
+    def _list(self, tag: str, payload: Any, path: KeyPath) -> list[Any]:
+        if type(payload) is not list:
+            raise self.fail(path, f"{tag} must hold a list, not {type(payload).__name__}")
+        return payload
+
+    def _numpy_dtype(self, name: Any, kinds: str, path: KeyPath) -> np.dtype[Any]:
+        """A plain NumPy dtype spelled exactly as ``dtype.str`` writes it."""
+        if type(name) is not str or not _NUMPY_DTYPE_RE.fullmatch(name):
+            raise self.fail(path, f"not a numpy dtype string: {str(name)[:_MAX_NAME]!r}")
+        try:
+            dtype = np.dtype(name)
+        except (TypeError, ValueError) as exc:
+            raise self.fail(path, f"unknown numpy dtype {name!r}") from exc
+        if (
+            dtype.str != name
+            or dtype.kind not in kinds
+            or dtype.hasobject
+            or dtype.fields is not None
+            or dtype.subdtype is not None
+            or dtype.itemsize == 0
+        ):
+            raise self.fail(path, f"refusing numpy dtype {name!r}")
+        return dtype
+
+    def _decode_ndarray(self, payload: Any, path: KeyPath) -> np.ndarray:
+        if type(payload) is not dict or set(payload) != {"dtype", "shape", "data"}:
+            raise self.fail(path, "$ndarray must hold exactly dtype, shape and data")
+        dtype = self._numpy_dtype(payload["dtype"], _ARRAY_KINDS, path)
+        shape = _shape_of(payload["shape"])
+        if shape is None or type(payload["data"]) is not str:
+            raise self.fail(path, "$ndarray needs a shape of non-negative ints and base64 data")
+        data = base64.b64decode(payload["data"], validate=True)
+        if math.prod(shape) * dtype.itemsize != len(data):
+            raise self.fail(
+                path, f"$ndarray of {dtype} {shape} does not match its {len(data)} data bytes"
+            )
+        return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
+
+    def _decode_np_scalar(self, payload: Any, path: KeyPath) -> np.generic:
+        if type(payload) is not dict or set(payload) != {"dtype", "value"}:
+            raise self.fail(path, "$np_scalar must hold exactly dtype and value")
+        dtype = self._numpy_dtype(payload["dtype"], _SCALAR_KINDS, path)
+        value = self.decode(payload["value"], path)
+        # Exactly what ``.item()`` gave when it was saved: bool, int or float.
+        expected = {"b": bool, "i": int, "u": int, "f": float}[dtype.kind]
+        if type(value) is not expected:
+            raise self.fail(
+                path, f"a numpy {dtype} scalar's value must be of type {expected.__name__}"
+            )
+        return dtype.type(value)
+
+    def _decode_pairs(self, tag: str, payload: Any, path: KeyPath) -> dict[Any, Any]:
         result: dict[Any, Any] = {}
         keys = Decoder(None, self.where)
-        for key_obj, value_obj in payload:
-            key = keys.decode(key_obj, path)
-            result[key] = self.decode(value_obj, (*path, key))
+        for pair in self._list(tag, payload, path):
+            if type(pair) is not list or len(pair) != 2:
+                raise self.fail(path, f"{tag} must hold [key, value] pairs")
+            key = keys.decode(pair[0], path)
+            try:
+                hash(key)
+            except TypeError:
+                raise self.fail(
+                    path, f"{tag} key of type {type(key).__name__} is unhashable"
+                ) from None
+            if key in result:
+                raise self.fail(path, f"{tag} holds the key {str(key)[:80]!r} twice")
+            result[key] = self.decode(pair[1], (*path, key))
         return result
 
 

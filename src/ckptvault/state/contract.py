@@ -27,7 +27,7 @@ import torch
 from blake3 import blake3
 
 from ckptvault._version import __version__
-from ckptvault.errors import ContractMismatch, UsageError
+from ckptvault.errors import ContractMismatch, FormatError, UsageError
 from ckptvault.format.canonical import dumps_canonical
 from ckptvault.state.codec import encode_plain
 
@@ -103,8 +103,17 @@ def build_contract(
 def compare_contracts(
     stored: Mapping[str, Any], current_fields: Mapping[str, Any], where: str
 ) -> None:
-    """Raise :class:`ContractMismatch` if user fields differ; ``where`` names the generation."""
-    saved = stored.get("fields", {})
+    """Raise :class:`ContractMismatch` if user fields differ; ``where`` names the generation.
+
+    ``stored`` comes from the store: a contract that is not what :func:`build_contract`
+    writes (fields not an object of named values) is a :class:`FormatError`.
+    """
+    saved = stored.get("fields", {}) if isinstance(stored, Mapping) else None
+    if not isinstance(saved, Mapping) or not all(isinstance(name, str) for name in saved):
+        raise FormatError(
+            f"{where}: the manifest's run contract is malformed (its fields are not an "
+            "object of named values); it was not written by ckptvault"
+        )
     current = encode_contract_fields(current_fields)
     changed = sorted(
         name
@@ -113,13 +122,16 @@ def compare_contracts(
     )
     if changed:
         details = []
-        for name in changed:
+        for name in changed[:20]:  # names from the store: bounded in the message
+            shown = name if len(name) <= 100 else name[:100] + "..."
             if name not in saved:
-                details.append(f"{name} (not in the checkpoint)")
+                details.append(f"{shown} (not in the checkpoint)")
             elif name not in current:
-                details.append(f"{name} (not given now)")
+                details.append(f"{shown} (not given now)")
             else:
-                details.append(name)
+                details.append(shown)
+        if len(changed) > 20:
+            details.append(f"... ({len(changed)} in all)")
         raise ContractMismatch(
             f"{where} was saved under a different run contract: {', '.join(details)} changed. "
             "Restore with the original config and dataset, or pass allow_contract_change=True "

@@ -46,6 +46,32 @@ class RNGState:
                 f"{where}: the saved Python RNG state is malformed; the generation was not "
                 "written by RNGState. Restore without the RNGState entry (strict=False)."
             )
+        # Each state is tried on a scratch generator first, so that applying it later
+        # cannot fail halfway through the global RNGs.
+        for source, trial in (
+            ("python", lambda: random.Random().setstate(state["python"])),
+            ("numpy", lambda: np.random.RandomState().set_state(state["numpy"])),
+            ("torch_cpu", lambda: torch.Generator().set_state(state["torch_cpu"])),
+        ):
+            try:
+                trial()
+            except Exception as exc:  # whatever the generator's own checks raise
+                raise StateMismatchError(
+                    f"{where}: the saved {source} RNG state is malformed ({type(exc).__name__}: "
+                    f"{str(exc)[:200]}); the generation was not written by RNGState",
+                    mismatched=[f"{where}[{source!r}]"],
+                ) from exc
+        for index, cuda_state in enumerate(state.get("cuda", [])):
+            expected = torch.cuda.get_rng_state(index)
+            if not (
+                isinstance(cuda_state, torch.Tensor)
+                and cuda_state.dtype == expected.dtype
+                and cuda_state.shape == expected.shape
+            ):
+                raise StateMismatchError(
+                    f"{where}: the saved RNG state of CUDA device {index} is malformed",
+                    mismatched=[f"{where}['cuda'][{index}]"],
+                )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state_dict(state, "RNGState")

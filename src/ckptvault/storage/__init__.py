@@ -1,8 +1,8 @@
 """Where bytes live: the :class:`~ckptvault.storage.base.Store` seam and its backends.
 
 :func:`open_store` is the one way to turn what a user typed (a path, a ``file://``
-URL, later ``s3://bucket/prefix``) into a store; the manager, export and every CLI
-command use it.
+URL, ``s3://bucket/prefix``) into a store; the manager, export and every CLI
+command use it. The S3 backend (and boto3) is imported only for ``s3://`` URLs.
 """
 
 from __future__ import annotations
@@ -13,12 +13,16 @@ from urllib.parse import unquote, urlsplit
 from ckptvault.errors import UsageError
 from ckptvault.storage.base import Store
 from ckptvault.storage.posix import PosixStore
+from ckptvault.storage.s3_options import S3Options
 
 StoreLocation = str | os.PathLike[str]
 
 
-def open_store(location: StoreLocation | Store, *, must_exist: bool = False) -> Store:
-    """The store at ``location``: a local path, ``file:///abs/path``, or a store object.
+def open_store(
+    location: StoreLocation | Store, *, must_exist: bool = False, s3: S3Options | None = None
+) -> Store:
+    """The store at ``location``: a local path, ``file:///abs/path``,
+    ``s3://bucket/prefix`` (with ``s3`` options), or a store object.
 
     ``must_exist=True`` (tools that only read) raises :class:`UsageError` when there
     is nothing there, instead of treating it as an empty store.
@@ -29,6 +33,12 @@ def open_store(location: StoreLocation | Store, *, must_exist: bool = False) -> 
     if not text:
         raise UsageError("the store location is empty; give a path or URL")
     scheme = urlsplit(text).scheme if "://" in text else ""
+    if scheme == "s3":
+        return _open_s3_store(text, must_exist, s3)
+    if s3 is not None:
+        raise UsageError(
+            f"{text}: S3 options (endpoint, part size, ...) apply to s3:// stores only"
+        )
     if scheme == "file":
         parts = urlsplit(text)
         if parts.netloc not in ("", "localhost"):
@@ -38,7 +48,7 @@ def open_store(location: StoreLocation | Store, *, must_exist: bool = False) -> 
             raise UsageError(f"{location}: the file:// URL names no path (file:///abs/path)")
     elif scheme:
         raise UsageError(
-            f"{text}: unsupported store URL scheme {scheme!r}; give a local path or file:// URL"
+            f"{text}: unsupported store URL scheme {scheme!r}; give a local path, file:// or s3:// URL"
         )
     store = PosixStore(text)
     if must_exist:
@@ -46,4 +56,13 @@ def open_store(location: StoreLocation | Store, *, must_exist: bool = False) -> 
             raise UsageError(f"no checkpoint store at {text} (the directory does not exist)")
         if not store.root.is_dir():
             raise UsageError(f"{text} is not a directory")
+    return store
+
+
+def _open_s3_store(url: str, must_exist: bool, options: S3Options | None) -> Store:
+    from ckptvault.storage.s3 import S3Store  # only now: local stores never load boto3
+
+    store = S3Store(url, options)
+    if must_exist:
+        store.check_bucket()
     return store

@@ -3,16 +3,19 @@
 Listing reads no file at all, manifests included: a store's writer chooses their
 bytes, and ``ls`` or ``generations()`` must cost the same however large or deep a
 planted manifest is. Sizes come from the store's listing of each generation's
-entries, creation times from the generation ids.
+entries, creation times from the generation ids. Generations retention marked for
+deletion are left out unless asked for (``include_marked``), with their mark.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ckptvault.errors import CheckpointError
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, generation_created_at
 from ckptvault.storage.base import Store
+from ckptvault.storage.records import DELETION_MARK
 
 
 @dataclass(frozen=True)
@@ -20,28 +23,46 @@ class GenerationInfo:
     """A published generation as listed: ``bytes`` is the size of its data files (every
     plain entry but the manifest and its signature, as the manifest would count them)
     and ``created_at`` the time in its generation id. Listed is not verified:
-    ``ckptvault verify`` and ``restore`` check the bytes."""
+    ``ckptvault verify`` and ``restore`` check the bytes. ``marked_at`` and
+    ``mark_reason`` are set for a generation retention marked for deletion."""
 
     step: int
     generation_id: str
     path: str
     bytes: int
     created_at: str
+    marked_at: str | None = None
+    mark_reason: str | None = None
 
     def to_json(self) -> dict[str, object]:
-        return {
+        listed: dict[str, object] = {
             "step": self.step,
             "generation_id": self.generation_id,
             "path": self.path,
             "bytes": self.bytes,
             "created_at": self.created_at,
         }
+        if self.marked_at is not None:
+            listed["marked"] = {"marked_at": self.marked_at, "reason": self.mark_reason}
+        return listed
 
 
-def list_generation_infos(store: Store) -> list[GenerationInfo]:
-    """Every published generation, newest first; parses no manifest."""
+def _marks(store: Store) -> dict[str, dict[str, Any]]:
+    try:
+        return store.list_records(DELETION_MARK)
+    except (OSError, CheckpointError):
+        return {}
+
+
+def list_generation_infos(store: Store, include_marked: bool = False) -> list[GenerationInfo]:
+    """Every published generation, newest first; parses no manifest. Generations
+    marked for deletion only with ``include_marked`` (and then with their mark)."""
     infos = []
+    marks = _marks(store)
     for ref in store.list_generations():
+        mark = marks.get(ref.name.dirname)
+        if mark is not None and not include_marked:
+            continue
         try:
             size = sum(
                 entry.size
@@ -51,5 +72,12 @@ def list_generation_infos(store: Store) -> list[GenerationInfo]:
         except (OSError, CheckpointError):
             size = 0
         created_at = generation_created_at(ref.generation_id)
-        infos.append(GenerationInfo(ref.step, ref.generation_id, ref.location, size, created_at))
+        marked_at = reason = None
+        if mark is not None:
+            marked_at, reason = str(mark.get("marked_at", "?")), str(mark.get("reason", ""))
+        infos.append(
+            GenerationInfo(
+                ref.step, ref.generation_id, ref.location, size, created_at, marked_at, reason
+            )
+        )
     return infos

@@ -70,7 +70,13 @@ def printable_name(name: str) -> str:
 
 
 def describe_unsafe(info: os.stat_result) -> str | None:
-    """Why an entry is not a plain, singly linked file, or None when it is one."""
+    """Why an entry is not a plain, singly linked file, or None when it is one.
+
+    Sparse files are not refused: compressing filesystems (ZFS, btrfs) report runs of
+    zeros, such as a fresh optimizer's moments, as unallocated too. A forged manifest
+    describing a huge sparse file costs readers time (hashing zeros) and, at worst,
+    an allocation failure, which rejects that generation: denial of service, which
+    write access to the store allows anyway."""
     mode = info.st_mode
     if stat.S_ISLNK(mode):
         return "is a symlink"

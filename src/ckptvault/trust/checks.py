@@ -29,7 +29,10 @@ the listing before it is read, and all JSON goes through
 ``ckptvault.format.bounded_json`` (size, depth, no NaN/Infinity).
 
 :func:`check_digests` then hashes every byte (``digest-mismatch``); restore does that
-stage while it reads, see ``ckptvault.io.reader``. Nothing here imports torch.
+stage while it reads, see ``ckptvault.io.reader``. Nothing here imports torch. Nor
+does anything here need a key: the MAC of an encrypted manifest
+(``manifest-unauthenticated``, :mod:`ckptvault.trust.manifest_auth`) is checked by
+``ckptvault.io.load`` with the key store, before any tensor or state byte is read.
 """
 
 from __future__ import annotations
@@ -123,6 +126,9 @@ class CheckedGeneration:
     # The key id whose signature was verified against a trusted key; UNVERIFIED_SIGNER
     # when manifest.sig is present but no trusted keys were given; None when unsigned.
     signer: str | None = None
+    # The exact manifest bytes that were parsed: an encrypted manifest's MAC is
+    # checked against these, never against a second read of the store.
+    manifest_bytes: bytes = field(default=b"", repr=False)
 
 
 def check_structure(
@@ -143,7 +149,9 @@ def check_structure(
     problems, headers = check_own_formats(store, ref, manifest)
     if problems:
         raise GenerationRejected(ref, problems)
-    return CheckedGeneration(ref=ref, manifest=manifest, headers=headers, signer=signer)
+    return CheckedGeneration(
+        ref=ref, manifest=manifest, headers=headers, signer=signer, manifest_bytes=manifest_bytes
+    )
 
 
 def _where(ref: GenerationRef) -> str:

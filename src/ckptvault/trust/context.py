@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from ckptvault.errors import AuditError, UsageError
 from ckptvault.events import Subscriber
+from ckptvault.format.layout import GenerationName
 from ckptvault.storage.base import Store
 from ckptvault.trust.audit import AuditLog, default_audit_path
 from ckptvault.trust.checks import TrustPolicy
@@ -124,6 +125,12 @@ class TrustContext:
     def floor(self, run_id: str) -> RestoreFloor | None:
         """The run's restore floor, or None when the floor is off."""
         return self.ledger.floor(run_id) if self.ledger is not None else None
+
+    def published(self, run_id: str) -> list[GenerationName]:
+        """The run's newest publishes the ledger remembers (none without a ledger)."""
+        if self.ledger is None:
+            return []
+        return [GenerationName(step, gid) for step, gid in self.ledger.published(run_id)]
 
     def policy(self, run_id: str | None, floor: RestoreFloor | None) -> TrustPolicy:
         return TrustPolicy(run_id=run_id, trusted_keys=self.trusted, floor=floor)

@@ -194,13 +194,15 @@ def verify_stream(
 ) -> None:
     """Read ``stream`` to its end and verify every chunk and the whole file."""
     verifier = ChunkVerifier(record, chunk_size, where)
-    buffer = memoryview(bytearray(chunk_size))
+    # No larger than the file is said to be (a zero-filled chunk per tiny file adds
+    # up); at least one byte, so that bytes beyond the recorded size are still seen.
+    buffer = memoryview(bytearray(max(1, min(chunk_size, record.size))))
     while True:
         count = read_full(stream, buffer)
         if count:
             verifier.update(buffer[:count])
             if on_bytes is not None:
                 on_bytes(count)
-        if count < chunk_size:
+        if count < len(buffer):
             break
     verifier.finish()

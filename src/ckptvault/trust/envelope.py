@@ -6,7 +6,8 @@ turns verified container bytes back into plaintext, segment by segment, calling
 back with each piece and its plaintext offset. Each file has its own random data
 key (the caller wraps it with the run's KEK); each segment has its own random
 nonce and tag; the associated data binds (run id, generation id, file name,
-segment index, final flag).
+segment index, final flag). Each generation also gets a random manifest MAC key,
+wrapped the same way under its own context (:func:`manifest_key_binding`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ckptvault.format.container import (
 
 _SEGMENT_DOMAIN = b"ckptvault segment v1\0"
 DATA_KEY_BYTES = 32
+MANIFEST_KEY_PURPOSE = "ckptvault manifest mac key v1"
 
 
 class ByteSink(Protocol):
@@ -46,6 +48,18 @@ def _field(value: str) -> bytes:
 def binding(run_id: str, generation_id: str, file_name: str) -> bytes:
     """What a file's ciphertext is bound to (also the key-wrapping context)."""
     return _field(run_id) + _field(generation_id) + _field(file_name)
+
+
+def manifest_key_binding(run_id: str, generation_id: str) -> bytes:
+    """The key-wrapping context of a generation's manifest MAC key.
+
+    Four length-prefixed fields: run id, generation id, an empty file name and the
+    purpose label. A file's context (:func:`binding`) has three, and a sequence of
+    length-prefixed fields parses one way only, so this context equals no file's
+    for any run id, generation id or file name: a wrapped MAC key never opens as a
+    data key, nor a data key as the MAC key, nor either for another generation.
+    """
+    return binding(run_id, generation_id, "") + _field(MANIFEST_KEY_PURPOSE)
 
 
 def segment_ad(context: bytes, index: int, final: bool) -> bytes:
@@ -216,6 +230,13 @@ class FileEncryption:
         data_key = new_data_key()
         kek_id, wrapped = self.keystore.wrap(self.run_id, data_key, self.context(file_name))
         return data_key, kek_id, wrapped
+
+    def new_manifest_key(self) -> tuple[bytes, str, bytes]:
+        """``(MAC key, KEK id, wrapped MAC key)`` for this generation's manifest."""
+        mac_key = new_data_key()
+        context = manifest_key_binding(self.run_id, self.generation_id)
+        kek_id, wrapped = self.keystore.wrap(self.run_id, mac_key, context)
+        return mac_key, kek_id, wrapped
 
 
 class KeyStoreLike(Protocol):

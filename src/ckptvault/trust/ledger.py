@@ -51,12 +51,22 @@ CREATE TABLE IF NOT EXISTS rollbacks (
     created_at TEXT NOT NULL,
     PRIMARY KEY (run_id, cutoff_generation_id)
 );
+CREATE TABLE IF NOT EXISTS published (
+    run_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    generation_id TEXT NOT NULL,
+    published_at TEXT NOT NULL,
+    PRIMARY KEY (run_id, generation_id)
+);
 CREATE TABLE IF NOT EXISTS audit_heads (
     log_path TEXT PRIMARY KEY,
     entries INTEGER NOT NULL,
     last_hash TEXT NOT NULL
 );
 """
+
+
+PUBLISHED_KEPT = 16  # publishes remembered per run
 
 
 def default_state_dir() -> Path:
@@ -232,6 +242,40 @@ class Ledger:
                 "INSERT OR IGNORE INTO abandoned VALUES (?, ?, ?, ?)",
                 [(run_id, gen, gen_step, now) for gen, gen_step in abandoned],
             )
+
+    def record_published(self, run_id: str, step: int, generation_id: str) -> None:
+        """Remember a publish, so that its later disappearance from the store is seen.
+        Only the newest :data:`PUBLISHED_KEPT` per run are kept: recovery only ever
+        cares about the newest few."""
+        with self._connect() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO published VALUES (?, ?, ?, ?)",
+                (run_id, step, generation_id, _now()),
+            )
+            db.execute(
+                "DELETE FROM published WHERE run_id = ? AND generation_id NOT IN (SELECT "
+                "generation_id FROM published WHERE run_id = ? ORDER BY step DESC, "
+                "generation_id DESC LIMIT ?)",
+                (run_id, run_id, PUBLISHED_KEPT),
+            )
+
+    def forget_published(self, run_id: str, generation_id: str) -> None:
+        """A generation deleted on purpose (retention) is not missing."""
+        with self._connect() as db:
+            db.execute(
+                "DELETE FROM published WHERE run_id = ? AND generation_id = ?",
+                (run_id, generation_id),
+            )
+
+    def published(self, run_id: str) -> list[tuple[int, str]]:
+        """``(step, generation id)`` of the run's newest recorded publishes, newest first."""
+        with self._connect() as db:
+            rows = db.execute(
+                "SELECT step, generation_id FROM published WHERE run_id = ? "
+                "ORDER BY step DESC, generation_id DESC",
+                (run_id,),
+            ).fetchall()
+        return [(int(step), str(generation_id)) for step, generation_id in rows]
 
     def abandoned(self, run_id: str) -> list[tuple[str, int]]:
         with self._connect() as db:

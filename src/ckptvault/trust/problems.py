@@ -34,7 +34,9 @@ MANIFEST_INCONSISTENT = "manifest-inconsistent"
 DIGEST_MISMATCH = "digest-mismatch"
 AUTHENTICATION_FAILED = "authentication-failed"
 KEY_UNAVAILABLE = "key-unavailable"
+MANIFEST_UNAUTHENTICATED = "manifest-unauthenticated"
 NOT_ENCRYPTED = "not-encrypted"
+GENERATION_MISSING = "generation-missing"  # published (per the ledger), now gone
 UNREADABLE = "unreadable"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ckptvault.events import Event, Published, Refused, Restored
+from ckptvault.events import Deleted, Event, Marked, Published, Refused, Restored, Unmarked
 from ckptvault.trust.ledger import Ledger
 
 if TYPE_CHECKING:
@@ -14,12 +14,19 @@ if TYPE_CHECKING:
 
 class FloorKeeper:
     """Raises the run's restore floor on every restore; an allowed rollback lowers it
-    and records the rule that abandons every newer generation made before it."""
+    and records the rule that abandons every newer generation made before it. It also
+    remembers the newest publishes, so that restore notices when one has vanished."""
 
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
 
     def __call__(self, event: Event) -> None:
+        if isinstance(event, Published):
+            self.ledger.record_published(event.run_id, event.step, event.generation_id)
+            return
+        if isinstance(event, Deleted) and event.run_id is not None:
+            self.ledger.forget_published(event.run_id, event.generation_id)
+            return
         if not isinstance(event, Restored):
             return
         if event.rollback is not None:
@@ -84,4 +91,17 @@ class AuditRecorder:
                 error=event.error,
                 reason=event.reason,
                 rejected=[list(r) for r in event.rejected],
+            )
+        elif isinstance(event, (Marked, Unmarked, Deleted)):
+            kind = {Marked: "mark", Unmarked: "unmark", Deleted: "delete"}[type(event)]
+            fields = {"marked_at": event.marked_at} if not isinstance(event, Unmarked) else {}
+            self.trust.record(
+                event.summary,
+                kind,
+                run_id=event.run_id,
+                store=event.store,
+                step=event.step,
+                generation_id=event.generation_id,
+                reason=event.reason,
+                **fields,
             )

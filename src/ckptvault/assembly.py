@@ -1,0 +1,139 @@
+"""Building a manager's parts from its options, in one place.
+
+:class:`ManagerOptions` lists every keyword :class:`~ckptvault.CheckpointManager`
+accepts (documented on the class); :func:`assemble` validates them and wires the
+parts: the store, the plain config, the trust context and its subscribers, the
+coordinator, the event bus, replication and retention, the generation writer, the
+save scheduler and the restorer. The manager keeps the result and only forwards
+calls, so adding an option or a part changes this file, not the front door.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+from ckptvault.config import ManagerConfig, resolve_run_id
+from ckptvault.coordinator import Coordinator, SingleProcess
+from ckptvault.errors import UsageError
+from ckptvault.events import EventBus
+from ckptvault.io.writer import default_threads
+from ckptvault.lifecycle.keeper import RetentionKeeper
+from ckptvault.lifecycle.replication import Replicator
+from ckptvault.lifecycle.retention import Retention
+from ckptvault.restoring.restorer import Restorer
+from ckptvault.run_context import RunContext
+from ckptvault.saving.generation_writer import GenerationWriter, WriteSettings
+from ckptvault.saving.scheduler import SaveScheduler
+from ckptvault.state.contract import build_contract, code_revision, encode_contract_fields
+from ckptvault.storage import S3Options, StoreLocation, open_store
+from ckptvault.storage.base import Store
+from ckptvault.trust.context import TrustContext
+from ckptvault.trust.keystore import KeyStore
+from ckptvault.trust.signing import PrivateKeyLike, PublicKeyLike
+
+TRUST_OPTIONS = ("signing_key", "trusted_keys", "keystore", "ledger", "audit_log")
+
+
+class ManagerOptions(TypedDict, total=False):
+    run_id: str | None
+    contract: Mapping[str, Any] | None
+    signing_key: PrivateKeyLike | None
+    trusted_keys: Iterable[PublicKeyLike] | PublicKeyLike | None
+    keystore: str | os.PathLike[str] | KeyStore | None
+    ledger: str | os.PathLike[str] | None
+    audit_log: str | os.PathLike[str] | None
+    max_fallback: int | None
+    async_save: bool
+    max_in_flight: int
+    if_busy: str
+    threads: int | None
+    chunk_size: int
+    segment_size: int
+    coordinator: Coordinator | None
+    s3_endpoint_url: str | None
+    s3_part_size: int | None
+    s3_max_concurrency: int | None
+    object_lock_days: int | None
+    replicate_to: StoreLocation | None
+    retention: Retention | None
+
+
+@dataclass
+class ManagerParts:
+    store: Store
+    config: ManagerConfig
+    trust: TrustContext
+    coordinator: Coordinator
+    events: EventBus
+    replicator: Replicator | None
+    retention: RetentionKeeper | None
+    writer: GenerationWriter
+    scheduler: SaveScheduler
+    restorer: Restorer
+
+
+def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
+    """Validate ``options`` and build every part; nothing is written yet."""
+    unknown = sorted(set(options) - set(ManagerOptions.__annotations__))
+    if unknown:
+        raise UsageError(f"CheckpointManager got unknown options: {', '.join(unknown)}")
+    s3 = S3Options.from_keywords(
+        endpoint_url=options.get("s3_endpoint_url"),
+        part_size=options.get("s3_part_size"),
+        max_concurrency=options.get("s3_max_concurrency"),
+        object_lock_days=options.get("object_lock_days"),
+    )
+    store = open_store(directory, s3=s3)
+    trust_options: dict[str, Any] = {name: options.get(name) for name in TRUST_OPTIONS}
+    contract = options.get("contract")
+    config = ManagerConfig(
+        run_id=resolve_run_id(options.get("run_id"), store.location, trust_options),
+        contract=dict(contract) if contract is not None else None,
+        async_save=options.get("async_save", False),
+        max_in_flight=options.get("max_in_flight", 1),
+        if_busy=options.get("if_busy", "wait"),
+        threads=options.get("threads") or default_threads(),
+        chunk_size=options.get("chunk_size", ManagerConfig.chunk_size),
+        segment_size=options.get("segment_size", ManagerConfig.segment_size),
+        max_fallback=options.get("max_fallback"),
+    )
+    encode_contract_fields(config.contract or {})  # fail now, not at the first save
+    trust = TrustContext.configure(**trust_options)
+    trust.check_outside(store)
+    coordinator = options.get("coordinator") or SingleProcess()
+    events = EventBus(trust.subscribers())
+    replicator = Replicator.attach(store, options.get("replicate_to"), events, trust, config.run_id)
+    run = RunContext(store, config.run_id, trust, coordinator, events)
+    tiers = [replicator.target] if replicator else []
+    retention = RetentionKeeper.attach(
+        run, options.get("retention"), tiers
+    )  # None without a policy
+    writer = GenerationWriter(
+        run,
+        build_contract(config.contract, code_revision()),
+        WriteSettings(config.threads, config.chunk_size, config.segment_size),
+    )
+    scheduler = SaveScheduler(writer.write, writer.announce, config.max_in_flight, config.if_busy)
+    restorer = Restorer(
+        run,
+        config.threads,
+        config.contract,
+        config.max_fallback,
+        remote_tiers=tiers,
+        on_remote_restore=replicator.fetch if replicator else None,
+    )
+    return ManagerParts(
+        store,
+        config,
+        trust,
+        coordinator,
+        events,
+        replicator,
+        retention,
+        writer,
+        scheduler,
+        restorer,
+    )

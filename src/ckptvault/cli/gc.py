@@ -1,0 +1,316 @@
+"""``ckptvault gc STORE``: retention and garbage collection from the command line.
+
+Without ``--dry-run`` it takes the store's writer lock (so it never races a
+trainer), verifies the newest generation (every byte) before anything may go, plans
+retention with the rules given (``--keep-last`` ... as in ``cv.Retention``; with no
+rule it only finishes what was marked before), applies the plan — marking first,
+deleting a marked generation once ``--delete-delay`` has passed — and removes
+staging leftovers older than ``--stale-after``. Every generation is printed with
+what happens to it and why. ``--undelete STEP`` removes the marks of that step's
+generations (and pins them, so that the next pass does not mark them again);
+``--pin``/``--unpin STEP`` keep a step from retention or give it back. Those three
+only touch records and need no lock.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ckptvault.cli._common import (
+    STORE_HELP,
+    S3EndpointUrl,
+    err,
+    open_store,
+    out,
+    print_json,
+    safe_text,
+)
+from ckptvault.errors import StoreLockedError, UsageError
+from ckptvault.events import EventBus, Unmarked
+from ckptvault.format.layout import format_timestamp
+from ckptvault.lifecycle import marks
+from ckptvault.lifecycle.apply import AppliedPlan
+from ckptvault.lifecycle.collector import GarbageCollector
+from ckptvault.lifecycle.plan import Decision, RetentionPlan
+from ckptvault.lifecycle.retention import DEFAULT_DELETE_DELAY, Retention, format_seconds
+from ckptvault.storage.base import Store
+from ckptvault.trust.checks import VerificationReport
+from ckptvault.trust.context import TrustContext
+from ckptvault.trust.ledger import RestoreFloor
+
+_DURATION_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([smhdw]?)$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str, option: str) -> float:
+    """``90s``, ``30m``, ``24h``, ``7d``, ``2w`` or plain seconds; ``0s`` is allowed."""
+    match = _DURATION_RE.match(text.strip().lower())
+    if match is None:
+        raise UsageError(f"{option} {text!r} is not a duration like 90s, 30m, 24h or 7d")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def gc(
+    directory: Annotated[str, typer.Argument(help=STORE_HELP)],
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the plan; change nothing.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON report on stdout.")] = False,
+    stale_after: Annotated[
+        str, typer.Option(help="Remove staging leftovers older than this (e.g. 24h, 0s).")
+    ] = "24h",
+    undelete: Annotated[
+        int | None, typer.Option(help="Remove the deletion marks of this step (and pin it).")
+    ] = None,
+    pin: Annotated[int | None, typer.Option(help="Keep this step from retention.")] = None,
+    unpin: Annotated[int | None, typer.Option(help="Give this step back to retention.")] = None,
+    keep_last: Annotated[int | None, typer.Option(help="Keep the N newest.")] = None,
+    keep_every: Annotated[int | None, typer.Option(help="Keep steps that are multiples.")] = None,
+    keep_best: Annotated[int | None, typer.Option(help="Keep the K best by --metric.")] = None,
+    metric: Annotated[str | None, typer.Option(help="The metric --keep-best ranks by.")] = None,
+    mode: Annotated[str, typer.Option(help="min or max: which --metric value is best.")] = "min",
+    keep_within: Annotated[
+        str | None, typer.Option(help="Keep everything newer than this (e.g. 2d).")
+    ] = None,
+    keep_hourly: Annotated[int | None, typer.Option(help="Newest of each of H hours.")] = None,
+    keep_daily: Annotated[int | None, typer.Option(help="Newest of each of D days.")] = None,
+    keep_weekly: Annotated[int | None, typer.Option(help="Newest of each of W ISO weeks.")] = None,
+    delete_delay: Annotated[
+        str, typer.Option(help="Time between marking and deleting (e.g. 1d, 0s).")
+    ] = format_seconds(DEFAULT_DELETE_DELAY),
+    run_id: Annotated[
+        str | None, typer.Option(help="Require this run id (default: the newest's).")
+    ] = None,
+    trusted_key: Annotated[
+        list[Path] | None,
+        typer.Option("--trusted-key", help="Require a signature by this public key (repeatable)."),
+    ] = None,
+    ledger: Annotated[
+        Path | None, typer.Option(help="The rollback ledger (protects the floor's generation).")
+    ] = None,
+    audit_log: Annotated[
+        Path | None, typer.Option(help="Record marks and deletions in this audit log.")
+    ] = None,
+    s3_endpoint_url: S3EndpointUrl = None,
+) -> None:
+    """Apply retention: mark, then delete old generations; remove staging leftovers."""
+    store = open_store(directory, s3_endpoint_url)
+    stale_seconds = parse_duration(stale_after, "--stale-after")
+    delay = parse_duration(delete_delay, "--delete-delay")
+    trust = TrustContext.configure(trusted_keys=trusted_key, ledger=ledger, audit_log=audit_log)
+    trust.check_outside(store)
+    events = EventBus(trust.subscribers())
+    within = parse_duration(keep_within, "--keep-within") if keep_within else None
+    rule_options = dict(
+        keep_last=keep_last,
+        keep_every=keep_every,
+        keep_best=keep_best,
+        metric=metric,
+        keep_within=within,
+        keep_hourly=keep_hourly,
+        keep_daily=keep_daily,
+        keep_weekly=keep_weekly,
+    )
+    records = {"--undelete": undelete, "--pin": pin, "--unpin": unpin}
+    asked = [option for option, step in records.items() if step is not None]
+    if asked:
+        given = [name for name, value in rule_options.items() if value is not None]
+        if len(asked) > 1 or given or dry_run:
+            raise UsageError(
+                f"{', '.join(asked)}: give one of --undelete, --pin, --unpin alone (no rule "
+                "options, no --dry-run); run gc again afterwards to collect garbage"
+            )
+        _change_records(store, asked[0], records[asked[0]], run_id, events, as_json)
+        return
+    retention = None
+    if any(value is not None for value in rule_options.values()):
+        retention = Retention(
+            keep_last=keep_last,
+            keep_every=keep_every,
+            keep_best=keep_best,
+            metric=metric,
+            mode=mode,
+            keep_within=within,
+            keep_hourly=keep_hourly,
+            keep_daily=keep_daily,
+            keep_weekly=keep_weekly,
+            delete_delay=delay,
+        )
+    if not dry_run:
+        _lock(store)
+    try:
+        report = _collect(store, retention, delay, stale_seconds, run_id, trust, events, dry_run)
+    finally:
+        if not dry_run:
+            store.release_writer()
+    if as_json:
+        print_json(report)
+    else:
+        _print_report(report)
+    if (report["newest_verified"] is None and report["decisions"]) or report["failed"]:
+        raise typer.Exit(1)
+
+
+def _lock(store: Store) -> None:
+    try:
+        store.acquire_writer()
+    except StoreLockedError as exc:
+        holder = re.search(r"\((pid [^)]*|holder unknown)\)", str(exc))
+        raise StoreLockedError(
+            f"store {store.location} is being written by a live process "
+            f"({holder.group(1) if holder else 'holder unknown'}); gc deletes only while no "
+            "trainer writes the store. Run `ckptvault gc` when the trainer is idle, or let the "
+            "trainer apply retention itself: CheckpointManager(..., retention=cv.Retention(...))"
+        ) from None
+
+
+def _collect(
+    store: Store,
+    retention: Retention | None,
+    delay: float,
+    stale_seconds: float,
+    run_id: str | None,
+    trust: TrustContext,
+    events: EventBus,
+    dry_run: bool,
+) -> dict[str, Any]:
+    now = datetime.now(timezone.utc)
+    collector = GarbageCollector(
+        [store],
+        retention.rules if retention is not None else (),
+        retention.delete_delay if retention is not None else delay,
+        policy=trust.policy(run_id, None),
+        run_id=run_id,
+        emit=events.emit,
+    )
+    newest = collector.verify_newest(now)
+    run = run_id or (newest.manifest.run_id if newest and newest.manifest else None)
+    floor: RestoreFloor | None = trust.floor(run) if run is not None else None
+    plan = collector.plan(now=now, floor=floor)
+    applied = None if dry_run else collector.apply(plan)
+    staging = None if dry_run else store.remove_stale_staging(older_than=stale_seconds)
+    return _report(store, retention, delay, stale_seconds, collector, plan, applied, staging)
+
+
+def _report(
+    store: Store,
+    retention: Retention | None,
+    delay: float,
+    stale_seconds: float,
+    collector: GarbageCollector,
+    plan: RetentionPlan,
+    applied: AppliedPlan | None,
+    staging: list[str] | None,
+) -> dict[str, Any]:
+    def decision(d: Decision) -> dict[str, Any]:
+        entry = d.to_json()
+        entry["outcome"] = applied.outcome(d) if applied is not None else None
+        return entry
+
+    policy = retention.describe() if retention else f"no rule, delete_delay={format_seconds(delay)}"
+    return {
+        "store": store.location,
+        "policy": policy,
+        "dry_run": applied is None,
+        **plan.to_json(),
+        "decisions": [decision(d) for d in plan.decisions],
+        "verified": [_verification(report) for report in collector.reports],
+        "failed": [
+            {"step": d.step, "generation_id": d.generation_id, "error": why}
+            for d, why in (applied.failed if applied else [])
+        ],
+        "stale_after_seconds": stale_seconds,
+        "staging_removed": staging,
+    }
+
+
+def _verification(report: VerificationReport) -> dict[str, Any]:
+    return {
+        "step": report.ref.step,
+        "generation_id": report.ref.generation_id,
+        "ok": report.ok,
+        "problems": [{"code": p.code, "file": p.file, "detail": p.detail} for p in report.problems],
+    }
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    dry = "  (dry run: nothing changed)" if report["dry_run"] else ""
+    # Store-derived strings (names, mark reasons, errors): escaped for the terminal.
+    out.print(safe_text(f"gc {report['store']}: {report['policy']}{dry}"), markup=False)
+    for checked in report["verified"]:
+        verdict = (
+            "verifies"
+            if checked["ok"]
+            else "FAILS: " + ", ".join(p["code"] for p in checked["problems"])
+        )
+        out.print(
+            safe_text(f"  verified step {checked['step']} ({checked['generation_id']}): {verdict}"),
+            markup=False,
+        )
+    if report["blocked"]:
+        out.print(safe_text(f"  nothing is marked or deleted: {report['blocked']}"), markup=False)
+    for d in report["decisions"]:
+        line = f"  step {d['step']:>8}  {d['generation_id']}  {d['action']:<7} {'; '.join(d['reasons'])}"
+        if d["marked_at"] and d["action"] != "keep":
+            line += f"; marked {d['marked_at']}"
+            if d["delete_after"]:
+                line += f", deleted after {d['delete_after']}"
+        if d["outcome"]:
+            line += f"  -> {d['outcome']}"
+        out.print(safe_text(line), markup=False)
+    if not report["decisions"]:
+        out.print("  no generations")
+    removed = report["staging_removed"]
+    if removed is not None:
+        older = format_seconds(report["stale_after_seconds"])
+        listed = ": " + ", ".join(removed) if removed else ""
+        out.print(
+            safe_text(f"  staging: removed {len(removed)} leftover(s) older than {older}{listed}"),
+            markup=False,
+        )
+    for failure in report["failed"]:
+        err.print(
+            safe_text(
+                f"ckptvault: step {failure['step']} ({failure['generation_id']}): "
+                f"{failure['error']}"
+            ),
+            markup=False,
+        )
+
+
+def _change_records(
+    store: Store, option: str, step: int | None, run_id: str | None, events: EventBus, as_json: bool
+) -> None:
+    assert step is not None
+    now = datetime.now(timezone.utc)
+    if option == "--undelete":
+        refs = marks.undelete(store, step, now)
+        for ref in refs:
+            events.emit(
+                Unmarked(run_id, store.location, ref.step, ref.generation_id, "undeleted by gc")
+            )
+        done = "undeleted and pinned" if refs else "nothing marked to undelete"
+    elif option == "--pin":
+        refs = [marks.pin(store, step, now)]
+        done = "pinned"
+    else:
+        refs = marks.unpin(store, step)
+        done = "unpinned" if refs else "nothing pinned"
+    if as_json:
+        print_json(
+            {
+                "store": store.location,
+                "action": option.lstrip("-"),
+                "step": step,
+                "generations": [ref.generation_id for ref in refs],
+                "at": format_timestamp(now),
+            }
+        )
+        return
+    names = ", ".join(ref.generation_id for ref in refs)
+    out.print(safe_text(f"step {step}: {done}{': ' + names if names else ''}"), markup=False)

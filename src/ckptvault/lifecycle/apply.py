@@ -1,0 +1,180 @@
+"""Applying a retention plan to every store (tier) that holds the run.
+
+The plan is made from the first store; its marks, unmarks and deletions reach every
+store in ``stores``. A deletion goes in this order: the mark exists in every store
+(written now when the delay is 0); the leases in every store are read once more (a
+reader may have started since the plan was made); the generation is deleted from
+every store that lists it; only then are the marks removed. So an interrupted or
+partly failed deletion leaves a mark behind, and the next pass finishes it
+everywhere (a mark whose generation is gone from the first store is an "orphan" the
+planner finishes).
+
+Each mark, unmark and deletion is told to the event subscribers (the audit log
+records ``mark``, ``unmark`` and ``delete`` entries). A failure on one generation is
+logged and reported, and the rest of the plan still runs; an audit failure stops it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from ckptvault.errors import AuditError, CheckpointError, UsageError
+from ckptvault.events import Deleted, Event, Marked, Unmarked
+from ckptvault.format.layout import GenerationName, format_timestamp
+from ckptvault.lifecycle.marks import parse_timestamp, put_mark, read_leases, remove_mark
+from ckptvault.lifecycle.plan import DELETE, MARK, UNMARK, Decision, RetentionPlan
+from ckptvault.storage.base import GenerationRef, Store
+from ckptvault.storage.records import LEASE
+
+logger = logging.getLogger("ckptvault")
+
+
+@dataclass
+class AppliedPlan:
+    """What applying a plan did."""
+
+    marked: list[Decision] = field(default_factory=list)
+    unmarked: list[Decision] = field(default_factory=list)
+    deleted: list[Decision] = field(default_factory=list)
+    deferred: list[tuple[Decision, str]] = field(default_factory=list)  # a lease appeared
+    failed: list[tuple[Decision, str]] = field(default_factory=list)
+
+    def outcome(self, decision: Decision) -> str:
+        """``marked``, ``unmarked``, ``deleted``, ``deferred: ...``, ``failed: ...`` or ``""``."""
+        for label, decisions in (
+            ("marked", self.marked),
+            ("unmarked", self.unmarked),
+            ("deleted", self.deleted),
+        ):
+            if decision in decisions:
+                return label
+        for label, pairs in (("deferred", self.deferred), ("failed", self.failed)):
+            for done, why in pairs:
+                if done == decision:
+                    return f"{label}: {why}"
+        return ""
+
+
+class PlanApplier:
+    def __init__(
+        self,
+        stores: Sequence[Store],
+        emit: Callable[[Event], None],
+        run_id: str | None = None,
+    ) -> None:
+        if not stores:
+            raise UsageError("retention needs at least one store")
+        self.stores = list(stores)
+        self.emit = emit
+        self.run_id = run_id
+
+    def apply(self, plan: RetentionPlan) -> AppliedPlan:
+        result = AppliedPlan()
+        listings: dict[int, dict[GenerationName, GenerationRef]] = {}
+        for decision in plan.decisions:
+            if decision.action not in (MARK, UNMARK, DELETE):
+                continue
+            try:
+                if decision.action == MARK:
+                    self._mark(decision, plan.now)
+                    result.marked.append(decision)
+                elif decision.action == UNMARK:
+                    self._unmark(decision)
+                    result.unmarked.append(decision)
+                else:
+                    waiting = self._delete(decision, plan.now, listings)
+                    if waiting:
+                        result.deferred.append((decision, waiting))
+                    else:
+                        result.deleted.append(decision)
+            except AuditError:
+                raise
+            except (OSError, CheckpointError) as exc:
+                logger.error(
+                    "retention could not %s generation %s (step %d): %s; the next pass retries",
+                    decision.action,
+                    decision.generation_id,
+                    decision.step,
+                    exc,
+                )
+                result.failed.append((decision, str(exc)))
+        self._drop_expired_leases()
+        return result
+
+    def _mark(self, decision: Decision, now: datetime) -> None:
+        marked_at = decision.marked_at or now
+        put_mark(self.stores, decision.name, decision.reason, marked_at)
+        self.emit(
+            Marked(
+                self.run_id,
+                self.stores[0].location,
+                decision.step,
+                decision.generation_id,
+                decision.reason,
+                format_timestamp(marked_at),
+            )
+        )
+
+    def _unmark(self, decision: Decision) -> None:
+        remove_mark(self.stores, decision.name)
+        self.emit(
+            Unmarked(
+                self.run_id,
+                self.stores[0].location,
+                decision.step,
+                decision.generation_id,
+                f"kept again: {decision.reason}",
+            )
+        )
+
+    def _delete(
+        self,
+        decision: Decision,
+        now: datetime,
+        listings: dict[int, dict[GenerationName, GenerationRef]],
+    ) -> str | None:
+        """Delete everywhere; returns why it must wait instead (a fresh lease)."""
+        if not decision.was_marked:
+            self._mark(decision, now)  # delete_delay=0: marked and deleted at once
+        current = datetime.now(timezone.utc)
+        leased = [
+            expiry
+            for store in self.stores  # a reader may be reading any tier's copy
+            for expiry in read_leases(store).get(decision.name, [])
+            if expiry > current
+        ]
+        if leased:
+            return f"a reader took a lease until {format_timestamp(max(leased))}"
+        for index, store in enumerate(self.stores):
+            if index not in listings:
+                listings[index] = {ref.name: ref for ref in store.list_generations()}
+            ref = listings[index].get(decision.name)
+            if ref is not None:
+                store.delete_generation(ref)
+        remove_mark(self.stores, decision.name)
+        self.emit(
+            Deleted(
+                self.run_id,
+                self.stores[0].location,
+                decision.step,
+                decision.generation_id,
+                decision.reason,
+                format_timestamp(decision.marked_at) if decision.marked_at else None,
+            )
+        )
+        return None
+
+    def _drop_expired_leases(self) -> None:
+        """Leases of readers that died; they expired, so no planner honours them."""
+        now = datetime.now(timezone.utc)
+        for store in self.stores:
+            try:
+                for name, data in store.list_records(LEASE).items():
+                    expires = parse_timestamp(data.get("expires_at"))
+                    if expires is not None and expires < now:
+                        store.delete_record(LEASE, name)
+            except (OSError, CheckpointError) as exc:
+                logger.warning("could not remove expired leases in %s: %s", store.location, exc)

@@ -1,0 +1,259 @@
+"""A store in an S3 bucket (or any S3-compatible object store): ``s3://bucket/prefix``.
+
+The key layout is in :mod:`ckptvault.storage.s3_layout`; writing in
+:mod:`~ckptvault.storage.s3_upload`, publishing (manifest last, ``If-None-Match``)
+in :mod:`~ckptvault.storage.s3_publish`, the writer lease in
+:mod:`~ckptvault.storage.s3_lease`, reading in :mod:`~ckptvault.storage.s3_read`
+and cleanup in :mod:`~ckptvault.storage.s3_cleanup`. This module ties them into a
+:class:`~ckptvault.storage.base.Store`.
+
+What S3 semantics this relies on: strong read-after-write consistency for PUT,
+DELETE, HEAD and LIST of objects; a completed multipart upload appears atomically;
+conditional writes (``If-None-Match: *`` on PutObject and CompleteMultipartUpload,
+``If-Match`` on PutObject and GetObject) — probed once per store before saving;
+Object Lock only when ``object_lock_days`` is set.
+
+Whoever can write the bucket may plant objects anywhere under the prefix. Listing a
+generation reports every object that is not exactly where ckptvault writes it as
+unsafe (see :func:`~ckptvault.storage.s3_layout.classify_entries`); reads serve only
+the one key a name maps to, pinned to the version that was opened; records and the
+lease are read with a size bound and a bounded JSON parser; nothing outside the
+prefix is ever listed, written or deleted.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ckptvault.errors import UnsafeEntryError, UsageError
+from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, GenerationName
+from ckptvault.format.manifest import is_safe_file_name
+from ckptvault.storage.base import EntryInfo, GenerationRef
+from ckptvault.storage.records import (
+    MAX_RECORD_BYTES,
+    check_record_key,
+    decode_record,
+    encode_record,
+    record_name_of,
+)
+from ckptvault.storage.s3_cleanup import delete_generation, remove_stale_attempts
+from ckptvault.storage.s3_client import CHECKSUM, S3Client, S3Error, S3NotFound
+from ckptvault.storage.s3_layout import OWN_PREFIX, S3Layout, classify_entries
+from ckptvault.storage.s3_lease import S3WriterLease
+from ckptvault.storage.s3_options import S3Options, parse_s3_url
+from ckptvault.storage.s3_publish import (
+    ConditionalManifestPut,
+    ConditionalWritesUnsupported,
+    ObjectRetention,
+    S3StagingArea,
+    probe_conditional_writes,
+)
+from ckptvault.storage.s3_read import S3ObjectReader, head_object, read_range
+from ckptvault.storage.s3_upload import PartUploader
+
+# How long a generation's listing is reused when its files are opened: restore lists
+# once, then opens every file (twice); listing 17 prefixes per open would dominate.
+# Reads stay safe either way: only the one key a name maps to is ever served.
+ENTRY_CACHE_SECONDS = 30.0
+
+
+class S3Store:
+    """A checkpoint store under ``s3://bucket/prefix`` (see the module docstring)."""
+
+    def __init__(self, url: str, options: S3Options | None = None) -> None:
+        self.options = options or S3Options()
+        where = parse_s3_url(url)
+        self.location = where.url
+        self.layout = S3Layout(where.prefix)
+        self.client = S3Client(where, self.options)
+        self.publish_rule = ConditionalManifestPut()
+        self.retention = ObjectRetention(self.client, self.options.object_lock_days)
+        self.writer_lease = S3WriterLease(
+            self.client, self.layout.lock_key, self.location, self.options.lease_seconds
+        )
+        self._mutex = threading.Lock()
+        self._uploader: PartUploader | None = None
+        self._read_pool: ThreadPoolExecutor | None = None
+        # True once the probe passed; the refusal once it failed; None before.
+        self._conditional_writes: ConditionalWritesUnsupported | bool | None = None
+        self._entries: dict[GenerationName, tuple[float, dict[str, EntryInfo]]] = {}
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.location!r})"
+
+    # -- shared machinery --------------------------------------------------------------
+
+    @property
+    def uploader(self) -> PartUploader:
+        with self._mutex:
+            if self._uploader is None:
+                self._uploader = PartUploader(self.options.max_concurrency)
+            return self._uploader
+
+    @property
+    def read_pool(self) -> ThreadPoolExecutor:
+        with self._mutex:
+            if self._read_pool is None:
+                self._read_pool = ThreadPoolExecutor(
+                    self.options.max_concurrency, thread_name_prefix="ckptvault-s3-read"
+                )
+            return self._read_pool
+
+    def ref_for(self, name: GenerationName) -> GenerationRef:
+        return GenerationRef(name=name, location=f"{self.location}/generations/{name.dirname}")
+
+    def list_prefixes(self, prefixes: list[str]) -> dict[str, list[dict[str, Any]]]:
+        """Every object under each prefix, the prefixes listed in parallel."""
+        listed = self.read_pool.map(lambda p: list(self.client.list_objects(p)), prefixes)
+        return dict(zip(prefixes, listed, strict=True))
+
+    def require_conditional_writes(self) -> None:
+        """Probe once per store that the backend honours ``If-None-Match``."""
+        with self._mutex:
+            if isinstance(self._conditional_writes, ConditionalWritesUnsupported):
+                raise self._conditional_writes
+            if self._conditional_writes is not True:
+                try:
+                    probe_conditional_writes(self.client, self.layout)
+                except ConditionalWritesUnsupported as verdict:
+                    self._conditional_writes = verdict  # about the backend: keep it
+                    raise
+                self._conditional_writes = True
+
+    def check_bucket(self) -> None:
+        """``UsageError`` when the bucket does not exist (a store needs one)."""
+        try:
+            self.client.call("head_bucket")
+        except S3NotFound as exc:
+            raise UsageError(
+                f"no checkpoint store at {self.location}: bucket {self.client.bucket} does not "
+                "exist (create it first, or check the endpoint and credentials)"
+            ) from exc
+
+    # -- reading -----------------------------------------------------------------------
+
+    def holds_path(self, path: Path) -> bool:
+        return False  # nothing of an S3 store lies on a local filesystem
+
+    def list_generations(self) -> list[GenerationRef]:
+        names = set()
+        for item in self._list(self.layout.generations_prefix):
+            name = self.layout.parse_manifest_key(str(item["Key"]))
+            if name is not None:
+                names.add(name)
+        return [self.ref_for(name) for name in sorted(names, reverse=True)]
+
+    def list_entries(self, ref: GenerationRef) -> dict[str, EntryInfo]:
+        own = self.layout.generation_prefix(ref.name)
+        data = self.layout.data_prefixes(ref.generation_id)
+        listed = self.list_prefixes([own, *data.values()])
+        places = {OWN_PREFIX: own, **data}
+        listings = {
+            place: [(str(o["Key"])[len(prefix) :], int(o["Size"])) for o in listed[prefix]]
+            for place, prefix in places.items()
+        }
+        entries = classify_entries(ref.generation_id, listings)
+        with self._mutex:
+            self._entries[ref.name] = (time.monotonic(), entries)
+        return entries
+
+    def forget_entries(self, ref: GenerationRef) -> None:
+        with self._mutex:
+            self._entries.pop(ref.name, None)
+
+    def open_file(self, ref: GenerationRef, name: str) -> S3ObjectReader:
+        key = self._served_key(ref, name)
+        return S3ObjectReader(self.client, head_object(self.client, key), self.read_pool)
+
+    def read_range(self, ref: GenerationRef, name: str, offset: int, length: int) -> bytes:
+        key = self._served_key(ref, name)
+        return read_range(self.client, head_object(self.client, key), offset, length)
+
+    def read_bytes(self, ref: GenerationRef, name: str, limit: int) -> bytes:
+        head = head_object(self.client, self._served_key(ref, name))
+        if head.size > limit:  # refused before a byte is downloaded
+            raise OSError(errno.EFBIG, f"{name} is larger than {limit} bytes")
+        return read_range(self.client, head, 0, head.size)
+
+    def _served_key(self, ref: GenerationRef, name: str) -> str:
+        """The one key ``name`` is served from; ``UnsafeEntryError`` for a name the
+        listing found anywhere else, or one ckptvault never writes."""
+        where = f"{ref.location}/{name}"
+        if name not in (MANIFEST_NAME, SIGNATURE_NAME) and not is_safe_file_name(name):
+            raise UnsafeEntryError(f"{where} is not a plain file name; refusing to read it")
+        with self._mutex:
+            listed_at, entries = self._entries.get(ref.name, (-1e18, {}))
+        if time.monotonic() - listed_at > ENTRY_CACHE_SECONDS:
+            entries = self.list_entries(ref)
+        entry = entries.get(name)
+        if entry is not None and entry.unsafe is not None:
+            raise UnsafeEntryError(f"{where} {entry.unsafe}, not a plain file; refusing to read it")
+        return self.layout.key_of(ref.name, name)
+
+    def _list(self, prefix: str) -> list[dict[str, Any]]:
+        try:
+            return list(self.client.list_objects(prefix))
+        except S3NotFound as exc:
+            if exc.code != "NoSuchBucket":
+                raise
+            raise UsageError(
+                f"bucket {self.client.bucket} of {self.location} does not exist"
+            ) from exc
+
+    # -- writing -----------------------------------------------------------------------
+
+    def acquire_writer(self) -> None:
+        self.check_bucket()
+        self.writer_lease.acquire()
+
+    def release_writer(self) -> None:
+        self.writer_lease.release()
+
+    def begin_generation(self, generation_id: str) -> S3StagingArea:
+        self.require_conditional_writes()  # refuse before uploading, not after
+        self.retention.check_bucket()
+        return S3StagingArea(self, generation_id)
+
+    def check_capacity(self, nbytes: int, nfiles: int) -> None:
+        """An object store has no free-space limit to check."""
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def remove_stale_staging(self, older_than: float | None = None) -> list[str]:
+        return remove_stale_attempts(self, older_than)
+
+    def delete_generation(self, ref: GenerationRef) -> None:
+        delete_generation(self, ref)
+
+    # -- records -----------------------------------------------------------------------
+
+    def put_record(self, kind: str, name: str, data: dict[str, Any]) -> None:
+        key = self.layout.record_key(kind, name)
+        self.client.call("put_object", key, Body=encode_record(data), ChecksumAlgorithm=CHECKSUM)
+
+    def list_records(self, kind: str) -> dict[str, dict[str, Any]]:
+        check_record_key(kind, "x")
+        prefix = self.layout.records_prefix(kind)
+        records = {}
+        for item in self._list(prefix):
+            name = record_name_of(str(item["Key"])[len(prefix) :])  # None for nested keys
+            if name is None or int(item["Size"]) > MAX_RECORD_BYTES:
+                continue
+            try:
+                raw, _ = self.client.get_bytes(
+                    str(item["Key"]), Range=f"bytes=0-{MAX_RECORD_BYTES}"
+                )
+            except S3Error:
+                continue  # deleted meanwhile, or unreadable: skipped like a malformed one
+            data = decode_record(raw, self.client.url(str(item["Key"])))
+            if data is not None:
+                records[name] = data
+        return records
+
+    def delete_record(self, kind: str, name: str) -> None:
+        self.client.call("delete_object", self.layout.record_key(kind, name))

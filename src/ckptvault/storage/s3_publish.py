@@ -1,0 +1,276 @@
+"""Publishing on S3: the staging area of one save attempt and the publish rule.
+
+S3 has no rename and no transaction across keys, so a generation becomes visible
+by one object: its manifest. :class:`ConditionalManifestPut` publishes in this order:
+
+1. every data object exists (each file was committed: its PUT or
+   CompleteMultipartUpload returned, and S3 reads are strongly consistent after that);
+2. with ``object_lock_days``, every data object is put under retention;
+3. ``manifest.sig`` (if any) is written, conditionally;
+4. the writer lease is renewed — a writer that lost it refuses to publish;
+5. ``manifest.json`` is written with ``If-None-Match: *``. Success is the publish;
+   ``412 Precondition Failed`` means someone else published that generation, and
+   this attempt fails and removes what it wrote.
+
+A crash anywhere before step 5 leaves no manifest, so no generation: readers never
+see the attempt, and ``remove_stale_staging`` deletes its objects later. That rule
+rests on the backend honouring ``If-None-Match``; each store probes it once
+(:func:`probe_conditional_writes`) and refuses to save where it is ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING, Any
+
+from ckptvault.errors import SaveFailedError, UsageError
+from ckptvault.format.layout import (
+    MANIFEST_NAME,
+    SIGNATURE_NAME,
+    generation_dirname,
+    is_generation_id,
+    parse_generation_dirname,
+)
+from ckptvault.storage.base import GenerationRef
+from ckptvault.storage.s3_client import S3Client, S3Error, S3PreconditionFailed
+from ckptvault.storage.s3_layout import S3Layout
+from ckptvault.storage.s3_upload import S3WritableFile
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckptvault.storage.s3 import S3Store
+
+logger = logging.getLogger("ckptvault")
+
+_UNSUPPORTED = {"NotImplemented", "InvalidArgument", "InvalidRequest", "501"}
+
+
+class ConditionalWritesUnsupported(SaveFailedError):
+    """The backend does not honour ``If-None-Match: *``: a verdict about the backend,
+    kept for the store's lifetime (unlike a network error during the probe)."""
+
+
+def probe_conditional_writes(client: S3Client, layout: S3Layout) -> None:
+    """Check that the backend refuses a second ``If-None-Match: *`` PUT of one key;
+    ``SaveFailedError`` when it does not (publishing would not be safe there)."""
+    key = layout.probe_key(secrets.token_hex(16))
+    try:
+        client.call("put_object", key, Body=b"first", IfNoneMatch="*")
+        try:
+            client.call("put_object", key, Body=b"second", IfNoneMatch="*")
+        except S3PreconditionFailed:
+            return  # refused, as it must be
+        raise ConditionalWritesUnsupported(
+            f"{client.url(key)}: this S3 backend ignores conditional writes (If-None-Match: *), "
+            "so a generation could be published twice or replaced; ckptvault refuses to save "
+            "there. Use a backend that supports conditional writes (AWS S3, recent MinIO/Ceph)"
+        )
+    except S3Error as exc:
+        if exc.code in _UNSUPPORTED:
+            raise ConditionalWritesUnsupported(
+                f"{client.url(key)}: this S3 backend does not support conditional writes "
+                f"({exc.code}); ckptvault refuses to publish there"
+            ) from exc
+        raise SaveFailedError(f"probing conditional writes: {exc}") from exc
+    finally:
+        try:
+            client.call("delete_object", key)
+        except S3Error as exc:
+            logger.debug("could not delete the probe %s: %s", client.url(key), exc)
+
+
+class ObjectRetention:
+    """``object_lock_days``: published objects under Object Lock (GOVERNANCE mode)."""
+
+    def __init__(self, client: S3Client, days: int | None) -> None:
+        self.client = client
+        self.days = days
+        self._checked = False
+
+    def check_bucket(self) -> None:
+        """``UsageError`` when retention is asked for but the bucket cannot hold it."""
+        if self.days is None or self._checked:
+            return
+        try:
+            response = self.client.call("get_object_lock_configuration")
+            enabled = response.get("ObjectLockConfiguration", {}).get("ObjectLockEnabled")
+        except S3Error as exc:
+            if exc.code not in ("ObjectLockConfigurationNotFoundError", "404"):
+                raise
+            enabled = None
+        if enabled != "Enabled":
+            raise UsageError(
+                f"object_lock_days={self.days}: bucket {self.client.bucket} does not have "
+                "Object Lock enabled, so published objects cannot be put under retention. "
+                "Use a bucket created with Object Lock, or drop object_lock_days"
+            )
+        self._checked = True
+
+    def object_params(self) -> dict[str, Any]:
+        """PUT parameters that lock a new object, or none."""
+        if self.days is None:
+            return {}
+        until = datetime.now(timezone.utc) + timedelta(days=self.days)
+        return {"ObjectLockMode": "GOVERNANCE", "ObjectLockRetainUntilDate": until}
+
+    def apply(self, keys: list[str], pool: ThreadPoolExecutor) -> None:
+        """Put existing objects under retention (in parallel)."""
+        params = self.object_params()
+        if not params:
+            return
+        retention = {"Mode": "GOVERNANCE", "RetainUntilDate": params["ObjectLockRetainUntilDate"]}
+
+        def lock(key: str) -> None:
+            self.client.call("put_object_retention", key, Retention=retention)
+
+        for _done in pool.map(lock, keys):
+            pass
+
+
+class S3StagingArea:
+    """The data objects of one save attempt, under ``data/<x>/<generation id>/``."""
+
+    def __init__(self, store: S3Store, generation_id: str) -> None:
+        if not is_generation_id(generation_id):
+            raise UsageError(f"{generation_id!r} is not a generation id")
+        self.store = store
+        self.generation_id = generation_id
+        self.location = f"{store.location}/data/*/{generation_id}"
+        self._files: dict[str, S3WritableFile] = {}
+        self._written: list[str] = []  # keys this attempt created, to delete on abort
+        self._mutex = threading.Lock()
+        self._state = "open"  # then "published" or "aborted"
+        self.keep_written = False  # the publish outcome is unknown: delete nothing
+
+    def create_file(self, name: str) -> S3WritableFile:
+        key = self.store.layout.data_key(self.generation_id, name)
+        with self._mutex:
+            self._check_open()
+            if name in self._files:
+                raise UsageError(f"{name} was already created in {self.location}")
+            new = S3WritableFile(
+                self.store.client,
+                self.store.uploader,
+                key,
+                self.store.options.part_size,
+                self.note_written,
+            )
+            self._files[name] = new
+            return new
+
+    def note_written(self, key: str) -> None:
+        with self._mutex:
+            self._written.append(key)
+
+    def written_keys(self) -> list[str]:
+        with self._mutex:
+            return list(self._written)
+
+    def unfinished_files(self) -> list[str]:
+        with self._mutex:
+            return sorted(name for name, file in self._files.items() if file.is_open)
+
+    def publish(self, step: int, manifest: bytes, signature: bytes | None = None) -> GenerationRef:
+        with self._mutex:
+            self._check_open()
+        try:
+            ref = self.store.publish_rule.publish(self, step, manifest, signature)
+        except S3Error as exc:  # a request before the manifest's own failed
+            self.abort()
+            raise SaveFailedError(
+                f"publishing {self.generation_id} into {self.store.location}: {exc}. Nothing "
+                "was published; earlier generations are intact"
+            ) from exc
+        except BaseException:
+            self.abort()
+            raise
+        with self._mutex:
+            self._state = "published"
+        return ref
+
+    def abort(self) -> None:
+        """Abort unfinished uploads and delete every object this attempt wrote."""
+        with self._mutex:
+            if self._state != "open":
+                return
+            self._state = "aborted"
+            files, written = list(self._files.values()), list(self._written)
+        for file in files:
+            file.abort()
+        if self.keep_written:
+            return
+        try:
+            self.store.client.delete_keys(written)
+        except S3Error as exc:
+            logger.warning(
+                "could not delete what the aborted save %s wrote (%s); "
+                "Store.remove_stale_staging removes it later",
+                self.generation_id,
+                exc,
+            )
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise UsageError(f"staging area {self.location} was already {self._state}")
+
+
+class ConditionalManifestPut:
+    """The S3 publish rule (see the module docstring)."""
+
+    def publish(
+        self, area: S3StagingArea, step: int, manifest: bytes, signature: bytes | None
+    ) -> GenerationRef:
+        store = area.store
+        name = parse_generation_dirname(generation_dirname(step, area.generation_id))
+        if name is None or name.step != step:
+            raise UsageError(f"step {step!r} is not a step (an integer from 0 to 2**63-1)")
+        unfinished = area.unfinished_files()
+        if unfinished:
+            raise SaveFailedError(
+                f"{', '.join(unfinished)} of {area.location} are still being written; a "
+                "generation is published only after every file is committed"
+            )
+        store.writer_lease.check_held()  # before writing anything more
+        store.require_conditional_writes()
+        store.retention.check_bucket()
+        store.retention.apply(area.written_keys(), store.read_pool)
+        lock = store.retention.object_params()
+        if signature is not None:
+            sig_key = store.layout.generation_key(name, SIGNATURE_NAME)
+            store.client.put_new(sig_key, signature, accept_identical=True, **lock)
+            area.note_written(sig_key)
+        store.writer_lease.confirm()  # a writer that lost the lease must not publish
+        manifest_key = store.layout.generation_key(name, MANIFEST_NAME)
+        try:
+            store.client.put_new(manifest_key, manifest, accept_identical=True, **lock)
+        except S3PreconditionFailed as exc:
+            raise SaveFailedError(
+                f"{store.client.url(manifest_key)} already exists: someone else published "
+                f"generation {area.generation_id} (step {step}). This save was abandoned and "
+                "its objects removed; the published generation is untouched"
+            ) from exc
+        except S3Error as exc:
+            _after_uncertain_put(area, manifest_key, manifest, exc)
+        return store.ref_for(name)
+
+
+def _after_uncertain_put(area: S3StagingArea, key: str, manifest: bytes, exc: S3Error) -> None:
+    """The manifest PUT failed without a clear answer (network): it may still have
+    landed. Returns when it did (published after all); otherwise raises, and keeps
+    the attempt's objects when it cannot tell (a published generation keeps its data)."""
+    client = area.store.client
+    landed = client.holds_exactly(key, manifest)
+    if landed is True:
+        return
+    if landed is None:
+        area.keep_written = True
+        raise SaveFailedError(
+            f"writing {client.url(key)} failed ({exc}) and whether it landed is unknown. The "
+            "data objects were kept: if the manifest exists the generation is complete, "
+            "otherwise remove_stale_staging removes them later"
+        ) from exc
+    raise SaveFailedError(f"publishing {client.url(key)}: {exc}; nothing was published") from exc
