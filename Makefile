@@ -33,6 +33,7 @@ crash: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.save_restore --size-gb 1 --reps 7
+	$(PY) -m bench.s3_save --size-gb 1 --reps 3
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
