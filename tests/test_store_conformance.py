@@ -36,7 +36,13 @@ from pathlib import Path
 
 import pytest
 
-from ckptvault.errors import CheckpointError, StoreLockedError, UnsafeEntryError, UsageError
+from ckptvault.errors import (
+    CheckpointError,
+    IntegrityError,
+    StoreLockedError,
+    UnsafeEntryError,
+    UsageError,
+)
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, new_generation_id
 from ckptvault.storage import open_store
 from ckptvault.storage.base import EntryInfo, GenerationRef, StagingArea, Store
@@ -412,6 +418,37 @@ def test_location_round_trips_through_open_store(backend_store: Store):
     assert reopened.location == backend_store.location
     assert reopened.list_generations() == [ref]
     assert reopened.read_bytes(ref, "w.bin", MiB) == b"weights"
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
+def test_replace_manifest_swaps_only_the_manifest_and_signature(backend_store: Store, signed: bool):
+    """Key rotation's one change to a published generation: compare-and-swap on the
+    manifest's exact bytes, signature first, data untouched, nothing left behind."""
+    files = {"w.bin": payload(4096, 3)}
+    signature = SIGNATURE if signed else None
+    new_manifest = MANIFEST[:-1] + b', "rotated": true}'
+    new_signature = SIGNATURE + b" (new)" if signed else None
+    backend_store.acquire_writer()
+    ref = publish(backend_store, 5, files, signature=signature)
+    with pytest.raises(IntegrityError, match="changed meanwhile"):
+        backend_store.replace_manifest(ref, new_manifest, new_signature, replaces=b"{}")
+    if signed:  # a signed generation never keeps a signature over other bytes
+        with pytest.raises(UsageError, match="signed"):
+            backend_store.replace_manifest(ref, new_manifest, None, replaces=MANIFEST)
+    assert entry_table(backend_store, ref) == expected_table(files, MANIFEST, signature)
+    backend_store.replace_manifest(ref, new_manifest, new_signature, replaces=MANIFEST)
+    reopened = open_store(backend_store.location)
+    assert reopened.list_generations() == [ref]
+    assert entry_table(reopened, ref) == expected_table(files, new_manifest, new_signature)
+    assert reopened.read_bytes(ref, MANIFEST_NAME, MiB) == new_manifest
+    assert reopened.read_bytes(ref, "w.bin", MiB) == files["w.bin"]
+    if signed:
+        assert reopened.read_bytes(ref, SIGNATURE_NAME, MiB) == new_signature
+    assert backend_store.remove_stale_staging(older_than=0) == []  # no temporary left
+    backend_store.release_writer()
+    with pytest.raises(CheckpointError):  # only the writer replaces
+        backend_store.replace_manifest(ref, MANIFEST, new_signature, replaces=new_manifest)
+    assert reopened.read_bytes(ref, MANIFEST_NAME, MiB) == new_manifest
 
 
 # -- 4: reads return exactly the bytes written --------------------------------------

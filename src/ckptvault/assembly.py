@@ -23,6 +23,7 @@ from ckptvault.io.writer import default_threads
 from ckptvault.lifecycle.keeper import RetentionKeeper
 from ckptvault.lifecycle.replication import Replicator
 from ckptvault.lifecycle.retention import Retention
+from ckptvault.lifecycle.tiers import attach_retention
 from ckptvault.restoring.restorer import Restorer
 from ckptvault.run_context import RunContext
 from ckptvault.saving.generation_writer import GenerationWriter, WriteSettings
@@ -59,6 +60,7 @@ class ManagerOptions(TypedDict, total=False):
     object_lock_days: int | None
     replicate_to: StoreLocation | None
     retention: Retention | None
+    replica_retention: Retention | None
 
 
 @dataclass
@@ -80,26 +82,9 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
     unknown = sorted(set(options) - set(ManagerOptions.__annotations__))
     if unknown:
         raise UsageError(f"CheckpointManager got unknown options: {', '.join(unknown)}")
-    s3 = S3Options.from_keywords(
-        endpoint_url=options.get("s3_endpoint_url"),
-        part_size=options.get("s3_part_size"),
-        max_concurrency=options.get("s3_max_concurrency"),
-        object_lock_days=options.get("object_lock_days"),
-    )
-    store = open_store(directory, s3=s3)
+    store = open_store(directory, s3=_s3_options(options))
     trust_options: dict[str, Any] = {name: options.get(name) for name in TRUST_OPTIONS}
-    contract = options.get("contract")
-    config = ManagerConfig(
-        run_id=resolve_run_id(options.get("run_id"), store.location, trust_options),
-        contract=dict(contract) if contract is not None else None,
-        async_save=options.get("async_save", False),
-        max_in_flight=options.get("max_in_flight", 1),
-        if_busy=options.get("if_busy", "wait"),
-        threads=options.get("threads") or default_threads(),
-        chunk_size=options.get("chunk_size", ManagerConfig.chunk_size),
-        segment_size=options.get("segment_size", ManagerConfig.segment_size),
-        max_fallback=options.get("max_fallback"),
-    )
+    config = _config(options, store.location, trust_options)
     encode_contract_fields(config.contract or {})  # fail now, not at the first save
     trust = TrustContext.configure(**trust_options)
     trust.check_outside(store)
@@ -108,9 +93,9 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
     replicator = Replicator.attach(store, options.get("replicate_to"), events, trust, config.run_id)
     run = RunContext(store, config.run_id, trust, coordinator, events)
     tiers = [replicator.target] if replicator else []
-    retention = RetentionKeeper.attach(
-        run, options.get("retention"), tiers
-    )  # None without a policy
+    retention = attach_retention(  # None without a local policy
+        run, options.get("retention"), options.get("replica_retention"), replicator
+    )
     writer = GenerationWriter(
         run,
         build_contract(config.contract, code_revision()),
@@ -136,4 +121,30 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
         writer,
         scheduler,
         restorer,
+    )
+
+
+def _s3_options(options: ManagerOptions) -> S3Options | None:
+    """The S3 options given, or None when none was (they apply to s3:// stores only)."""
+    return S3Options.from_keywords(
+        endpoint_url=options.get("s3_endpoint_url"),
+        part_size=options.get("s3_part_size"),
+        max_concurrency=options.get("s3_max_concurrency"),
+        object_lock_days=options.get("object_lock_days"),
+    )
+
+
+def _config(options: ManagerOptions, location: str, trust_options: dict[str, Any]) -> ManagerConfig:
+    """The plain settings, with their defaults; the run id is resolved against the store."""
+    contract = options.get("contract")
+    return ManagerConfig(
+        run_id=resolve_run_id(options.get("run_id"), location, trust_options),
+        contract=dict(contract) if contract is not None else None,
+        async_save=options.get("async_save", False),
+        max_in_flight=options.get("max_in_flight", 1),
+        if_busy=options.get("if_busy", "wait"),
+        threads=options.get("threads") or default_threads(),
+        chunk_size=options.get("chunk_size", ManagerConfig.chunk_size),
+        segment_size=options.get("segment_size", ManagerConfig.segment_size),
+        max_fallback=options.get("max_fallback"),
     )

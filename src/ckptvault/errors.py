@@ -94,6 +94,12 @@ class KeyUnavailableError(CheckpointError):
     """An encrypted generation's key cannot be obtained (no key store, unknown key)."""
 
 
+class KeyServiceError(CheckpointError):
+    """The key service (a cloud KMS) could not answer for a reason that says nothing
+    about one generation: network, throttling, credentials or permissions. Restore
+    stops with it instead of skipping generations whose keys may be fine."""
+
+
 class AuditError(CheckpointError):
     """The audit log cannot be read or appended to (damaged, unwritable)."""
 
@@ -146,6 +152,7 @@ __all__ = [
     "FormatError",
     "IntegrityError",
     "KeyDestroyedError",
+    "KeyServiceError",
     "KeyUnavailableError",
     "NoValidCheckpoint",
     "RollbackError",

@@ -1,11 +1,12 @@
 """What happened to a store, told to whoever listens.
 
 The manager's parts emit an event after each thing that happened: a generation was
-published, restored, refused, marked for deletion, unmarked or deleted. Subscribers
-turn events into their own records: the rollback ledger raises its floor, the audit
-log appends an entry, retention plans and applies itself after a publish; the
-catalog, metrics and replication subscribe the same way. A
-new feature is a new subscriber, not a new branch in the manager.
+published, restored, refused, marked for deletion, unmarked, deleted or copied to
+another tier (replicated). Subscribers turn events into their own records: the
+rollback ledger raises its floor, the audit log appends an entry, retention plans
+and applies itself after a publish (a replica tier's after a copy); the catalog,
+metrics and replication subscribe the same way. A new feature is a new subscriber,
+not a new branch in the manager.
 
 Subscribers run in the order they subscribed. An exception from one stops the rest
 and propagates to whoever emitted the event: the event has *already happened*, so
@@ -113,7 +114,8 @@ class Unmarked:
 
 @dataclass(frozen=True)
 class Deleted:
-    """A marked generation's bytes were deleted from every store (tier)."""
+    """A marked generation's bytes were deleted from every store (tier) its retention
+    covers (``store`` is the first of them; per-tier retention deletes from one)."""
 
     run_id: str | None
     store: str
@@ -127,7 +129,23 @@ class Deleted:
         return f"generation {self.generation_id} (step {self.step}) was deleted"
 
 
-Event = Published | Restored | Refused | Marked | Unmarked | Deleted
+@dataclass(frozen=True)
+class Replicated:
+    """A published generation was copied, verified, into another tier (``target``)."""
+
+    run_id: str | None
+    store: str  # the tier it was copied from
+    target: str  # the tier it was copied to
+    step: int
+    generation_id: str
+    location: str  # the copy's location in the target
+
+    @property
+    def summary(self) -> str:
+        return f"generation {self.generation_id} (step {self.step}) was copied to {self.target}"
+
+
+Event = Published | Restored | Refused | Marked | Unmarked | Deleted | Replicated
 Subscriber = Callable[[Event], None]
 
 

@@ -52,8 +52,9 @@ class CheckpointManager:
             signed with it (``manifest.sig``).
         trusted_keys: Ed25519 public keys (objects or PEM paths); restore refuses
             generations not signed by one of them. Turns on the rollback floor.
-        keystore: a key store (or the directory of a ``LocalKeyStore``) holding the
-            run's key-encryption key; turns on encryption of every tensor file.
+        keystore: a key store (or the directory of a ``LocalKeyStore``, or a
+            ``kms://`` URL for AWS KMS) holding the run's key-encryption key; turns on
+            encryption of every tensor file.
         ledger: where the rollback floor is kept (outside the store); default a
             per-user state directory. Giving it, or ``trusted_keys``, turns on the floor.
         audit_log: the hash-chained audit log (default beside the ledger); written
@@ -74,7 +75,11 @@ class CheckpointManager:
         replicate_to: a second, durable tier (path or URL): every published generation
             is copied there in the background, and restore falls back to it.
         retention: a :class:`~ckptvault.Retention` policy, applied after every publish
-            (generations it drops are marked, then deleted after its ``delete_delay``).
+            (generations it drops are marked, then deleted after its ``delete_delay``);
+            with ``replicate_to`` and no ``replica_retention`` it applies to both tiers.
+            A generation is never deleted locally before its copy reached the replica.
+        replica_retention: the replica tier's own policy (needs ``replicate_to``),
+            applied there after each copy; ``retention`` then applies locally only.
     """
 
     def __init__(self, directory: StoreLocation, **options: Unpack[ManagerOptions]) -> None:

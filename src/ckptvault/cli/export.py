@@ -9,7 +9,7 @@ import typer
 
 from ckptvault.cli._common import STORE_HELP, S3EndpointUrl, human_bytes, out, safe_markup
 from ckptvault.storage import S3Options
-from ckptvault.trust.keystore import LocalKeyStore
+from ckptvault.trust.keystore import open_keystore
 
 
 def export(
@@ -30,7 +30,10 @@ def export(
             "--trusted-key", help="Require the checkpoint be signed by this key (repeatable)."
         ),
     ] = None,
-    keystore: Annotated[Path | None, typer.Option(help="Key store of an encrypted run.")] = None,
+    keystore: Annotated[
+        str | None,
+        typer.Option(help="Key store of an encrypted run (a directory or a kms:// URL)."),
+    ] = None,
     run_id: Annotated[str | None, typer.Option(help="Require this run id.")] = None,
     audit_log: Annotated[Path | None, typer.Option(help="Audit log to record in.")] = None,
     ledger: Annotated[Path | None, typer.Option(help="Ledger of abandoned generations.")] = None,
@@ -52,7 +55,7 @@ def export(
         run_id=run_id,
         signing_key=signing_key,
         trusted_keys=trusted_key or None,
-        keystore=LocalKeyStore(keystore) if keystore else None,
+        keystore=open_keystore(keystore) if keystore else None,
         audit_log=audit_log,
         ledger=ledger,
         s3=S3Options.from_keywords(endpoint_url=s3_endpoint_url),

@@ -9,12 +9,16 @@ staging leftovers older than ``--stale-after``. Every generation is printed with
 what happens to it and why. ``--undelete STEP`` removes the marks of that step's
 generations (and pins them, so that the next pass does not mark them again);
 ``--pin``/``--unpin STEP`` keep a step from retention or give it back. Those three
-only touch records and need no lock.
+only touch records and need no lock. A generation under Object Lock is kept
+("locked until DATE"); versions of deleted objects a versioned bucket may not
+delete yet are listed as retained copies (``retained_copies`` in ``--json``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any
@@ -45,6 +49,8 @@ from ckptvault.trust.ledger import RestoreFloor
 
 _DURATION_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([smhdw]?)$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_RECORD_OPTIONS = ("--undelete", "--pin", "--unpin")
+_DEFAULT_DELETE_DELAY = format_seconds(DEFAULT_DELETE_DELAY)
 
 
 def parse_duration(text: str, option: str) -> float:
@@ -55,18 +61,38 @@ def parse_duration(text: str, option: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
+# The options of `ckptvault gc` whose declarations take more than a line, named here so
+# that the command's signature reads one option per line.
+_DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")]
+_AsJson = Annotated[bool, typer.Option("--json", help="Print a JSON report on stdout.")]
+_StaleAfter = Annotated[
+    str, typer.Option(help="Remove staging leftovers older than this (e.g. 24h, 0s).")
+]
+_Undelete = Annotated[
+    int | None, typer.Option(help="Remove the deletion marks of this step (and pin it).")
+]
+_KeepWithin = Annotated[str | None, typer.Option(help="Keep everything newer than this (e.g. 2d).")]
+_DeleteDelay = Annotated[str, typer.Option(help="Time between marking and deleting (e.g. 1d, 0s).")]
+_RunId = Annotated[str | None, typer.Option(help="Require this run id (default: the newest's).")]
+_TrustedKeys = Annotated[
+    list[Path] | None,
+    typer.Option("--trusted-key", help="Require a signature by this public key (repeatable)."),
+]
+_LedgerPath = Annotated[
+    Path | None, typer.Option(help="The rollback ledger (protects the floor's generation).")
+]
+_AuditLogPath = Annotated[
+    Path | None, typer.Option(help="Record marks and deletions in this audit log.")
+]
+
+
 def gc(
+    # One parameter per command-line option: the declarations are long, the body is steps.
     directory: Annotated[str, typer.Argument(help=STORE_HELP)],
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Print the plan; change nothing.")
-    ] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON report on stdout.")] = False,
-    stale_after: Annotated[
-        str, typer.Option(help="Remove staging leftovers older than this (e.g. 24h, 0s).")
-    ] = "24h",
-    undelete: Annotated[
-        int | None, typer.Option(help="Remove the deletion marks of this step (and pin it).")
-    ] = None,
+    dry_run: _DryRun = False,
+    as_json: _AsJson = False,
+    stale_after: _StaleAfter = "24h",
+    undelete: _Undelete = None,
     pin: Annotated[int | None, typer.Option(help="Keep this step from retention.")] = None,
     unpin: Annotated[int | None, typer.Option(help="Give this step back to retention.")] = None,
     keep_last: Annotated[int | None, typer.Option(help="Keep the N newest.")] = None,
@@ -74,28 +100,15 @@ def gc(
     keep_best: Annotated[int | None, typer.Option(help="Keep the K best by --metric.")] = None,
     metric: Annotated[str | None, typer.Option(help="The metric --keep-best ranks by.")] = None,
     mode: Annotated[str, typer.Option(help="min or max: which --metric value is best.")] = "min",
-    keep_within: Annotated[
-        str | None, typer.Option(help="Keep everything newer than this (e.g. 2d).")
-    ] = None,
+    keep_within: _KeepWithin = None,
     keep_hourly: Annotated[int | None, typer.Option(help="Newest of each of H hours.")] = None,
     keep_daily: Annotated[int | None, typer.Option(help="Newest of each of D days.")] = None,
     keep_weekly: Annotated[int | None, typer.Option(help="Newest of each of W ISO weeks.")] = None,
-    delete_delay: Annotated[
-        str, typer.Option(help="Time between marking and deleting (e.g. 1d, 0s).")
-    ] = format_seconds(DEFAULT_DELETE_DELAY),
-    run_id: Annotated[
-        str | None, typer.Option(help="Require this run id (default: the newest's).")
-    ] = None,
-    trusted_key: Annotated[
-        list[Path] | None,
-        typer.Option("--trusted-key", help="Require a signature by this public key (repeatable)."),
-    ] = None,
-    ledger: Annotated[
-        Path | None, typer.Option(help="The rollback ledger (protects the floor's generation).")
-    ] = None,
-    audit_log: Annotated[
-        Path | None, typer.Option(help="Record marks and deletions in this audit log.")
-    ] = None,
+    delete_delay: _DeleteDelay = _DEFAULT_DELETE_DELAY,
+    run_id: _RunId = None,
+    trusted_key: _TrustedKeys = None,
+    ledger: _LedgerPath = None,
+    audit_log: _AuditLogPath = None,
     s3_endpoint_url: S3EndpointUrl = None,
 ) -> None:
     """Apply retention: mark, then delete old generations; remove staging leftovers."""
@@ -116,44 +129,58 @@ def gc(
         keep_daily=keep_daily,
         keep_weekly=keep_weekly,
     )
-    records = {"--undelete": undelete, "--pin": pin, "--unpin": unpin}
-    asked = [option for option, step in records.items() if step is not None]
-    if asked:
-        given = [name for name, value in rule_options.items() if value is not None]
-        if len(asked) > 1 or given or dry_run:
-            raise UsageError(
-                f"{', '.join(asked)}: give one of --undelete, --pin, --unpin alone (no rule "
-                "options, no --dry-run); run gc again afterwards to collect garbage"
-            )
-        _change_records(store, asked[0], records[asked[0]], run_id, events, as_json)
+    record_change = _record_change(undelete, pin, unpin, rule_options, dry_run)
+    if record_change is not None:
+        option, step = record_change
+        _change_records(store, option, step, run_id, events, as_json)
         return
-    retention = None
-    if any(value is not None for value in rule_options.values()):
-        retention = Retention(
-            keep_last=keep_last,
-            keep_every=keep_every,
-            keep_best=keep_best,
-            metric=metric,
-            mode=mode,
-            keep_within=within,
-            keep_hourly=keep_hourly,
-            keep_daily=keep_daily,
-            keep_weekly=keep_weekly,
-            delete_delay=delay,
-        )
-    if not dry_run:
-        _lock(store)
-    try:
+    retention = _retention(rule_options, mode, delay)
+    with _writer_lock(store, held=not dry_run):
         report = _collect(store, retention, delay, stale_seconds, run_id, trust, events, dry_run)
+    _finish(report, as_json)
+
+
+def _record_change(
+    undelete: int | None,
+    pin: int | None,
+    unpin: int | None,
+    rule_options: dict[str, Any],
+    dry_run: bool,
+) -> tuple[str, int] | None:
+    """The one record change asked for (option, step), or None to collect garbage."""
+    records = dict(zip(_RECORD_OPTIONS, (undelete, pin, unpin), strict=True))
+    asked = [option for option, step in records.items() if step is not None]
+    if not asked:
+        return None
+    given = [name for name, value in rule_options.items() if value is not None]
+    if len(asked) > 1 or given or dry_run:
+        raise UsageError(
+            f"{', '.join(asked)}: give one of --undelete, --pin, --unpin alone (no rule "
+            "options, no --dry-run); run gc again afterwards to collect garbage"
+        )
+    step = records[asked[0]]
+    assert step is not None  # asked holds only the options given
+    return asked[0], step
+
+
+def _retention(rule_options: dict[str, Any], mode: str, delay: float) -> Retention | None:
+    """The policy the rule options give; None without any (only marks are finished)."""
+    if all(value is None for value in rule_options.values()):
+        return None
+    return Retention(**rule_options, mode=mode, delete_delay=delay)
+
+
+@contextlib.contextmanager
+def _writer_lock(store: Store, held: bool) -> Iterator[None]:
+    """The store's writer lock around a pass that changes it (a dry run takes none)."""
+    if not held:
+        yield
+        return
+    _lock(store)
+    try:
+        yield
     finally:
-        if not dry_run:
-            store.release_writer()
-    if as_json:
-        print_json(report)
-    else:
-        _print_report(report)
-    if (report["newest_verified"] is None and report["decisions"]) or report["failed"]:
-        raise typer.Exit(1)
+        store.release_writer()
 
 
 def _lock(store: Store) -> None:
@@ -224,9 +251,21 @@ def _report(
             {"step": d.step, "generation_id": d.generation_id, "error": why}
             for d, why in (applied.failed if applied else [])
         ],
+        "retained_copies": applied.retained_json() if applied is not None else [],
         "stale_after_seconds": stale_seconds,
         "staging_removed": staging,
     }
+
+
+def _finish(report: dict[str, Any], as_json: bool) -> None:
+    """Print the report; exit 1 when nothing verified (with generations to decide on)
+    or a deletion failed."""
+    if as_json:
+        print_json(report)
+    else:
+        _print_report(report)
+    if (report["newest_verified"] is None and report["decisions"]) or report["failed"]:
+        raise typer.Exit(1)
 
 
 def _verification(report: VerificationReport) -> dict[str, Any]:
@@ -265,6 +304,9 @@ def _print_report(report: dict[str, Any]) -> None:
         out.print(safe_text(line), markup=False)
     if not report["decisions"]:
         out.print("  no generations")
+    for copy in report["retained_copies"]:  # versions the store may not delete yet
+        line = f"  retained copy of step {copy['step']}: {copy['location']} (version {copy['version_id']}): {copy['reason']}"
+        out.print(safe_text(line), markup=False)
     removed = report["staging_removed"]
     if removed is not None:
         older = format_seconds(report["stale_after_seconds"])
@@ -284,9 +326,8 @@ def _print_report(report: dict[str, Any]) -> None:
 
 
 def _change_records(
-    store: Store, option: str, step: int | None, run_id: str | None, events: EventBus, as_json: bool
+    store: Store, option: str, step: int, run_id: str | None, events: EventBus, as_json: bool
 ) -> None:
-    assert step is not None
     now = datetime.now(timezone.utc)
     if option == "--undelete":
         refs = marks.undelete(store, step, now)

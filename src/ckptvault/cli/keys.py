@@ -2,9 +2,15 @@
 
 - ``keys generate --private PATH --public PATH``: a new Ed25519 key pair
   (private key written with mode 0600).
-- ``keys list --keystore DIR [--json]``: runs, key ids, destroyed keys.
-- ``keys destroy --keystore DIR --run RUN --yes``: crypto-erase a run; every
+- ``keys list --keystore K [--json]``: runs, key ids, destroyed keys.
+- ``keys destroy --keystore K --run RUN --yes``: crypto-erase a run; every
   generation and copy of it becomes unreadable. Recorded in the audit log.
+- ``keys rotate --keystore K --run RUN --store URL [--store URL ...] [--signing-key K]
+  [--trusted-key P]``: a new KEK for the run, every generation re-wrapped without
+  rewriting a tensor file (``ckptvault.ops.rotate``). Recorded in the audit log.
+
+``K`` is a key store directory or a ``kms://`` URL (AWS KMS, see
+``ckptvault.trust.kms_keystore``).
 """
 
 from __future__ import annotations
@@ -15,11 +21,14 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ckptvault.cli._common import out, print_json
+from ckptvault.cli._common import S3EndpointUrl, out, print_json, safe_markup
 from ckptvault.errors import UsageError
+from ckptvault.storage import S3Options
 from ckptvault.trust.context import TrustContext
-from ckptvault.trust.keystore import LocalKeyStore
+from ckptvault.trust.keystore import open_keystore
 from ckptvault.trust.signing import generate_keypair
+
+KEYSTORE_HELP = "The key store: a directory, or a kms:// URL (AWS KMS)."
 
 app = typer.Typer(help="Signing keys and per-run encryption keys.", no_args_is_help=True)
 
@@ -39,11 +48,11 @@ def generate(
 
 @app.command("list")
 def list_keys(
-    keystore: Annotated[Path, typer.Option("--keystore", help="The key store directory.")],
+    keystore: Annotated[str, typer.Option("--keystore", help=KEYSTORE_HELP)],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False,
 ) -> None:
     """List the runs in a key store, their key ids, and destroyed keys."""
-    infos = LocalKeyStore(keystore).list_keys()
+    infos = open_keystore(keystore).list_keys()
     if as_json:
         print_json([info.to_json() for info in infos])
         return
@@ -57,7 +66,7 @@ def list_keys(
 
 @app.command("destroy")
 def destroy(
-    keystore: Annotated[Path, typer.Option("--keystore", help="The key store directory.")],
+    keystore: Annotated[str, typer.Option("--keystore", help=KEYSTORE_HELP)],
     run: Annotated[str, typer.Option("--run", help="The run whose key to destroy.")],
     yes: Annotated[bool, typer.Option("--yes", help="Confirm: this cannot be undone.")] = False,
     audit_log: Annotated[Path | None, typer.Option(help="Audit log to record in.")] = None,
@@ -70,9 +79,98 @@ def destroy(
             "forever; pass --yes to confirm"
         )
     trust = TrustContext.configure(
-        keystore=LocalKeyStore(keystore), audit_log=audit_log, ledger=ledger, always_audit=True
+        keystore=open_keystore(keystore), audit_log=audit_log, ledger=ledger, always_audit=True
     )
     info = trust.destroy_run_key(run)
     out.print(
-        f"destroyed key {info.kek_id} of run {run!r}; every generation of it is now unreadable"
+        f"destroyed key {safe_markup(info.kek_id)} of run {safe_markup(repr(run))}; every "
+        "generation of it is now unreadable"
     )
+    if info.deleted_after is not None:
+        out.print(
+            f"the key service deletes the key material after {safe_markup(info.deleted_after)}; "
+            "until then it is disabled, and a KMS administrator could still cancel the deletion"
+        )
+
+
+@app.command("rotate")
+def rotate(
+    keystore: Annotated[str, typer.Option("--keystore", help=KEYSTORE_HELP)],
+    run: Annotated[str, typer.Option("--run", help="The run whose key to rotate.")],
+    store: Annotated[
+        list[str],
+        typer.Option(
+            "--store",
+            help="A store holding generations of the run (repeatable: give every replica; a "
+            "copy left out becomes unreadable when the old key is destroyed).",
+        ),
+    ],
+    signing_key: Annotated[
+        Path | None,
+        typer.Option(help="Re-sign the rewritten manifests (required for signed runs)."),
+    ] = None,
+    trusted_key: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--trusted-key",
+            help="Also accept generations signed by this key before re-signing (repeatable).",
+        ),
+    ] = None,
+    abandon_unverified: Annotated[
+        bool,
+        typer.Option(
+            help="Destroy the old key even if some generations fail verification (they become "
+            "unreadable)."
+        ),
+    ] = False,
+    stop_after: Annotated[int | None, typer.Option(hidden=True)] = None,
+    audit_log: Annotated[Path | None, typer.Option(help="Audit log to record in.")] = None,
+    ledger: Annotated[Path | None, typer.Option(help="Ledger holding the audit head.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON report on stdout.")] = False,
+    s3_endpoint_url: S3EndpointUrl = None,
+) -> None:
+    """Give a run a new key and re-wrap every generation; no tensor file is rewritten.
+
+    Resumable and idempotent: an interrupted rotation is finished by running the same
+    command again. Exits 1 when some generation could not be re-wrapped (the old key
+    is then kept, so that the run stays readable).
+    """
+    from ckptvault.ops.rotate import FAILED, NOT_REACHED, rotate_run_key
+
+    report = rotate_run_key(
+        store,
+        run,
+        keystore,
+        signing_key=signing_key,
+        trusted_keys=trusted_key or None,
+        ledger=ledger,
+        audit_log=audit_log,
+        s3=S3Options.from_keywords(endpoint_url=s3_endpoint_url),
+        stop_after=stop_after,
+        abandon_unverified=abandon_unverified,
+    )
+    if as_json:
+        print_json(report.to_json())
+    else:
+        counts = report.counts()
+        out.print(
+            f"{'resumed' if report.resumed else 'started'} rotation of run "
+            f"{safe_markup(repr(run))} to key {safe_markup(report.new_kek_id)}: "
+            + ", ".join(f"{n} {name}" for name, n in counts.items() if n)
+        )
+        for outcome in report.generations:
+            if outcome.outcome in (FAILED, NOT_REACHED) or outcome.detail:
+                out.print(
+                    f"  step {outcome.step} ({safe_markup(outcome.generation_id)}) in "
+                    f"{safe_markup(outcome.store)}: {outcome.outcome} {safe_markup(outcome.detail)}"
+                )
+        if report.finished:
+            retired = ", ".join(report.destroyed_kek_ids) or "none"
+            out.print(f"finished: retired key(s) destroyed: {safe_markup(retired)}")
+        else:
+            out.print(
+                "not finished: the retired key is kept so that every generation stays readable; "
+                "fix or delete the generations listed, then run this command again"
+            )
+    if not report.finished:
+        raise typer.Exit(1)

@@ -18,7 +18,6 @@ import os
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,26 +31,12 @@ from ckptvault.format.layout import is_tensor_file_name
 from ckptvault.format.manifest import Manifest
 from ckptvault.format.tensorfile import header_length, header_size_limit, parse_header
 from ckptvault.io.dcp_metadata import StoredChunk, dtype_from_name, tensor_metadata
+from ckptvault.io.direct_read import descriptor, read_plain_direct
+from ckptvault.io.read_targets import FilePlan, Scatter, Target
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.chunk_layout import check_chunk_locations
 from ckptvault.trust.digests import ChunkVerifier, read_full
 from ckptvault.trust.envelope import SegmentDecryptor, binding
-
-
-@dataclass
-class _Target:
-    """A byte range of a file and where its verified bytes go."""
-
-    start: int
-    end: int
-    buffer: torch.Tensor  # flat uint8 destination, (end - start) bytes
-    finish: Callable[[], None] = lambda: None
-    direct: bool = False  # the buffer is the destination tensor's own memory
-
-
-@dataclass
-class _FilePlan:
-    targets: list[_Target] = field(default_factory=list)
 
 
 class VaultStorageReader(StorageReader):
@@ -101,9 +86,7 @@ class VaultStorageReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         # Every tensor file is read (and so verified) even when nothing is loaded from it.
-        file_plans = {
-            name: _FilePlan() for name in self.manifest.files if is_tensor_file_name(name)
-        }
+        file_plans = {name: FilePlan() for name in self.manifest.files if is_tensor_file_name(name)}
         by_chunk: dict[StoredChunk, list[ReadItem]] = defaultdict(list)
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
@@ -132,9 +115,7 @@ class VaultStorageReader(StorageReader):
 
     # -- helpers -----------------------------------------------------------------------
 
-    def _target(
-        self, location: StoredChunk, items: list[ReadItem], planner: LoadPlanner
-    ) -> _Target:
+    def _target(self, location: StoredChunk, items: list[ReadItem], planner: LoadPlanner) -> Target:
         fqn = items[0].storage_index.fqn
         info = tensor_metadata(self.metadata, fqn)
         chunk_meta = info.chunks[_chunk_index(info.chunks, items[0].storage_index)]
@@ -154,7 +135,7 @@ class VaultStorageReader(StorageReader):
             ):
                 # Fast path: verified bytes land directly in the destination tensor.
                 flat = destination.reshape(-1).view(torch.uint8)
-                return _Target(
+                return Target(
                     direct=True,
                     start=location.start,
                     end=end,
@@ -176,25 +157,39 @@ class VaultStorageReader(StorageReader):
                 destination.copy_(piece)
                 planner.commit_tensor(item, destination)
 
-        return _Target(location.start, end, staging, scatter)
+        return Target(location.start, end, staging, scatter)
 
-    def _read_file(self, name: str, file_plan: _FilePlan) -> None:
+    def _read_file(self, name: str, file_plan: FilePlan) -> None:
         """Stream one file: verify each chunk, (decrypt,) scatter into targets.
 
         Only chunk digests are checked here: together with the size they cover every
         byte. (The whole-file digest is for ``ckptvault verify`` and external tools.)
         """
         record = self.manifest.files[name]
-        where = name  # the generation is named by whoever reports the failure
-        chunk_size = self.manifest.chunk_size
-        verifier = ChunkVerifier(record, chunk_size, where, whole_file=False)
+        verifier = ChunkVerifier(record, self.manifest.chunk_size, name, whole_file=False)
         if name not in self.data_keys and hasattr(os, "preadv"):
             with self.store.open_file(self.ref, name) as stream:
-                fd = _descriptor(stream)
+                fd = descriptor(stream)
                 if fd is not None:
-                    self._read_plain_direct(fd, name, record.size, file_plan, verifier)
+                    read_plain_direct(
+                        fd,
+                        name,
+                        record.size,
+                        self.manifest.chunk_size,
+                        file_plan,
+                        verifier,
+                        self.on_bytes,
+                    )
                     return
-        scatter = _Scatter(file_plan.targets)
+        self._read_streamed(name, file_plan, verifier)
+
+    def _read_streamed(self, name: str, file_plan: FilePlan, verifier: ChunkVerifier) -> None:
+        """Read the file in chunk-sized blocks through a bounce buffer, decrypting
+        when it is encrypted; each block is verified before it is used."""
+        record = self.manifest.files[name]
+        where = name  # the generation is named by whoever reports the failure
+        chunk_size = self.manifest.chunk_size
+        scatter = Scatter(file_plan.targets)
         decryptor = None
         if name in self.data_keys:
             header_check = _PlainHeaderCheck(name, self.manifest)
@@ -237,122 +232,6 @@ class VaultStorageReader(StorageReader):
                 )
         for target in file_plan.targets:
             target.finish()
-
-    def _read_plain_direct(
-        self, fd: int, name: str, size: int, file_plan: _FilePlan, verifier: ChunkVerifier
-    ) -> None:
-        """Zero-copy read of an unencrypted file: each chunk is read with one ``preadv``
-        straight into the destination tensors it covers (gaps into a bounce buffer),
-        hashed from there, and compared before the next chunk is read."""
-        chunk_size = self.manifest.chunk_size
-        direct = sorted((t for t in file_plan.targets if t.direct), key=lambda t: t.start)
-        bounce = torch.empty(chunk_size, dtype=torch.uint8)
-        bounce_view = bounce.numpy().data
-        to_copy = _Scatter([t for t in file_plan.targets if not t.direct])
-        direct_fallback = _Scatter(direct)  # for chunks with too many pieces for one preadv
-        first = 0  # the first direct target that may still overlap a chunk
-        _advise(fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
-        for lo in range(0, size, chunk_size):
-            hi = min(lo + chunk_size, size)
-            # Ask the kernel to fetch the next chunks while this one is hashed.
-            _advise(fd, hi, 2 * chunk_size, "POSIX_FADV_WILLNEED")
-            while first < len(direct) and direct[first].end <= lo:
-                first += 1
-            # Direct targets never overlap one another: walk them, filling gaps from bounce.
-            pieces: list[memoryview] = []
-            position = lo
-            index = first
-            while index < len(direct) and direct[index].start < hi:
-                target = direct[index]
-                index += 1
-                if target.start > position:
-                    pieces.append(bounce_view[position - lo : target.start - lo])
-                    position = target.start
-                upto = min(target.end, hi)
-                if upto > position:
-                    region = target.buffer[position - target.start : upto - target.start]
-                    pieces.append(region.numpy().data)
-                    position = upto
-            if position < hi:
-                pieces.append(bounce_view[position - lo : hi - lo])
-            fallback = len(pieces) > 512  # too many iovecs: one plain read, then copy
-            if fallback:
-                pieces = [bounce_view[: hi - lo]]
-            count = _preadv_full(fd, pieces, lo)
-            if count != hi - lo:
-                raise IntegrityError(
-                    f"{name}: file ends at byte {lo + count}, the manifest records {size}"
-                )
-            for piece in pieces:
-                verifier.update(piece)  # raises before any byte of the chunk is used
-            if fallback:
-                direct_fallback.put(lo, bounce[: hi - lo])
-            to_copy.put(lo, bounce[: hi - lo])
-            if self.on_bytes is not None:
-                self.on_bytes(hi - lo)
-        if os.pread(fd, 1, size):
-            raise IntegrityError(f"{name}: file is longer than the {size} bytes recorded")
-        verifier.finish()
-        for target in file_plan.targets:
-            target.finish()
-
-
-def _descriptor(stream: Any) -> int | None:
-    """The stream's OS file descriptor; None for streams without one (an object
-    store's), whose ``fileno`` raises ``io.UnsupportedOperation``."""
-    try:
-        return int(stream.fileno())
-    except (AttributeError, OSError, ValueError):  # UnsupportedOperation is both
-        return None
-
-
-def _advise(fd: int, offset: int, length: int, advice: str) -> None:
-    if hasattr(os, "posix_fadvise") and hasattr(os, advice):
-        os.posix_fadvise(fd, offset, length, getattr(os, advice))
-
-
-def _preadv_full(fd: int, pieces: list[memoryview], offset: int) -> int:
-    """``preadv`` until every piece is full or the file ends; returns bytes read."""
-    total = sum(len(p) for p in pieces)
-    done = 0
-    while done < total:
-        count = os.preadv(fd, pieces, offset + done)
-        if count == 0:
-            break
-        done += count
-        if done < total:  # a short read: continue from where it stopped
-            remaining, skip = [], count
-            for piece in pieces:
-                if skip >= len(piece):
-                    skip -= len(piece)
-                    continue
-                remaining.append(piece[skip:])
-                skip = 0
-            pieces = remaining
-    return done
-
-
-class _Scatter:
-    """Copies a stream of (offset, bytes) pieces into the targets they overlap."""
-
-    def __init__(self, targets: list[_Target]) -> None:
-        self.targets = sorted(targets, key=lambda t: t.start)
-        self._first = 0  # the first target that may still receive bytes
-
-    def put(self, offset: int, data: torch.Tensor) -> None:
-        end = offset + data.numel()
-        targets = self.targets
-        while self._first < len(targets) and targets[self._first].end <= offset:
-            self._first += 1
-        index = self._first
-        while index < len(targets) and targets[index].start < end:
-            target = targets[index]
-            lo, hi = max(target.start, offset), min(target.end, end)
-            if hi > lo:
-                target.buffer[lo - target.start : hi - target.start].copy_(
-                    data[lo - offset : hi - offset]
-                )
-            index += 1
 
 
 class _PlainHeaderCheck:

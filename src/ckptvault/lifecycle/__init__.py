@@ -3,8 +3,10 @@
 - retention: ``retention`` (the ``Retention`` policy and its rules), ``plan`` (the
   pure planner), ``apply`` (a plan applied to every tier), ``collector`` (facts,
   verification, plan, apply; shared with ``ckptvault gc``), ``keeper`` (the
-  ``Published`` subscriber), ``marks`` and ``leases`` (store records), ``metrics``;
-- ``replication``: copies to a second tier.
+  ``Published`` subscriber), ``marks`` and ``leases`` (store records), ``metrics``,
+  ``locks`` (Object Lock: what publish locks, what retention must keep);
+- ``replication``: copies to a second tier; ``tiers``: one retention policy for
+  every tier, or one per tier.
 
 Cadence, catalog and metrics export come with later issues.
 """

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Any
 
 from ckptvault.errors import AuditError, CheckpointError, UsageError
 from ckptvault.events import Deleted, Event, Marked, Unmarked
@@ -28,6 +29,7 @@ from ckptvault.lifecycle.marks import parse_timestamp, put_mark, read_leases, re
 from ckptvault.lifecycle.plan import DELETE, MARK, UNMARK, Decision, RetentionPlan
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.storage.records import LEASE
+from ckptvault.storage.retained import RetainedCopy, RetainingStore
 
 logger = logging.getLogger("ckptvault")
 
@@ -41,9 +43,18 @@ class AppliedPlan:
     deleted: list[Decision] = field(default_factory=list)
     deferred: list[tuple[Decision, str]] = field(default_factory=list)  # a lease appeared
     failed: list[tuple[Decision, str]] = field(default_factory=list)
+    # Copies a store was not allowed to delete (Object Lock on versions): the mark stays,
+    # and later passes try again.
+    retained: list[tuple[Decision, list[RetainedCopy]]] = field(default_factory=list)
 
     def outcome(self, decision: Decision) -> str:
-        """``marked``, ``unmarked``, ``deleted``, ``deferred: ...``, ``failed: ...`` or ``""``."""
+        """``marked``, ``unmarked``, ``deleted``, ``deleted; N copies retained (...)``,
+        ``retained: ...``, ``deferred: ...``, ``failed: ...`` or ``""``."""
+        for done, copies in self.retained:
+            if done == decision:
+                kept = f"{len(copies)} {'copy' if len(copies) == 1 else 'copies'} retained"
+                why = f"{kept} ({copies[0].reason})"
+                return f"deleted; {why}" if decision.listed else f"retained: {why}"
         for label, decisions in (
             ("marked", self.marked),
             ("unmarked", self.unmarked),
@@ -56,6 +67,14 @@ class AppliedPlan:
                 if done == decision:
                     return f"{label}: {why}"
         return ""
+
+    def retained_json(self) -> list[dict[str, Any]]:
+        """Every retained copy, with its generation (for reports such as ``gc --json``)."""
+        return [
+            {"step": d.step, "generation_id": d.generation_id, **copy.to_json()}
+            for d, copies in self.retained
+            for copy in copies
+        ]
 
 
 class PlanApplier:
@@ -85,10 +104,13 @@ class PlanApplier:
                     self._unmark(decision)
                     result.unmarked.append(decision)
                 else:
-                    waiting = self._delete(decision, plan.now, listings)
+                    waiting, retained = self._delete(decision, plan.now, listings)
                     if waiting:
                         result.deferred.append((decision, waiting))
-                    else:
+                        continue
+                    if retained:
+                        result.retained.append((decision, retained))
+                    if decision.listed or not retained:
                         result.deleted.append(decision)
             except AuditError:
                 raise
@@ -135,8 +157,9 @@ class PlanApplier:
         decision: Decision,
         now: datetime,
         listings: dict[int, dict[GenerationName, GenerationRef]],
-    ) -> str | None:
-        """Delete everywhere; returns why it must wait instead (a fresh lease)."""
+    ) -> tuple[str | None, list[RetainedCopy]]:
+        """Delete everywhere; returns why it must wait instead (a fresh lease), and the
+        copies a store had to keep (the mark then stays, so a later pass finishes)."""
         if not decision.was_marked:
             self._mark(decision, now)  # delete_delay=0: marked and deleted at once
         current = datetime.now(timezone.utc)
@@ -147,25 +170,48 @@ class PlanApplier:
             if expiry > current
         ]
         if leased:
-            return f"a reader took a lease until {format_timestamp(max(leased))}"
+            return f"a reader took a lease until {format_timestamp(max(leased))}", []
+        retained: list[RetainedCopy] = []
         for index, store in enumerate(self.stores):
             if index not in listings:
                 listings[index] = {ref.name: ref for ref in store.list_generations()}
             ref = listings[index].get(decision.name)
-            if ref is not None:
+            if isinstance(store, RetainingStore):
+                if ref is not None or not decision.listed:  # also versions an earlier pass left
+                    where = f"{store.location}/{decision.name.dirname}"
+                    unlisted = GenerationRef(decision.name, where)
+                    retained += store.delete_generation_reporting(ref or unlisted)
+            elif ref is not None:
                 store.delete_generation(ref)
-        remove_mark(self.stores, decision.name)
+        if not retained:
+            remove_mark(self.stores, decision.name)
+        else:
+            logger.warning(
+                "generation %s (step %d) is deleted, but %d stored copies of its objects may "
+                "not be deleted yet (%s); its deletion mark stays and later passes retry",
+                decision.generation_id,
+                decision.step,
+                len(retained),
+                retained[0].reason,
+            )
+        if decision.listed or not retained:  # its listing went now, or its last copy did
+            self._emit_deleted(decision, retained)
+        return None, retained
+
+    def _emit_deleted(self, decision: Decision, retained: list[RetainedCopy]) -> None:
+        reason = decision.reason
+        if retained:
+            reason += f"; {len(retained)} stored copies retained ({retained[0].reason})"
         self.emit(
             Deleted(
                 self.run_id,
                 self.stores[0].location,
                 decision.step,
                 decision.generation_id,
-                decision.reason,
+                reason,
                 format_timestamp(decision.marked_at) if decision.marked_at else None,
             )
         )
-        return None
 
     def _drop_expired_leases(self) -> None:
         """Leases of readers that died; they expired, so no planner honours them."""

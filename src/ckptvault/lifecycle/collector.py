@@ -5,8 +5,9 @@
 marks, pins, leases, and, for ``keep_best``, metrics from manifests through the
 bounded structure checks), remembers which generations are known to verify, and
 verifies more (every byte, :func:`~ckptvault.trust.checks.verify_generation`) only
-when the plan is held back for want of a verified generation or fallback. Applying
-is :class:`~ckptvault.lifecycle.apply.PlanApplier`, over every store.
+when the plan is held back for want of a verified generation or fallback. A
+generation a store holds under Object Lock is kept (:mod:`~ckptvault.lifecycle.locks`).
+Applying is :class:`~ckptvault.lifecycle.apply.PlanApplier`, over every store.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from datetime import datetime, timezone
 from ckptvault.events import Event
 from ckptvault.format.layout import generation_id_time
 from ckptvault.lifecycle.apply import AppliedPlan, PlanApplier
+from ckptvault.lifecycle.locks import keep_locked
 from ckptvault.lifecycle.marks import read_leases, read_marks, read_pins
 from ckptvault.lifecycle.metrics import read_metrics
 from ckptvault.lifecycle.plan import GenerationFacts, RetentionPlan, plan_retention
@@ -49,6 +51,7 @@ class GarbageCollector:
     ) -> None:
         self.applier = PlanApplier(stores, emit, run_id)
         self.store = self.applier.stores[0]
+        self.pin_stores = [self.store]  # whose pins count (a replica's keeper adds the source)
         self.rules = tuple(rules)
         self.delete_delay = delete_delay
         self.policy = policy
@@ -104,7 +107,7 @@ class GarbageCollector:
                 plan.blocked in decision.reasons for decision in plan.decisions
             )
             if target is None or not held_back or target.generation_id in self.known:
-                return plan
+                return keep_locked(plan, self.applier.stores)  # Object Lock outranks the rules
             self.verify(refs[target.generation_id])
 
     def apply(self, plan: RetentionPlan) -> AppliedPlan:
@@ -115,7 +118,7 @@ class GarbageCollector:
     ) -> tuple[RetentionPlan, dict[str, GenerationRef]]:
         refs = self.store.list_generations()
         marks = read_marks(self.store, now)
-        pins = read_pins(self.store)
+        pins = set().union(*(read_pins(store) for store in self.pin_stores))
         leases = read_leases(self.store)
         facts = [
             GenerationFacts(

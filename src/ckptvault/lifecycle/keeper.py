@@ -2,7 +2,9 @@
 
 After every ``Published`` event it plans retention and applies it, synchronously,
 on the thread that published (the background worker for asynchronous saves), so
-``ls`` shows the result once ``close()`` has returned. The generation just written
+``ls`` shows the result once ``close()`` has returned. A replica tier with its own
+policy has its own keeper, which runs after each copy into it (see
+:mod:`ckptvault.lifecycle.tiers`). The generation just written
 is complete (its writer made and checked every byte), so it is the newest verified
 generation; one restored is verified too. A failing pass is logged and retried
 after the next save: the generation was published either way, and training goes
@@ -12,13 +14,14 @@ on. Only a failure to record in the audit log propagates (it says what happened)
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Collection, Sequence
 
 from ckptvault.errors import AuditError, CheckpointError, UsageError
-from ckptvault.events import Event, Published, Restored
+from ckptvault.events import Event, Published, Replicated, Restored
 from ckptvault.lifecycle.apply import AppliedPlan
 from ckptvault.lifecycle.collector import GarbageCollector
-from ckptvault.lifecycle.plan import RetentionPlan
+from ckptvault.lifecycle.plan import IN_FLIGHT, KEEP, MARKED, Decision, RetentionPlan
 from ckptvault.lifecycle.retention import Retention
 from ckptvault.run_context import RunContext
 from ckptvault.storage.base import Store
@@ -27,8 +30,25 @@ logger = logging.getLogger("ckptvault")
 
 
 class RetentionKeeper:
+    """Applies ``retention`` to ``stores`` (the first is planned from) after events.
+
+    The local tier's keeper (the default) runs after each ``Published`` event; a
+    replica tier's keeper (``after_replication=True``) after each ``Replicated``
+    event into its store, on the replicator's thread, once the copy is verified.
+    ``unreplicated`` (the replicator's) names generations not yet copied to the
+    replica tier: they count as in flight, so the local tier never deletes one
+    before its copy exists; when such a copy lands, the local keeper plans again.
+    Passes never overlap (a lock), whichever thread runs them.
+    """
+
     def __init__(
-        self, run: RunContext, retention: Retention, stores: Sequence[Store] | None = None
+        self,
+        run: RunContext,
+        retention: Retention,
+        stores: Sequence[Store] | None = None,
+        *,
+        unreplicated: Callable[[], Collection[str]] | None = None,
+        after_replication: bool = False,
     ) -> None:
         if not isinstance(retention, Retention):
             raise UsageError(f"retention must be a ckptvault.Retention, got {type(retention)!r}")
@@ -42,8 +62,14 @@ class RetentionKeeper:
             run_id=run.run_id,
             emit=run.events.emit,
         )
+        self.store = self.collector.store
+        self.locations = frozenset(store.location for store in self.collector.applier.stores)
+        self.unreplicated = unreplicated
+        self.after_replication = after_replication
         self.last_plan: RetentionPlan | None = None
         self.last_applied: AppliedPlan | None = None
+        self._pass = threading.Lock()
+        self._awaiting: frozenset[str] = frozenset()  # dropped, but waiting for a copy
 
     @classmethod
     def attach(
@@ -59,26 +85,53 @@ class RetentionKeeper:
 
     def __call__(self, event: Event) -> None:
         if isinstance(event, Restored):
-            self.collector.known[event.generation_id] = True
-        elif isinstance(event, Published):
+            if event.store in self.locations:
+                self.collector.known[event.generation_id] = True
+        elif isinstance(event, Published) and not self.after_replication:
             self.collector.known[event.generation_id] = True
             self.apply_now(in_flight=(event.generation_id,))
+        elif isinstance(event, Replicated):
+            if self.after_replication and event.target == self.store.location:
+                self.collector.known[event.generation_id] = True  # every byte was checked
+                self.apply_now()
+            elif event.store == self.store.location and self._was_awaiting(event.generation_id):
+                self.apply_now()  # its copy exists now: what only waited for it may go
+
+    def _was_awaiting(self, generation_id: str) -> bool:
+        # After any pass in progress: it may have seen the copy as still pending.
+        with self._pass:
+            return generation_id in self._awaiting
 
     def apply_now(self, in_flight: Sequence[str] = ()) -> AppliedPlan | None:
-        try:
-            floor = self.run.trust.floor(self.run.run_id)
-            plan = self.collector.plan(floor=floor, in_flight=in_flight)
-            applied = self.collector.apply(plan)
-        except AuditError:
-            raise
-        except (OSError, CheckpointError) as exc:
-            logger.error(
-                "retention (%s) failed in %s: %s; nothing more was deleted, and the next save "
-                "retries",
-                self.retention.describe(),
-                self.run.store.location,
-                exc,
+        with self._pass:
+            waiting = frozenset(self.unreplicated()) if self.unreplicated else frozenset()
+            try:
+                floor = self.run.trust.floor(self.run.run_id)
+                plan = self.collector.plan(floor=floor, in_flight={*in_flight, *waiting})
+                applied = self.collector.apply(plan)
+            except AuditError:
+                raise
+            except (OSError, CheckpointError) as exc:
+                logger.error(
+                    "retention (%s) failed in %s: %s; nothing more was deleted, and the next "
+                    "save retries",
+                    self.retention.describe(),
+                    self.store.location,
+                    exc,
+                )
+                return None
+            self._awaiting = frozenset(
+                d.generation_id
+                for d in plan.decisions
+                if d.generation_id in waiting and _only_in_flight(d)
             )
-            return None
-        self.last_plan, self.last_applied = plan, applied
-        return applied
+            self.last_plan, self.last_applied = plan, applied
+            return applied
+
+
+def _only_in_flight(decision: Decision) -> bool:
+    """Whether only being in flight kept this generation from being marked or deleted
+    (kept ones list their keep reasons first; a marked one waits for its delay too)."""
+    if decision.action == MARKED:
+        return IN_FLIGHT in decision.reasons
+    return decision.action == KEEP and decision.reasons[:1] == (IN_FLIGHT,)

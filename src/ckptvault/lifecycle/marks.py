@@ -17,6 +17,7 @@ from ckptvault.format.layout import GenerationName, format_timestamp, parse_gene
 from ckptvault.lifecycle.plan import Mark
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.storage.records import DELETION_MARK, LEASE, PIN
+from ckptvault.storage.retained import RetainingStore
 
 _TIMESTAMP = "%Y-%m-%dT%H:%M:%S.%fZ"
 
@@ -89,9 +90,12 @@ def generations_of(store: Store, step: int) -> list[GenerationRef]:
 
 def pin(store: Store, step: int, now: datetime) -> GenerationRef:
     """Pin the newest generation of ``step``: retention never marks or deletes it, and
-    a mark it carries is removed by the next retention pass."""
+    a mark it carries is removed by the next retention pass. In a store with
+    ``object_lock_days`` its objects are also put under Object Lock retention."""
     ref = generations_of(store, step)[0]
     store.put_record(PIN, ref.name.dirname, {"pinned_at": format_timestamp(now), "step": step})
+    if isinstance(store, RetainingStore):
+        store.lock_generation(ref)
     return ref
 
 

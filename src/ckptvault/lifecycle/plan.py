@@ -177,16 +177,37 @@ def plan_retention(
     """
     gens = sorted(generations, key=lambda g: g.name, reverse=True)
     ids_in_flight = frozenset(in_flight)
-    # Only what rollbacks abandoned; a step below the floor may still be restored on purpose.
-    abandoned_by = floor.without_step() if floor is not None else None
-    abandoned = {
-        g.name
-        for g in gens
-        if abandoned_by is not None and abandoned_by.refuses(g.step, g.generation_id) is not None
-    }
+    abandoned = _abandoned(gens, floor)
     eligible = [g for g in gens if g.name not in abandoned]
-    verdicts = {g.name: _Verdict() for g in gens}
+    verdicts = _rule_verdicts(gens, eligible, rules, now)
+    candidates = [g for g in eligible if g.mark is None]  # what a restore may take
+    newest, fallback, blocked, needs = _safety_net(candidates)
+    _keep_safety_net(verdicts, candidates, newest, fallback)
+    for g in gens:
+        _hold(verdicts[g.name], g, floor, ids_in_flight, blocked, now)
+    decisions = [_decide(g, verdicts[g.name], g.name in abandoned, delete_delay, now) for g in gens]
+    decisions += _finish_orphans(orphan_marks or {})
+    return RetentionPlan(now, decisions, newest, fallback, blocked, needs)
 
+
+def _abandoned(gens: list[GenerationFacts], floor: RestoreFloor | None) -> set[GenerationName]:
+    """The generations rollbacks abandoned (the ledger's rule): no rule counts them."""
+    if floor is None:
+        return set()
+    # Only what rollbacks abandoned; a step below the floor may still be restored on purpose.
+    abandoned_by = floor.without_step()
+    return {g.name for g in gens if abandoned_by.refuses(g.step, g.generation_id) is not None}
+
+
+def _rule_verdicts(
+    gens: list[GenerationFacts],
+    eligible: list[GenerationFacts],
+    rules: Sequence[RetentionRule],
+    now: datetime,
+) -> dict[GenerationName, _Verdict]:
+    """A verdict per generation holding the reasons the rules keep it for (in rule order);
+    without rules, every unmarked generation is kept."""
+    verdicts = {g.name: _Verdict() for g in gens}
     inputs = [RuleInput(g.name, g.created, g.metrics) for g in eligible]
     for rule in rules:
         for name, reason in rule.keeps(inputs, now).items():
@@ -195,9 +216,17 @@ def plan_retention(
         for g in gens:
             if g.mark is None:
                 verdicts[g.name].keep.append(NO_RULES)
+    return verdicts
 
-    candidates = [g for g in eligible if g.mark is None]  # what a restore may take
-    newest, fallback, blocked, needs = _safety_net(candidates)
+
+def _keep_safety_net(
+    verdicts: dict[GenerationName, _Verdict],
+    candidates: list[GenerationFacts],
+    newest: GenerationName | None,
+    fallback: GenerationName | None,
+) -> None:
+    """Keep the newest verified generation, everything newer and the fallback: their
+    reasons come first."""
     if newest is not None:
         verdicts[newest].keep.insert(0, NEWEST_VERIFIED)
         for g in candidates:
@@ -206,28 +235,37 @@ def plan_retention(
             verdicts[g.name].keep.insert(0, NEWER_THAN_VERIFIED)
     if fallback is not None:
         verdicts[fallback].keep.insert(0, FALLBACK)
-    for g in gens:
-        verdict = verdicts[g.name]
-        if g.pinned:
-            verdict.keep.append(PINNED)
-        if floor is not None and floor.generation_id == g.generation_id:
-            verdict.keep.append(FLOOR)
-        if g.generation_id in ids_in_flight:
-            verdict.defer.append(IN_FLIGHT)
-        leased = [until for until in g.lease_expiries if until > now]
-        if leased:
-            verdict.defer.append(f"leased by a reader until {format_timestamp(max(leased))}")
-        if blocked is not None and not verdict.keep:
-            verdict.defer.append(blocked)
 
-    decisions = [_decide(g, verdicts[g.name], g.name in abandoned, delete_delay, now) for g in gens]
-    for name, mark in sorted((orphan_marks or {}).items(), reverse=True):
-        decisions.append(
-            Decision(
-                name, DELETE, (mark.reason, GONE), mark.marked_at, listed=False, was_marked=True
-            )
-        )
-    return RetentionPlan(now, decisions, newest, fallback, blocked, needs)
+
+def _hold(
+    verdict: _Verdict,
+    g: GenerationFacts,
+    floor: RestoreFloor | None,
+    ids_in_flight: frozenset[str],
+    blocked: str | None,
+    now: datetime,
+) -> None:
+    """What keeps ``g`` whatever the rules say (a pin, the floor) and what defers its
+    deletion (in flight, a reader's lease, a plan blocked on verification)."""
+    if g.pinned:
+        verdict.keep.append(PINNED)
+    if floor is not None and floor.generation_id == g.generation_id:
+        verdict.keep.append(FLOOR)
+    if g.generation_id in ids_in_flight:
+        verdict.defer.append(IN_FLIGHT)
+    leased = [until for until in g.lease_expiries if until > now]
+    if leased:
+        verdict.defer.append(f"leased by a reader until {format_timestamp(max(leased))}")
+    if blocked is not None and not verdict.keep:
+        verdict.defer.append(blocked)
+
+
+def _finish_orphans(orphan_marks: Mapping[GenerationName, Mark]) -> list[Decision]:
+    """Deletions to finish: marks whose generation the store no longer lists."""
+    return [
+        Decision(name, DELETE, (mark.reason, GONE), mark.marked_at, listed=False, was_marked=True)
+        for name, mark in sorted(orphan_marks.items(), reverse=True)
+    ]
 
 
 def _safety_net(

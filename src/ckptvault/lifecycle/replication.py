@@ -14,19 +14,30 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
-from ckptvault.errors import CheckpointError, IntegrityError, UsageError
-from ckptvault.events import Event, EventBus, Published
+from ckptvault.errors import CheckpointError, FormatError, IntegrityError, UsageError
+from ckptvault.events import Event, EventBus, Published, Replicated
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, GenerationName, utc_now
+from ckptvault.lifecycle.marks import read_marks
 from ckptvault.storage import StoreLocation, open_store
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import MAX_SIGNATURE_BYTES, TrustPolicy, check_structure
 from ckptvault.trust.context import TrustContext
 from ckptvault.trust.digests import ChunkVerifier, read_full
+from ckptvault.trust.problems import GenerationRejected
+
+if TYPE_CHECKING:
+    from ckptvault.lifecycle.keeper import RetentionKeeper
 
 logger = logging.getLogger("ckptvault")
+# Failures a second try cannot fix: the source does not verify, or the target holds
+# something else under its name.
+_PERMANENT = (IntegrityError, FormatError, GenerationRejected, UsageError)
 REPLICA_RECORD = "replica"
 COPY_BLOCK = 8 * 1024 * 1024
 
@@ -103,21 +114,43 @@ class Replicator:
     """Copies each published generation to ``target`` on one background thread.
 
     Subscribe it to the manager's events. ``wait()`` blocks until every copy in
-    flight finished; ``close()`` waits, then stops the thread. A failed copy is
-    logged, counted and retried with the next generation's (the newest first is
-    what matters for recovery); it never fails a save.
+    flight finished; ``close()`` waits, then stops the thread. A copy that failed
+    for a passing reason (network, a busy target) is logged, counted and tried again
+    after the next publish; one whose source does not verify is given up. Either way
+    it never fails a save. Until a generation is copied it is *unreplicated*
+    (:meth:`unreplicated`): the local tier's retention treats it as in flight and
+    keeps it. Each finished copy is told to the event subscribers as
+    :class:`~ckptvault.events.Replicated` (the replica tier's retention runs then).
+
+    With ``catch_up`` (the manager's replicator), the first publish also queues what
+    an earlier process left uncopied: the source's unmarked generations newer than
+    the target's newest that the target does not hold.
     """
 
-    def __init__(self, source: Store, target: Store, policy: TrustPolicy | None = None) -> None:
+    def __init__(
+        self,
+        source: Store,
+        target: Store,
+        policy: TrustPolicy | None = None,
+        *,
+        emit: Callable[[Event], None] | None = None,
+        run_id: str | None = None,
+        catch_up: bool = False,
+    ) -> None:
         self.source = source
         self.target = target
         self.policy = policy  # run id and trusted keys a copy must satisfy
+        self.run_id = run_id
+        self.retention: RetentionKeeper | None = None  # the target's own, when it has one
+        self._emit = emit
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptvault-replicate")
         self._lock = threading.Lock()
         self._pending: dict[str, float] = {}  # generation id -> when it was published
+        self._retry: dict[str, tuple[GenerationRef, float]] = {}  # failed, tried again later
         self._futures: list[Future[None]] = []
         self._failures = 0
         self._target_locked = False
+        self._catch_up = catch_up
 
     @classmethod
     def attach(
@@ -135,7 +168,14 @@ class Replicator:
         if remote.location == source.location:
             raise UsageError(f"replicate_to names the store itself ({remote.location})")
         trust.check_outside(remote)  # keys, ledger and audit log stay out of every tier
-        replicator = cls(source, remote, trust.policy(run_id, floor=None))
+        replicator = cls(
+            source,
+            remote,
+            trust.policy(run_id, floor=None),
+            emit=events.emit,
+            run_id=run_id,
+            catch_up=True,
+        )
         events.subscribe(replicator)
         return replicator
 
@@ -145,16 +185,77 @@ class Replicator:
         # Exactly what was published (step and id, at its location): never a look-up
         # by id, which a directory planted under another step could answer.
         ref = GenerationRef(GenerationName(event.step, event.generation_id), event.location)
+        published_at = time.monotonic() - event.seconds
+        # Listed now, on the publishing thread, so that retention (which runs next)
+        # already counts what an earlier process left uncopied as in flight.
+        behind = self._behind(ref) if self._catch_up else []
+        self._catch_up = False
         with self._lock:
-            self._pending[event.generation_id] = time.monotonic() - event.seconds
+            queue = [(ref, published_at), *self._retry.values()]
+            queue += [(old, published_at) for old in behind]
+            self._retry.clear()
             self._futures = [f for f in self._futures if not f.done()]
-            self._futures.append(self._pool.submit(self._replicate, ref))
+            for copy, since in queue:
+                if copy.generation_id in self._pending:
+                    continue
+                self._pending[copy.generation_id] = since
+                self._futures.append(self._pool.submit(self._replicate, copy))
+
+    def unreplicated(self) -> frozenset[str]:
+        """Ids of generations published here and not yet copied (queued, copying, or
+        to be tried again)."""
+        with self._lock:
+            return frozenset(self._pending) | frozenset(self._retry)
+
+    def _behind(self, published: GenerationRef) -> list[GenerationRef]:
+        """The source's unmarked generations newer than the target's newest that the
+        target lacks (what an earlier process did not get to copy), newest first."""
+        try:
+            held = {ref.name for ref in self.target.list_generations()}
+            newest = max(held, default=None)
+            marked = read_marks(self.source, datetime.now(timezone.utc))
+            return [
+                ref
+                for ref in self.source.list_generations()
+                if ref.name != published.name
+                and ref.name not in held
+                and ref.name not in marked
+                and (newest is None or ref.name > newest)
+            ]
+        except (CheckpointError, OSError) as exc:
+            logger.warning(
+                "could not compare %s with %s to copy what an earlier run left uncopied: %s",
+                self.source.location,
+                self.target.location,
+                exc,
+            )
+            return []
 
     def _replicate(self, ref: GenerationRef) -> None:
+        copied = self._copy(ref)
+        if copied is None or self._emit is None:
+            return
+        try:
+            self._emit(
+                Replicated(
+                    self.run_id,
+                    self.source.location,
+                    self.target.location,
+                    ref.step,
+                    ref.generation_id,
+                    copied.location,
+                )
+            )
+        except (CheckpointError, OSError) as exc:  # the copy exists either way
+            logger.error("after copying %s to %s: %s", ref.location, self.target.location, exc)
+
+    def _copy(self, ref: GenerationRef) -> GenerationRef | None:
+        """Copy one generation; None when it was not copied (gone, or failed)."""
         generation_id = ref.generation_id
+        retry = False
         try:
             if find_generation(self.source, ref.name) is None:
-                return  # deleted (retention) before it could be copied
+                return None  # deleted (retention) before it could be copied
             if not self._target_locked:
                 self.target.acquire_writer()
                 self._target_locked = True
@@ -165,18 +266,25 @@ class Replicator:
                 {"tiers": [self.target.location], "verified_at": utc_now()},
             )
             logger.info("replicated %s to %s", ref.location, copied.location)
+            return copied
         except (CheckpointError, OSError) as exc:
+            # A source that does not verify never will; anything else may pass.
+            retry = not isinstance(exc, _PERMANENT)
             with self._lock:
                 self._failures += 1
             logger.error(
-                "replicating generation %s to %s failed: %s",
+                "replicating generation %s to %s failed: %s%s",
                 generation_id,
                 self.target.location,
                 exc,
+                "; tried again after the next save" if retry else "",
             )
+            return None
         finally:
             with self._lock:
-                self._pending.pop(generation_id, None)
+                since = self._pending.pop(generation_id, None)
+                if retry and since is not None:
+                    self._retry[generation_id] = (ref, since)
 
     def fetch(self, tier: Store, ref: GenerationRef) -> None:
         """Copy a generation restored from ``tier`` back into the local tier, in the
@@ -198,9 +306,10 @@ class Replicator:
 
     def status(self) -> ReplicationStatus:
         with self._lock:
-            oldest = min(self._pending.values(), default=None)
+            waiting = [*self._pending.values(), *(since for _ref, since in self._retry.values())]
+            oldest = min(waiting, default=None)
             lag = 0.0 if oldest is None else time.monotonic() - oldest
-            return ReplicationStatus(len(self._pending), lag, self._failures)
+            return ReplicationStatus(len(waiting), lag, self._failures)
 
     def wait(self) -> None:
         with self._lock:

@@ -166,6 +166,21 @@ class Store(Protocol):
         an atomic rename out of the listing; object stores: the manifest), so that
         no reader ever takes the rest for one, then its bytes. Idempotent."""
 
+    def replace_manifest(
+        self, ref: GenerationRef, manifest: bytes, signature: bytes | None, *, replaces: bytes
+    ) -> None:
+        """Replace a published generation's manifest (and signature): the one change
+        ever made to a published generation, for key rotation, which rewrites only
+        the key wrapping (``ckptvault.ops.rotate``). Never touches a data file.
+
+        Needs the writer lock. ``replaces`` is the exact manifest the caller verified;
+        when the stored one differs, nothing is written (``IntegrityError``). The
+        signature is written first, then the manifest, each atomically, so a crash
+        leaves the old pair, the new signature beside the old manifest (refused by a
+        signature check until the rotation resumes), or the new pair. ``signature``
+        None is for unsigned generations: a generation holding a ``manifest.sig`` is
+        refused (``UsageError``) rather than left with a signature of other bytes."""
+
     # -- records: small JSON documents about generations (marks, pins, leases) --------
     #
     # Whoever can write the store can write these too, so a record may only withhold

@@ -22,6 +22,12 @@ below the store's root is opened relative to a directory descriptor with
 ``.writer.lock`` is never followed out of the store, a FIFO never blocks a reader,
 and cleanup deletes only what lies inside the store. (The root itself is the path
 the user chose, and may be a symlink.)
+
+The publish rule and staging area are in :mod:`~ckptvault.storage.posix_publish`,
+removing leftovers and deleting generations in :mod:`~ckptvault.storage.posix_cleanup`,
+records in :mod:`~ckptvault.storage.posix_records`, the descriptor-safe file
+primitives in :mod:`~ckptvault.storage.posix_files`. This module ties them into a
+:class:`~ckptvault.storage.base.Store`.
 """
 
 from __future__ import annotations
@@ -30,129 +36,30 @@ import contextlib
 import errno
 import logging
 import os
-import secrets
-import time
 from io import FileIO
 from pathlib import Path
 from typing import Any
 
 from ckptvault.durable import make_dirs_durable
 from ckptvault.errors import StorageFullError, UnsafeEntryError, UsageError
-from ckptvault.format.layout import (
-    MANIFEST_NAME,
-    SIGNATURE_NAME,
-    STAGING_DIR,
-    WRITER_LOCK,
-    generation_dirname,
-    parse_generation_dirname,
-)
+from ckptvault.format.layout import STAGING_DIR, WRITER_LOCK, parse_generation_dirname
+from ckptvault.storage import posix_cleanup, posix_records
 from ckptvault.storage.base import EntryInfo, GenerationRef
 from ckptvault.storage.lock import WriterLock
 from ckptvault.storage.posix_files import (
-    PosixWritableFile,
     describe_unsafe,
-    newest_change,
     open_dir,
     opened,
     printable_name,
-    read_small_file,
-    remove_tree,
     translate_os_error,
 )
-from ckptvault.storage.records import (
-    MAX_RECORD_BYTES,
-    RECORD_SUFFIX,
-    RECORDS_DIR,
-    check_record_key,
-    decode_record,
-    encode_record,
-    record_name_of,
-)
+from ckptvault.storage.posix_publish import AtomicRename, PosixStagingArea
+from ckptvault.storage.posix_replace import replace_manifest_files
+
+__all__ = ["CAPACITY_HEADROOM", "AtomicRename", "PosixStagingArea", "PosixStore"]
 
 logger = logging.getLogger("ckptvault")
 CAPACITY_HEADROOM = 256 * 1024  # beyond 1/16 of the save: directory blocks, metadata
-
-
-class PosixStagingArea:
-    """``.staging/<generation id>/``, held open by descriptor while it is written."""
-
-    def __init__(self, store: PosixStore, generation_id: str) -> None:
-        self.store = store
-        self.generation_id = generation_id
-        self.location = os.path.join(store.location, STAGING_DIR, generation_id)
-        self.staging_fd = store.open_staging_dir()
-        try:
-            os.mkdir(generation_id, 0o755, dir_fd=self.staging_fd)
-            self.fd = open_dir(generation_id, self.staging_fd, self.location)
-        except BaseException:
-            os.close(self.staging_fd)
-            raise
-        self._open = True
-
-    def create_file(self, name: str) -> PosixWritableFile:
-        self._check_open()
-        return PosixWritableFile(self.fd, name, os.path.join(self.location, name))
-
-    def publish(self, step: int, manifest: bytes, signature: bytes | None = None) -> GenerationRef:
-        self._check_open()
-        ref = self.store.publish_rule.publish(self, step, manifest, signature)
-        self._close()  # on failure the caller aborts, which removes what was written
-        return ref
-
-    def abort(self) -> None:
-        if self._open:
-            try:
-                # Best effort: what stays is removed as a leftover by the next save.
-                remove_tree(self.staging_fd, self.generation_id)
-            finally:
-                self._close()
-
-    def _check_open(self) -> None:
-        # Its descriptors are closed (their numbers may already name another store's
-        # directories): a finished area must never write anywhere.
-        if not self._open:
-            raise UsageError(f"staging area {self.location} was already published or aborted")
-
-    def _close(self) -> None:
-        if self._open:
-            self._open = False
-            fd, staging_fd, self.fd, self.staging_fd = self.fd, self.staging_fd, -1, -1
-            os.close(fd)
-            os.close(staging_fd)
-
-
-class AtomicRename:
-    """The POSIX publish rule: manifest last, fsync, rename into place, fsync the parent."""
-
-    def publish(
-        self, area: PosixStagingArea, step: int, manifest: bytes, signature: bytes | None
-    ) -> GenerationRef:
-        final = generation_dirname(step, area.generation_id)
-        where = os.path.join(area.store.location, final)
-        try:
-            for file_name, data in ((MANIFEST_NAME, manifest), (SIGNATURE_NAME, signature)):
-                if data is not None:
-                    _write_new_file(area, file_name, data)
-            os.fsync(area.fd)
-            with opened(area.store.open_root()) as root_fd:
-                os.rename(area.generation_id, final, src_dir_fd=area.staging_fd, dst_dir_fd=root_fd)
-                os.fsync(root_fd)
-            os.fsync(area.staging_fd)
-        except OSError as exc:
-            raise translate_os_error(exc, f"publishing {where}") from exc
-        name = parse_generation_dirname(final)
-        assert name is not None  # generation_dirname always parses
-        return GenerationRef(name=name, location=where)
-
-
-def _write_new_file(area: PosixStagingArea, name: str, data: bytes) -> None:
-    small_file = area.create_file(name)
-    try:
-        small_file.write(data)
-    except BaseException:
-        small_file.abort()
-        raise
-    small_file.commit()
 
 
 class PosixStore:
@@ -308,116 +215,6 @@ class PosixStore:
     def release_writer(self) -> None:
         self._lock.release()
 
-    def remove_stale_staging(self, older_than: float | None = None) -> list[str]:
-        if older_than is None and not self._lock.held:
-            raise UsageError(
-                "removing every staging leftover needs the writer lock; call acquire_writer() "
-                "first, or give older_than"
-            )
-        if not self.root.is_dir():
-            return []
-        cutoff = None if older_than is None else time.time() - older_than
-        removed = []
-        try:
-            with opened(self.open_staging_dir()) as staging_fd:
-                for name in sorted(os.listdir(staging_fd)):
-                    if cutoff is not None and newest_change(staging_fd, name) >= cutoff:
-                        continue  # still being written, or too recent to call dead
-                    if remove_tree(staging_fd, name):
-                        removed.append(name)
-                    else:
-                        logger.warning(
-                            "could not remove the staging leftover %s; it is ignored",
-                            os.path.join(self.location, STAGING_DIR, name),
-                        )
-        except OSError as exc:
-            raise translate_os_error(exc, f"cleaning {self.location}/{STAGING_DIR}") from exc
-        return removed
-
-    def delete_generation(self, ref: GenerationRef) -> None:
-        """One atomic rename takes the generation out of the listing (into staging,
-        where an interrupted delete is a leftover like any other); then its bytes go."""
-        doomed = f"{ref.generation_id}.deleted"
-        try:
-            with opened(self.open_root()) as root_fd, opened(self.open_staging_dir()) as staging_fd:
-                try:
-                    os.rename(ref.name.dirname, doomed, src_dir_fd=root_fd, dst_dir_fd=staging_fd)
-                except FileNotFoundError:
-                    return  # already gone
-                os.fsync(root_fd)
-                remove_tree(staging_fd, doomed)
-        except OSError as exc:
-            raise translate_os_error(exc, f"deleting {ref.location}") from exc
-
-    # -- records -----------------------------------------------------------------------
-
-    def _records_dir(self, kind: str, create: bool) -> int | None:
-        """``.records/<kind>`` by descriptor (links refused); None when absent."""
-        where = os.path.join(self.location, RECORDS_DIR)
-        with opened(self.open_root()) as root_fd:
-            if create:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(RECORDS_DIR, 0o755, dir_fd=root_fd)
-            try:
-                records_fd = open_dir(RECORDS_DIR, root_fd, where)
-            except FileNotFoundError:
-                return None
-        with opened(records_fd):
-            if create:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(kind, 0o755, dir_fd=records_fd)
-            try:
-                return open_dir(kind, records_fd, os.path.join(where, kind))
-            except FileNotFoundError:
-                return None
-
-    def put_record(self, kind: str, name: str, data: dict[str, Any]) -> None:
-        check_record_key(kind, name)
-        encoded = encode_record(data)
-        make_dirs_durable(self.root)
-        kind_fd = self._records_dir(kind, create=True)
-        assert kind_fd is not None  # created above
-        with opened(kind_fd):
-            temporary = f".{name}.{secrets.token_hex(6)}.tmp"
-            record = PosixWritableFile(kind_fd, temporary, os.path.join(self.location, name))
-            try:
-                record.write(encoded)
-                record.commit()
-                os.rename(temporary, name + RECORD_SUFFIX, src_dir_fd=kind_fd, dst_dir_fd=kind_fd)
-                os.fsync(kind_fd)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(temporary, dir_fd=kind_fd)
-
-    def list_records(self, kind: str) -> dict[str, dict[str, Any]]:
-        check_record_key(kind, "x")
-        kind_fd = self._records_dir(kind, create=False)
-        if kind_fd is None:
-            return {}
-        records = {}
-        with opened(kind_fd):
-            for file_name in sorted(os.listdir(kind_fd)):
-                name = record_name_of(file_name)
-                if name is None:
-                    continue
-                try:
-                    raw = read_small_file(kind_fd, file_name, MAX_RECORD_BYTES)
-                except (OSError, UnsafeEntryError):
-                    continue
-                data = decode_record(raw, os.path.join(self.location, RECORDS_DIR, kind, file_name))
-                if data is not None:
-                    records[name] = data
-        return records
-
-    def delete_record(self, kind: str, name: str) -> None:
-        check_record_key(kind, name)
-        kind_fd = self._records_dir(kind, create=False)
-        if kind_fd is None:
-            return
-        with opened(kind_fd), contextlib.suppress(FileNotFoundError):
-            os.unlink(name + RECORD_SUFFIX, dir_fd=kind_fd)
-            os.fsync(kind_fd)
-
     def check_capacity(self, nbytes: int, nfiles: int) -> None:
         """Free bytes and inodes (as the writing user sees them) must cover the save
         plus headroom: 1/16 more bytes and 256 KiB, and a few more inodes."""
@@ -443,3 +240,43 @@ class PosixStore:
             return PosixStagingArea(self, generation_id)
         except OSError as exc:
             raise translate_os_error(exc, f"creating a staging area in {self.root}") from exc
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def remove_stale_staging(self, older_than: float | None = None) -> list[str]:
+        if older_than is None and not self._lock.held:
+            raise UsageError(
+                "removing every staging leftover needs the writer lock; call acquire_writer() "
+                "first, or give older_than"
+            )
+        return posix_cleanup.remove_stale_staging(self, older_than)
+
+    def delete_generation(self, ref: GenerationRef) -> None:
+        """Out of the listing with one rename (into staging), then its bytes go."""
+        posix_cleanup.delete_generation(self, ref)
+
+    def replace_manifest(
+        self, ref: GenerationRef, manifest: bytes, signature: bytes | None, *, replaces: bytes
+    ) -> None:
+        """Key rotation's one change to a published generation (see
+        :mod:`ckptvault.storage.posix_replace`); needs the writer lock."""
+        if not self._lock.held:
+            raise UsageError(
+                "replacing a manifest needs the writer lock; call acquire_writer() first"
+            )
+        with (
+            opened(self._open_generation(ref)) as generation_fd,
+            opened(self.open_staging_dir()) as staging_fd,
+        ):
+            replace_manifest_files(generation_fd, staging_fd, ref, manifest, signature, replaces)
+
+    # -- records -----------------------------------------------------------------------
+
+    def put_record(self, kind: str, name: str, data: dict[str, Any]) -> None:
+        posix_records.put_record(self, kind, name, data)
+
+    def list_records(self, kind: str) -> dict[str, dict[str, Any]]:
+        return posix_records.list_records(self, kind)
+
+    def delete_record(self, kind: str, name: str) -> None:
+        posix_records.delete_record(self, kind, name)

@@ -4,8 +4,10 @@ The key layout is in :mod:`ckptvault.storage.s3_layout`; writing in
 :mod:`~ckptvault.storage.s3_upload`, publishing (manifest last, ``If-None-Match``)
 in :mod:`~ckptvault.storage.s3_publish`, the writer lease in
 :mod:`~ckptvault.storage.s3_lease`, reading in :mod:`~ckptvault.storage.s3_read`
-and cleanup in :mod:`~ckptvault.storage.s3_cleanup`. This module ties them into a
-:class:`~ckptvault.storage.base.Store`.
+cleanup in :mod:`~ckptvault.storage.s3_cleanup`, versions and Object Lock holds in
+:mod:`~ckptvault.storage.s3_versions`. This module ties them into a
+:class:`~ckptvault.storage.base.Store` that is also a
+:class:`~ckptvault.storage.retained.RetainingStore`.
 
 What S3 semantics this relies on: strong read-after-write consistency for PUT,
 DELETE, HEAD and LIST of objects; a completed multipart upload appears atomically;
@@ -24,6 +26,7 @@ prefix is ever listed, written or deleted.
 from __future__ import annotations
 
 import errno
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +44,7 @@ from ckptvault.storage.records import (
     encode_record,
     record_name_of,
 )
+from ckptvault.storage.retained import LockRule, RetainedCopy, locked_until
 from ckptvault.storage.s3_cleanup import delete_generation, remove_stale_attempts
 from ckptvault.storage.s3_client import CHECKSUM, S3Client, S3Error, S3NotFound
 from ckptvault.storage.s3_layout import OWN_PREFIX, S3Layout, classify_entries
@@ -54,7 +58,11 @@ from ckptvault.storage.s3_publish import (
     probe_conditional_writes,
 )
 from ckptvault.storage.s3_read import S3ObjectReader, head_object, read_range
+from ckptvault.storage.s3_replace import replace_manifest
 from ckptvault.storage.s3_upload import PartUploader
+from ckptvault.storage.s3_versions import BucketVersioning, object_hold, purge_key
+
+logger = logging.getLogger("ckptvault")
 
 # How long a generation's listing is reused when its files are opened: restore lists
 # once, then opens every file (twice); listing 17 prefixes per open would dominate.
@@ -73,6 +81,7 @@ class S3Store:
         self.client = S3Client(where, self.options)
         self.publish_rule = ConditionalManifestPut()
         self.retention = ObjectRetention(self.client, self.options.object_lock_days)
+        self.versioning = BucketVersioning(self.client)
         self.writer_lease = S3WriterLease(
             self.client, self.layout.lock_key, self.location, self.options.lease_seconds
         )
@@ -228,7 +237,46 @@ class S3Store:
         return remove_stale_attempts(self, older_than)
 
     def delete_generation(self, ref: GenerationRef) -> None:
-        delete_generation(self, ref)
+        for copy in self.delete_generation_reporting(ref):
+            logger.warning(
+                "%s (version %s) of deleted generation %s stays: %s",
+                copy.location,
+                copy.version_id,
+                ref.generation_id,
+                copy.reason,
+            )
+
+    def replace_manifest(
+        self, ref: GenerationRef, manifest: bytes, signature: bytes | None, *, replaces: bytes
+    ) -> None:
+        """Key rotation's one change to a published generation (see
+        :mod:`ckptvault.storage.s3_replace`); needs the writer lease."""
+        replace_manifest(self, ref, manifest, signature, replaces)
+
+    # -- versions and Object Lock (RetainingStore) ---------------------------------------
+
+    def delete_generation_reporting(self, ref: GenerationRef) -> list[RetainedCopy]:
+        return delete_generation(self, ref)
+
+    def retained_until(self, ref: GenerationRef) -> str | None:
+        """Whether the manifest is under Object Lock retention or a legal hold now
+        (publish locks a generation's objects together, manifest last)."""
+        try:
+            hold = object_hold(self.client, self.layout.generation_key(ref.name, MANIFEST_NAME))
+        except S3NotFound:
+            return None  # deleted meanwhile: nothing holds it
+        return hold[0] if hold is not None else None
+
+    def set_lock_rule(self, rule: LockRule | None) -> None:
+        self.retention.rule = rule
+
+    def lock_generation(self, ref: GenerationRef) -> str | None:
+        if self.retention.days is None:
+            return None
+        entries = self.list_entries(ref)
+        keys = [self.layout.key_of(ref.name, n) for n, e in sorted(entries.items()) if not e.unsafe]
+        until = self.retention.lock_now(keys, self.read_pool)
+        return locked_until(until) if until is not None else None
 
     # -- records -----------------------------------------------------------------------
 
@@ -256,4 +304,7 @@ class S3Store:
         return records
 
     def delete_record(self, kind: str, name: str) -> None:
-        self.client.call("delete_object", self.layout.record_key(kind, name))
+        key = self.layout.record_key(kind, name)
+        self.client.call("delete_object", key)
+        if self.versioning.enabled():
+            purge_key(self.client, key)  # no noncurrent versions of marks and leases pile up

@@ -11,7 +11,8 @@ fresh part, so it is never aborted, nor are its sibling files deleted.
 
 :func:`delete_generation` deletes the manifest first, so the generation stops
 existing before any of its bytes go, then the signature, then its objects in
-batches of at most 1,000.
+batches of at most 1,000, and in a versioned bucket every version of them
+(:mod:`~ckptvault.storage.s3_versions`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from typing import TYPE_CHECKING, Any
 from ckptvault.errors import UsageError
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, generation_id_time
 from ckptvault.storage.base import GenerationRef
+from ckptvault.storage.retained import RetainedCopy
 from ckptvault.storage.s3_client import S3Client, S3Error, S3NotFound
+from ckptvault.storage.s3_versions import purge_versions
 
 if TYPE_CHECKING:
     from ckptvault.storage.s3 import S3Store
@@ -141,10 +144,12 @@ def _timestamp(value: Any) -> float:
     return value.timestamp() if isinstance(value, datetime) else 0.0
 
 
-def delete_generation(store: S3Store, ref: GenerationRef) -> None:
-    """Manifest first (the generation is gone), then signature, then its objects.
-    Idempotent. Data shared with another manifest of the same generation id (only a
-    planted copy can do that) is left in place."""
+def delete_generation(store: S3Store, ref: GenerationRef) -> list[RetainedCopy]:
+    """Manifest first (the generation is gone), then signature, then its objects;
+    in a versioned bucket then every version of them (:func:`purge_versions`).
+    Returns the versions that had to stay (Object Lock). Idempotent. Data shared with
+    another manifest of the same generation id (only a planted copy can do that) is
+    left in place."""
     layout, client = store.layout, store.client
     client.call("delete_object", layout.generation_key(ref.name, MANIFEST_NAME))
     client.call("delete_object", layout.generation_key(ref.name, SIGNATURE_NAME))
@@ -154,3 +159,4 @@ def delete_generation(store: S3Store, ref: GenerationRef) -> None:
         prefixes += list(layout.data_prefixes(ref.generation_id).values())
     listed = store.list_prefixes(prefixes)
     client.delete_keys([str(item["Key"]) for items in listed.values() for item in items])
+    return purge_versions(store, prefixes) if store.versioning.enabled() else []

@@ -163,6 +163,37 @@ class S3Client:
                     str(first.get("Code")),
                 )
 
+    def list_versions(self, prefix: str) -> Iterator[dict[str, Any]]:
+        """Every version and delete marker under ``prefix`` (``Key``, ``VersionId``,
+        ``IsLatest``; delete markers with ``DeleteMarker: True``), paginated."""
+        paginator = self.raw.get_paginator("list_object_versions")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+                yield from page.get("Versions", ())
+                for marker in page.get("DeleteMarkers", ()):
+                    yield {**marker, "DeleteMarker": True}
+        except _boto_errors() as exc:
+            raise translate(exc, f"listing the versions under {self.url(prefix)}") from exc
+
+    def delete_versions(self, versions: list[tuple[str, str]]) -> dict[str, str]:
+        """Delete ``(key, version id)`` pairs in batches of at most 1000; returns, by
+        key, why a version was not deleted (``AccessDenied (...)``), never raising for
+        that: the caller lists again to learn what stayed."""
+        refused: dict[str, str] = {}
+        for start in range(0, len(versions), DELETE_BATCH):
+            batch = versions[start : start + DELETE_BATCH]
+            response = self.call(
+                "delete_objects",
+                Delete={
+                    "Objects": [{"Key": key, "VersionId": version} for key, version in batch],
+                    "Quiet": True,
+                },
+            )
+            for error in response.get("Errors", ()):
+                if error.get("Code") not in ("NoSuchKey", "NoSuchVersion"):
+                    refused[str(error.get("Key"))] = f"{error.get('Code')} ({error.get('Message')})"
+        return refused
+
     def put_new(
         self, key: str, data: bytes | bytearray, *, accept_identical: bool = False, **params: Any
     ) -> dict[str, Any]:

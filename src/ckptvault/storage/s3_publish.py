@@ -5,7 +5,8 @@ by one object: its manifest. :class:`ConditionalManifestPut` publishes in this o
 
 1. every data object exists (each file was committed: its PUT or
    CompleteMultipartUpload returned, and S3 reads are strongly consistent after that);
-2. with ``object_lock_days``, every data object is put under retention;
+2. with ``object_lock_days``, every data object is put under retention, when the
+   store's lock rule takes this step (:class:`ObjectRetention`);
 3. ``manifest.sig`` (if any) is written, conditionally;
 4. the writer lease is renewed — a writer that lost it refuses to publish;
 5. ``manifest.json`` is written with ``If-None-Match: *``. Success is the publish;
@@ -35,6 +36,7 @@ from ckptvault.format.layout import (
     parse_generation_dirname,
 )
 from ckptvault.storage.base import GenerationRef
+from ckptvault.storage.retained import LockRule
 from ckptvault.storage.s3_client import S3Client, S3Error, S3PreconditionFailed
 from ckptvault.storage.s3_layout import S3Layout
 from ckptvault.storage.s3_upload import S3WritableFile
@@ -84,11 +86,17 @@ def probe_conditional_writes(client: S3Client, layout: S3Layout) -> None:
 
 
 class ObjectRetention:
-    """``object_lock_days``: published objects under Object Lock (GOVERNANCE mode)."""
+    """``object_lock_days``: published objects under Object Lock (GOVERNANCE mode).
+
+    Which generations publish locks is ``rule`` (step -> lock it), installed by the
+    manager from its retention policy (milestones: ``keep_every``); None locks every
+    generation. A generation pinned later is locked by :meth:`lock_now`.
+    """
 
     def __init__(self, client: S3Client, days: int | None) -> None:
         self.client = client
         self.days = days
+        self.rule: LockRule | None = None
         self._checked = False
 
     def check_bucket(self) -> None:
@@ -110,21 +118,45 @@ class ObjectRetention:
             )
         self._checked = True
 
-    def object_params(self) -> dict[str, Any]:
-        """PUT parameters that lock a new object, or none."""
-        if self.days is None:
-            return {}
-        until = datetime.now(timezone.utc) + timedelta(days=self.days)
-        return {"ObjectLockMode": "GOVERNANCE", "ObjectLockRetainUntilDate": until}
+    def locks(self, step: int) -> bool:
+        """Whether publishing a generation of ``step`` puts it under retention."""
+        return self.days is not None and (self.rule is None or self.rule(step))
 
-    def apply(self, keys: list[str], pool: ThreadPoolExecutor) -> None:
-        """Put existing objects under retention (in parallel)."""
-        params = self.object_params()
-        if not params:
-            return
-        retention = {"Mode": "GOVERNANCE", "RetainUntilDate": params["ObjectLockRetainUntilDate"]}
+    def until(self) -> datetime:
+        assert self.days is not None
+        return datetime.now(timezone.utc) + timedelta(days=self.days)
+
+    def object_params(self, step: int) -> dict[str, Any]:
+        """PUT parameters that lock a new object of a generation of ``step``, or none."""
+        if not self.locks(step):
+            return {}
+        return {"ObjectLockMode": "GOVERNANCE", "ObjectLockRetainUntilDate": self.until()}
+
+    def apply(self, keys: list[str], pool: ThreadPoolExecutor, step: int) -> None:
+        """Put existing objects of a generation of ``step`` under retention (in parallel)."""
+        if self.locks(step):
+            self._lock(keys, pool, self.until(), extend_only=False)
+
+    def lock_now(self, keys: list[str], pool: ThreadPoolExecutor) -> datetime | None:
+        """Put published objects under retention for ``object_lock_days`` from now
+        (a pin), never shortening a longer one; the date, or None without days."""
+        if self.days is None:
+            return None
+        self.check_bucket()
+        until = self.until()
+        self._lock(keys, pool, until, extend_only=True)
+        return until
+
+    def _lock(
+        self, keys: list[str], pool: ThreadPoolExecutor, until: datetime, extend_only: bool
+    ) -> None:
+        retention = {"Mode": "GOVERNANCE", "RetainUntilDate": until}
 
         def lock(key: str) -> None:
+            if extend_only:
+                current = self.client.call("head_object", key).get("ObjectLockRetainUntilDate")
+                if isinstance(current, datetime) and current >= until:
+                    return  # already held longer: GOVERNANCE forbids shortening it
             self.client.call("put_object_retention", key, Retention=retention)
 
         for _done in pool.map(lock, keys):
@@ -237,8 +269,8 @@ class ConditionalManifestPut:
         store.writer_lease.check_held()  # before writing anything more
         store.require_conditional_writes()
         store.retention.check_bucket()
-        store.retention.apply(area.written_keys(), store.read_pool)
-        lock = store.retention.object_params()
+        store.retention.apply(area.written_keys(), store.read_pool, step)
+        lock = store.retention.object_params(step)
         if signature is not None:
             sig_key = store.layout.generation_key(name, SIGNATURE_NAME)
             store.client.put_new(sig_key, signature, accept_identical=True, **lock)

@@ -97,6 +97,8 @@ class TrustContext:
     def check_outside(self, store: Store) -> None:
         """Refuse key store, ledger or audit log inside ``store``."""
         location = getattr(self.keystore, "location", None)
+        if location and "://" in location:  # a key service (kms://...), not a local path
+            location = None
         places: list[tuple[str, Path | None, str]] = [
             (
                 "key store",

@@ -5,20 +5,31 @@ manifest only wrapped (encrypted) by the run's KEK. Destroying the KEK therefore
 makes every generation and every copy of the run unreadable at once: crypto-erase.
 
 The :class:`KeyStore` protocol wraps and unwraps data keys rather than handing out
-the KEK, so a cloud KMS (whose keys never leave it) can implement it later.
-:class:`LocalKeyStore` keeps each KEK as a 0600 file in a directory that must live
-outside the checkpoint store, and leaves a tombstone when a key is destroyed.
+the KEK, so a cloud KMS (whose keys never leave it) implements it too
+(:mod:`ckptvault.trust.kms_keystore`, ``kms://`` URLs). :class:`LocalKeyStore` keeps
+each KEK as a 0600 file in a directory that must live outside the checkpoint store,
+and leaves a tombstone when a key is destroyed.
+
+A :class:`RotatingKeyStore` can also give a run a new KEK without touching a tensor
+file (``ckptvault.ops.rotate``): :meth:`~RotatingKeyStore.begin_rotation` makes the
+new KEK current and keeps the old one *retired* (still able to unwrap, never to
+wrap), :meth:`~RotatingKeyStore.rewrap` moves one wrapped key from the retired KEK
+to the current one under the same context, and
+:meth:`~RotatingKeyStore.finish_rotation` destroys the retired KEK once nothing
+needs it. ``begin_rotation`` resumes an unfinished rotation instead of starting a
+second one, so a run has at most one retired KEK at a time.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from blake3 import blake3
 from cryptography.exceptions import InvalidTag
@@ -38,14 +49,32 @@ class KeyInfo:
     kek_id: str
     created_at: str
     destroyed_at: str | None = None
+    # When the key material itself goes, where that is later than destroyed_at (a
+    # KMS deletes a key only after its pending window); None otherwise.
+    deleted_after: str | None = None
 
     def to_json(self) -> dict[str, str | None]:
-        return {
+        document = {
             "run_id": self.run_id,
             "kek_id": self.kek_id,
             "created_at": self.created_at,
             "destroyed_at": self.destroyed_at,
         }
+        if self.deleted_after is not None:
+            document["deleted_after"] = self.deleted_after
+        return document
+
+
+@dataclass(frozen=True)
+class RotationKeys:
+    """Where a run's key rotation stands: the KEK that wraps from now on, the retired
+    KEK(s) whose wrapped keys still have to move, and whether an unfinished rotation
+    was found and resumed rather than a new one started."""
+
+    run_id: str
+    new_kek_id: str
+    retired_kek_ids: tuple[str, ...]
+    resumed: bool = False
 
 
 class KeyStore(Protocol):
@@ -69,6 +98,24 @@ class KeyStore(Protocol):
     def list_keys(self) -> list[KeyInfo]: ...
 
 
+@runtime_checkable
+class RotatingKeyStore(KeyStore, Protocol):
+    """A key store that can give a run a new KEK (see the module docstring)."""
+
+    def begin_rotation(self, run_id: str) -> RotationKeys:
+        """Make a new KEK current and retire the old one; or, when a rotation of the
+        run is unfinished, return it unchanged (``resumed=True``). UsageError when
+        the run has no key; KeyDestroyedError after destroy."""
+
+    def rewrap(self, run_id: str, kek_id: str, wrapped: bytes, context: bytes) -> tuple[str, bytes]:
+        """``wrapped`` (under ``kek_id``, with ``context``) wrapped by the current KEK
+        under the same context: ``(current KEK id, wrapped key)``. Raises as unwrap."""
+
+    def finish_rotation(self, run_id: str) -> list[str]:
+        """Destroy the retired KEK(s); returns their ids (none when no rotation was
+        unfinished). Everything still wrapped by them becomes unreadable."""
+
+
 class LocalKeyStore:
     """KEKs as 0600 files in a directory (created 0700), one per run id."""
 
@@ -87,6 +134,10 @@ class LocalKeyStore:
 
     def _tombstone_path(self, run_id: str) -> Path:
         return self._stem(run_id).with_suffix(".tombstone")
+
+    def _retired_path(self, run_id: str) -> Path:
+        """The KEK a rotation retired, kept (it still unwraps) until it finishes."""
+        return self._stem(run_id).with_suffix(".retired")
 
     # -- reading ----------------------------------------------------------------------
 
@@ -128,8 +179,8 @@ class LocalKeyStore:
             "no new generation can be saved under this run id. Start a new run id."
         )
 
-    def _read_key(self, run_id: str) -> tuple[str, bytes] | None:
-        path = self._key_path(run_id)
+    def _read_key(self, run_id: str, path: Path | None = None) -> tuple[str, bytes] | None:
+        path = path or self._key_path(run_id)
         if not path.exists():
             return None
         self._check_private(self.directory, 0o022)
@@ -190,6 +241,8 @@ class LocalKeyStore:
         if self.is_destroyed(run_id):
             raise self._destroyed_error(run_id)
         found = self._read_key(run_id)
+        if found is None or found[0] != kek_id:  # a rotation may have retired it
+            found = self._read_key(run_id, self._retired_path(run_id))
         if found is None or found[0] != kek_id:
             raise KeyUnavailableError(
                 f"key store {self.location} has no key {kek_id} for run {run_id!r}; restore "
@@ -228,16 +281,79 @@ class LocalKeyStore:
             write_atomically(
                 self._tombstone_path(run_id), json.dumps(info.to_json()).encode(), mode=0o600
             )
-        key_path = self._key_path(run_id)
-        if key_path.exists():
-            size = key_path.stat().st_size
-            with open(key_path, "r+b") as handle:  # best effort on flash: overwrite, then unlink
-                handle.write(b"\0" * size)
-                handle.flush()
-                os.fsync(handle.fileno())
-            key_path.unlink()
-            fsync_directory(self.directory)
+        for path in (self._key_path(run_id), self._retired_path(run_id)):
+            self._wipe(path)
         return info
+
+    def _wipe(self, path: Path) -> None:
+        """Overwrite a key file, then unlink it (best effort on flash); missing is fine."""
+        if not path.exists():
+            return
+        size = path.stat().st_size
+        with open(path, "r+b") as handle:
+            handle.write(b"\0" * size)
+            handle.flush()
+            os.fsync(handle.fileno())
+        path.unlink()
+        fsync_directory(self.directory)
+
+    # -- rotation (RotatingKeyStore) -------------------------------------------------
+
+    def begin_rotation(self, run_id: str) -> RotationKeys:
+        """The old KEK file is copied to ``<run>.retired`` (durably, first), then a new
+        KEK replaces ``<run>.kek`` atomically. A crash between the two leaves the
+        retired copy equal to the current key, and the next call makes the new key."""
+        if self.is_destroyed(run_id):
+            raise self._destroyed_error(run_id)
+        current = self._read_key(run_id)
+        if current is None:
+            raise UsageError(
+                f"key store {self.location} holds no key for run {run_id!r}; nothing to rotate"
+            )
+        retired_path = self._retired_path(run_id)
+        retired = self._read_key(run_id, retired_path)
+        resumed = retired is not None and retired[0] != current[0]
+        if retired is None:
+            document = json.loads(self._key_path(run_id).read_text())
+            document["retired_at"] = _now()
+            with contextlib.suppress(FileExistsError):  # a concurrent rotation was first
+                write_atomically(
+                    retired_path, json.dumps(document).encode(), mode=0o600, replace=False
+                )
+            retired = self._read_key(run_id, retired_path)
+            assert retired is not None
+        if retired[0] == current[0]:
+            kek_id = "kek-" + secrets.token_hex(8)
+            document = {
+                "run_id": run_id,
+                "kek_id": kek_id,
+                "key": base64.b64encode(AESGCM.generate_key(bit_length=256)).decode("ascii"),
+                "created_at": _now(),
+            }
+            write_atomically(self._key_path(run_id), json.dumps(document).encode(), mode=0o600)
+            current = self._read_key(run_id)
+            assert current is not None
+        return RotationKeys(run_id, current[0], (retired[0],), resumed)
+
+    def rewrap(self, run_id: str, kek_id: str, wrapped: bytes, context: bytes) -> tuple[str, bytes]:
+        return self.wrap(run_id, self.unwrap(run_id, kek_id, wrapped, context), context)
+
+    def finish_rotation(self, run_id: str) -> list[str]:
+        retired_path = self._retired_path(run_id)
+        try:
+            retired = self._read_key(run_id, retired_path)
+        except KeyUnavailableError:
+            retired = None  # damaged: destroy it all the same
+        if retired is None and not retired_path.exists():
+            return []
+        current = self._read_key(run_id)
+        if retired is not None and current is not None and current[0] == retired[0]:
+            raise UsageError(
+                f"the rotation of run {run_id!r} in {self.location} has not made its new key "
+                "yet; run begin_rotation first"
+            )
+        self._wipe(retired_path)
+        return [retired[0] if retired is not None else "unknown"]
 
     def list_keys(self) -> list[KeyInfo]:
         if not self.directory.is_dir():
@@ -258,6 +374,12 @@ class LocalKeyStore:
 
 
 def open_keystore(source: str | os.PathLike[str] | KeyStore) -> KeyStore:
+    """A key store from a directory (:class:`LocalKeyStore`), a ``kms://`` URL (see
+    :meth:`ckptvault.trust.kms_keystore.KmsKeyStore.from_url`) or a key store object."""
+    if isinstance(source, str) and source.startswith("kms://"):
+        from ckptvault.trust.kms_keystore import KmsKeyStore  # boto3 only when asked for
+
+        return KmsKeyStore.from_url(source)
     if isinstance(source, (str, os.PathLike)):
         return LocalKeyStore(source)
     return source

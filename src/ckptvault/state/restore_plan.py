@@ -1,0 +1,83 @@
+"""The restore plan: what applying a checkpoint will do, found before anything runs.
+
+:func:`ckptvault.state.apply.plan_restore` fills a :class:`RestorePlan` with
+:class:`Action` s and with every missing, unexpected and mismatched entry; the
+caller decides whether an unclean plan is an error (:meth:`RestorePlan.mismatch_error`)
+and then runs it (:meth:`RestorePlan.apply`) in the order :mod:`ckptvault.state.apply`
+documents.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ckptvault.errors import StateMismatchError
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of applying a plan; ``where`` names the entry it changes."""
+
+    where: str
+    run: Callable[[], None]
+
+    def __call__(self) -> None:
+        self.run()
+
+
+@dataclass
+class RestorePlan:
+    # Run in this order by apply(): loads and tensor copies, then the contents of
+    # plain containers, then the RNG-like states.
+    actions: list[Callable[[], None]] = field(default_factory=list)
+    replacements: list[Callable[[], None]] = field(default_factory=list)
+    rng_actions: list[Callable[[], None]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return not (self.missing or self.unexpected or self.mismatched)
+
+    def apply(self, where: str = "the checkpoint") -> None:
+        """Run every action, in the order :mod:`ckptvault.state.apply` gives. Planning checked
+        everything it can; whatever still fails here is re-raised as a typed error
+        naming the entry (the objects' own code may refuse a value)."""
+        for action in (*self.actions, *self.replacements, *self.rng_actions):
+            try:
+                action()
+            except Exception as exc:
+                entry = action.where if isinstance(action, Action) else "an entry"
+                message = " ".join(str(exc).split())[:500]
+                failure = StateMismatchError(
+                    f"restoring {where} failed while loading {entry} into the live objects "
+                    f"({type(exc).__name__}: {message}); state may be partially restored. "
+                    "Rebuild the objects and restore again, or restore with the layout the "
+                    "run was saved with.",
+                    mismatched=[entry],
+                )
+                raise failure from exc
+
+    def mismatch_error(self, where: str) -> StateMismatchError:
+        parts = []
+        for label, items in (
+            ("missing from the checkpoint", self.missing),
+            ("in the checkpoint but not in state", self.unexpected),
+            ("mismatched", self.mismatched),
+        ):
+            if items:
+                shown = ", ".join(items[:20]) + (
+                    f", ... ({len(items)} in all)" if len(items) > 20 else ""
+                )
+                parts.append(f"{label}: {shown}")
+        return StateMismatchError(
+            f"{where} does not match the objects being restored into; "
+            + "; ".join(parts)
+            + ". Build the same model/optimizer layout as the saved run, or pass "
+            "strict=False to load what matches.",
+            missing=self.missing,
+            unexpected=self.unexpected,
+            mismatched=self.mismatched,
+        )

@@ -1,0 +1,116 @@
+"""Writing and publishing a generation on a POSIX filesystem.
+
+A :class:`PosixStagingArea` is ``.staging/<generation id>/``, held open by
+descriptor while its files are written. :class:`AtomicRename` is the POSIX
+publish rule: the manifest (and signature) are written and fsync'd last, then the
+staging directory, then it is renamed to its final name (same filesystem, so the
+rename is atomic) and the store directory is fsync'd. A crash at any point leaves
+either the old set of generations or the old set plus the complete new one.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from ckptvault.errors import UsageError
+from ckptvault.format.layout import (
+    MANIFEST_NAME,
+    SIGNATURE_NAME,
+    STAGING_DIR,
+    generation_dirname,
+    parse_generation_dirname,
+)
+from ckptvault.storage.base import GenerationRef
+from ckptvault.storage.posix_files import (
+    PosixWritableFile,
+    open_dir,
+    opened,
+    remove_tree,
+    translate_os_error,
+)
+
+if TYPE_CHECKING:
+    from ckptvault.storage.posix import PosixStore
+
+
+class PosixStagingArea:
+    """``.staging/<generation id>/``, held open by descriptor while it is written."""
+
+    def __init__(self, store: PosixStore, generation_id: str) -> None:
+        self.store = store
+        self.generation_id = generation_id
+        self.location = os.path.join(store.location, STAGING_DIR, generation_id)
+        self.staging_fd = store.open_staging_dir()
+        try:
+            os.mkdir(generation_id, 0o755, dir_fd=self.staging_fd)
+            self.fd = open_dir(generation_id, self.staging_fd, self.location)
+        except BaseException:
+            os.close(self.staging_fd)
+            raise
+        self._open = True
+
+    def create_file(self, name: str) -> PosixWritableFile:
+        self._check_open()
+        return PosixWritableFile(self.fd, name, os.path.join(self.location, name))
+
+    def publish(self, step: int, manifest: bytes, signature: bytes | None = None) -> GenerationRef:
+        self._check_open()
+        ref = self.store.publish_rule.publish(self, step, manifest, signature)
+        self._close()  # on failure the caller aborts, which removes what was written
+        return ref
+
+    def abort(self) -> None:
+        if self._open:
+            try:
+                # Best effort: what stays is removed as a leftover by the next save.
+                remove_tree(self.staging_fd, self.generation_id)
+            finally:
+                self._close()
+
+    def _check_open(self) -> None:
+        # Its descriptors are closed (their numbers may already name another store's
+        # directories): a finished area must never write anywhere.
+        if not self._open:
+            raise UsageError(f"staging area {self.location} was already published or aborted")
+
+    def _close(self) -> None:
+        if self._open:
+            self._open = False
+            fd, staging_fd, self.fd, self.staging_fd = self.fd, self.staging_fd, -1, -1
+            os.close(fd)
+            os.close(staging_fd)
+
+
+class AtomicRename:
+    """The POSIX publish rule: manifest last, fsync, rename into place, fsync the parent."""
+
+    def publish(
+        self, area: PosixStagingArea, step: int, manifest: bytes, signature: bytes | None
+    ) -> GenerationRef:
+        final = generation_dirname(step, area.generation_id)
+        where = os.path.join(area.store.location, final)
+        try:
+            for file_name, data in ((MANIFEST_NAME, manifest), (SIGNATURE_NAME, signature)):
+                if data is not None:
+                    _write_new_file(area, file_name, data)
+            os.fsync(area.fd)
+            with opened(area.store.open_root()) as root_fd:
+                os.rename(area.generation_id, final, src_dir_fd=area.staging_fd, dst_dir_fd=root_fd)
+                os.fsync(root_fd)
+            os.fsync(area.staging_fd)
+        except OSError as exc:
+            raise translate_os_error(exc, f"publishing {where}") from exc
+        name = parse_generation_dirname(final)
+        assert name is not None  # generation_dirname always parses
+        return GenerationRef(name=name, location=where)
+
+
+def _write_new_file(area: PosixStagingArea, name: str, data: bytes) -> None:
+    small_file = area.create_file(name)
+    try:
+        small_file.write(data)
+    except BaseException:
+        small_file.abort()
+        raise
+    small_file.commit()
