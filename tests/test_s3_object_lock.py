@@ -14,6 +14,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import pytest
 import torch
 
 import ckptvault as cv
@@ -196,3 +197,25 @@ def test_versions_that_may_not_be_deleted_are_reported_as_retained_copies(s3_end
     assert [copy["step"] for copy in report["retained_copies"]] == [2]
     assert versions_of(s3_endpoint, bucket, ids[1]) == []
     assert list(store.list_records(DELETION_MARK)) == [names[1]]
+
+
+def test_object_lock_days_reaches_an_s3_replica_of_a_local_store(s3_endpoint: str, tmp_path):
+    bucket = new_bucket(s3_endpoint, object_lock=True)
+    url = f"s3://{bucket}/run42"
+    with cv.CheckpointManager(
+        tmp_path / "local",
+        run_id="run42",
+        replicate_to=url,
+        s3_endpoint_url=s3_endpoint,
+        object_lock_days=1,
+    ) as mgr:
+        info = mgr.save(7, {"w": torch.ones(64)}).result()
+    store = s3_store(url)
+    until = lock_of(store, manifest_key(store, 7))  # no policy: every generation locked
+    assert until is not None and until.timestamp() > time.time() + 3600
+    assert lock_of(store, store.layout.data_key(info.generation_id, TENSOR_FILE)) is not None
+
+
+def test_s3_options_without_an_s3_tier_are_refused(tmp_path):
+    with pytest.raises(cv.errors.UsageError, match="s3://"):
+        cv.CheckpointManager(tmp_path / "local", run_id="r", object_lock_days=1)

@@ -82,7 +82,11 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
     unknown = sorted(set(options) - set(ManagerOptions.__annotations__))
     if unknown:
         raise UsageError(f"CheckpointManager got unknown options: {', '.join(unknown)}")
-    store = open_store(directory, s3=_s3_options(options))
+    s3 = _s3_options(options)  # for every s3:// tier: the store and its replica
+    replicate_to = options.get("replicate_to")
+    if s3 is not None and not any(_is_s3(tier) for tier in (directory, replicate_to)):
+        raise UsageError("S3 options (endpoint, part size, ...) apply to s3:// stores only")
+    store = open_store(directory, s3=s3 if _is_s3(directory) else None)
     trust_options: dict[str, Any] = {name: options.get(name) for name in TRUST_OPTIONS}
     config = _config(options, store.location, trust_options)
     encode_contract_fields(config.contract or {})  # fail now, not at the first save
@@ -90,7 +94,9 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
     trust.check_outside(store)
     coordinator = options.get("coordinator") or SingleProcess()
     events = EventBus(trust.subscribers())
-    replicator = Replicator.attach(store, options.get("replicate_to"), events, trust, config.run_id)
+    replicator = Replicator.attach(
+        store, replicate_to, events, trust, config.run_id, s3 if _is_s3(replicate_to) else None
+    )
     run = RunContext(store, config.run_id, trust, coordinator, events)
     tiers = [replicator.target] if replicator else []
     retention = attach_retention(  # None without a local policy
@@ -122,6 +128,10 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
         scheduler,
         restorer,
     )
+
+
+def _is_s3(location: StoreLocation | None) -> bool:
+    return location is not None and os.fspath(location).startswith("s3://")
 
 
 def _s3_options(options: ManagerOptions) -> S3Options | None:

@@ -24,7 +24,7 @@ from ckptvault.errors import CheckpointError, FormatError, IntegrityError, Usage
 from ckptvault.events import Event, EventBus, Published, Replicated
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, GenerationName, utc_now
 from ckptvault.lifecycle.marks import read_marks
-from ckptvault.storage import StoreLocation, open_store
+from ckptvault.storage import S3Options, StoreLocation, open_store
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import MAX_SIGNATURE_BYTES, TrustPolicy, check_structure
 from ckptvault.trust.context import TrustContext
@@ -160,11 +160,13 @@ class Replicator:
         events: EventBus,
         trust: TrustContext,
         run_id: str,
+        s3: S3Options | None = None,
     ) -> Replicator | None:
-        """A replicator to ``target`` subscribed to ``events``, or None without a target."""
+        """A replicator to ``target`` subscribed to ``events``, or None without a target.
+        ``s3`` (endpoint, part size, Object Lock days) applies to an ``s3://`` target."""
         if target is None:
             return None
-        remote = open_store(target)
+        remote = open_store(target, s3=s3)
         if remote.location == source.location:
             raise UsageError(f"replicate_to names the store itself ({remote.location})")
         trust.check_outside(remote)  # keys, ledger and audit log stay out of every tier
