@@ -206,3 +206,32 @@ def test_generations_deleted_by_retention_are_not_missing(tmp_path: Path, signin
     with cv.CheckpointManager(store, run_id="r", **signing) as mgr:
         info = mgr.restore({"w": torch.zeros(4)})
     assert info.step == 40 and info.skipped == []
+
+
+def test_a_planted_deletion_mark_cannot_roll_the_run_back(store: Path, signing: dict):
+    with cv.CheckpointManager(store, run_id="r", max_fallback=0, **signing) as mgr:
+        for step in (10, 20, 30):
+            mgr.save(step, {"w": torch.full((4,), float(step))})
+    marks = store / ".records" / "deleted"
+    marks.mkdir(parents=True)
+    for generation in store.glob("step-0000000000[23]0.*"):  # the attack: "retention did it"
+        document = {"marked_at": "2000-01-01T00:00:00.000000Z", "reason": "keep_last"}
+        (marks / f"{generation.name}.json").write_bytes(dumps_canonical(document))
+    restored = {"w": torch.zeros(4)}
+    with cv.CheckpointManager(store, run_id="r", max_fallback=0, **signing) as mgr:
+        info = mgr.restore(restored)
+    assert info.step == 30 and info.skipped == []  # the ledger made no such marks
+    assert torch.equal(restored["w"], torch.full((4,), 30.0))
+
+
+def test_a_generation_gone_locally_is_restored_from_the_remote_tier(tmp_path: Path, signing: dict):
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with cv.CheckpointManager(local, run_id="r", replicate_to=remote, **signing) as mgr:
+        for step in (20, 30):
+            mgr.save(step, {"w": torch.full((4,), float(step))})
+    shutil.rmtree(next(local.glob("step-000000000030.*")))
+    restored = {"w": torch.zeros(4)}
+    with cv.CheckpointManager(local, run_id="r", replicate_to=remote, **signing) as mgr:
+        info = mgr.restore(restored)
+    # Missing locally, intact remotely: not "generation-missing", and not step 20.
+    assert info.step == 30 and info.path.startswith(str(remote)) and info.skipped == []

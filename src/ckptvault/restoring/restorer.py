@@ -18,6 +18,7 @@ from typing import Any
 
 from ckptvault.errors import AuditError, CheckpointError, NoValidCheckpoint
 from ckptvault.events import Refused, Restored, RollbackApplied
+from ckptvault.format.layout import GenerationName
 from ckptvault.io.load import LoadedGeneration, load_verified
 from ckptvault.lifecycle.leases import reading_lease
 from ckptvault.restoring.selector import CandidateSelector, Selection, SkippedGeneration
@@ -226,9 +227,21 @@ def _merge_tiers(
     tiers: list[tuple[Store, Selection]],
 ) -> tuple[Selection, dict[str, Store]]:
     """One selection over several tiers: newest generation first and, for the same
-    generation, the tiers in their order (local first)."""
+    generation, the tiers in their order (local first). A generation the ledger saw
+    published is missing only when no tier lists it: then one placeholder stands for
+    it (a refusal counted once), otherwise the tiers' real copies do."""
+    listed_names = {ref.name for _store, sel in tiers for ref in sel.listed}
+    placeholders: dict[GenerationName, GenerationRef] = {}
+    for _store, sel in tiers:
+        for ref in sel.missing:
+            if ref.name not in listed_names:
+                placeholders.setdefault(ref.name, ref)
+    missing = frozenset(placeholders.values())
     ordered = [
-        (ref, rank, store) for rank, (store, sel) in enumerate(tiers) for ref in sel.candidates
+        (ref, rank, store)
+        for rank, (store, sel) in enumerate(tiers)
+        for ref in sel.candidates
+        if ref not in sel.missing or ref in missing
     ]
     ordered.sort(key=lambda item: item[1])  # stable: tier order within a generation
     ordered.sort(key=lambda item: item[0].name, reverse=True)
@@ -238,5 +251,6 @@ def _merge_tiers(
         candidates=[ref for ref, _rank, _store in ordered],
         listed=list({ref.generation_id: ref for _s, sel in tiers for ref in sel.listed}.values()),
         skipped=[],
+        missing=missing,
     )
     return merged, {ref.location: store for ref, _rank, store in ordered}

@@ -20,7 +20,6 @@ from typing import NamedTuple, TypeVar
 
 from ckptvault.config import validate_step
 from ckptvault.errors import CheckpointError, NoValidCheckpoint, RollbackError, UsageError
-from ckptvault.format.layout import GenerationName
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.storage.records import DELETION_MARK
 from ckptvault.trust.checks import TrustPolicy
@@ -50,7 +49,7 @@ class Selection:
     rewinds_run: bool = True  # a restore (it can roll back on purpose); export does not
     # Published generations (per the ledger) that are no longer listed: candidates that
     # always fail, so that hiding the newest generations is a loud, bounded fallback.
-    missing: frozenset[GenerationName] = frozenset()
+    missing: frozenset[GenerationRef] = frozenset()  # the placeholders among candidates
     skipped: list[SkippedGeneration] = field(default_factory=list)
 
 
@@ -117,7 +116,7 @@ class CandidateSelector:
                 f"store {self.store.location} has no generation of step {step}; "
                 f"steps present: {present}"
             )
-        missing = frozenset(ref.name for ref in vanished)
+        missing = frozenset(vanished)
         return Selection(
             candidates, listed, policy, previous, rollback_to, floor_applies, missing=missing
         )
@@ -148,6 +147,18 @@ class CandidateSelector:
         except (OSError, CheckpointError) as exc:  # marks only ever withhold: go on without
             logger.warning("cannot read the deletion marks of %s: %s", self.store.location, exc)
             return refs
+        recorded = self.trust.recorded_marks(self.run_id) if self.run_id is not None else None
+        if recorded is not None:
+            # With a ledger, only marks ckptvault itself made withhold a generation: a
+            # mark planted in the store must not roll the run back quietly.
+            planted = {ref.name.dirname for ref in refs if ref.name not in recorded} & marked
+            if planted:
+                logger.warning(
+                    "ignoring deletion marks the ledger has no record of in %s: %s",
+                    self.store.location,
+                    ", ".join(sorted(planted)),
+                )
+            marked -= planted
         kept = [ref for ref in refs if ref.name.dirname not in marked]
         if not kept:
             which = f"every generation of step {step}" if step is not None else "every generation"
@@ -197,7 +208,7 @@ class CandidateSelector:
             if max_fallback is not None and failed > max_fallback:
                 raise self._too_many_skipped(selection, ref, failed, max_fallback)
             try:
-                if ref.name in selection.missing:
+                if ref in selection.missing:
                     raise GenerationRejected(ref, [_missing_problem(ref, self.store)])
                 return ref, load(ref, selection.policy)
             except GenerationRejected as rejected:

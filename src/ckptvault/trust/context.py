@@ -134,6 +134,13 @@ class TrustContext:
             return []
         return [GenerationName(step, gid) for step, gid in self.ledger.published(run_id)]
 
+    def recorded_marks(self, run_id: str) -> set[GenerationName] | None:
+        """The deletion marks ckptvault made for the run, per the ledger; None without
+        a ledger (then the store's marks are all there is to go by)."""
+        if self.ledger is None:
+            return None
+        return {GenerationName(step, gid) for step, gid in self.ledger.marks(run_id)}
+
     def policy(self, run_id: str | None, floor: RestoreFloor | None) -> TrustPolicy:
         return TrustPolicy(run_id=run_id, trusted_keys=self.trusted, floor=floor)
 

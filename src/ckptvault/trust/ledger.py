@@ -58,6 +58,13 @@ CREATE TABLE IF NOT EXISTS published (
     published_at TEXT NOT NULL,
     PRIMARY KEY (run_id, generation_id)
 );
+CREATE TABLE IF NOT EXISTS marked (
+    run_id TEXT NOT NULL,
+    generation_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    marked_at TEXT NOT NULL,
+    PRIMARY KEY (run_id, generation_id)
+);
 CREATE TABLE IF NOT EXISTS audit_heads (
     log_path TEXT PRIMARY KEY,
     entries INTEGER NOT NULL,
@@ -276,6 +283,29 @@ class Ledger:
                 (run_id,),
             ).fetchall()
         return [(int(step), str(generation_id)) for step, generation_id in rows]
+
+    def record_mark(self, run_id: str, step: int, generation_id: str) -> None:
+        """Retention marked this generation for deletion (this ledger's own record,
+        so that a mark planted in the store is told apart from one ckptvault made)."""
+        with self._connect() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO marked VALUES (?, ?, ?, ?)",
+                (run_id, generation_id, step, _now()),
+            )
+
+    def forget_mark(self, run_id: str, generation_id: str) -> None:
+        with self._connect() as db:
+            db.execute(
+                "DELETE FROM marked WHERE run_id = ? AND generation_id = ?", (run_id, generation_id)
+            )
+
+    def marks(self, run_id: str) -> set[tuple[int, str]]:
+        """``(step, generation id)`` of every mark ckptvault recorded for the run."""
+        with self._connect() as db:
+            rows = db.execute(
+                "SELECT step, generation_id FROM marked WHERE run_id = ?", (run_id,)
+            ).fetchall()
+        return {(int(step), str(generation_id)) for step, generation_id in rows}
 
     def abandoned(self, run_id: str) -> list[tuple[str, int]]:
         with self._connect() as db:

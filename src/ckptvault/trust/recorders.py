@@ -24,8 +24,15 @@ class FloorKeeper:
         if isinstance(event, Published):
             self.ledger.record_published(event.run_id, event.step, event.generation_id)
             return
+        if isinstance(event, Marked) and event.run_id is not None:
+            self.ledger.record_mark(event.run_id, event.step, event.generation_id)
+            return
+        if isinstance(event, Unmarked) and event.run_id is not None:
+            self.ledger.forget_mark(event.run_id, event.generation_id)
+            return
         if isinstance(event, Deleted) and event.run_id is not None:
             self.ledger.forget_published(event.run_id, event.generation_id)
+            self.ledger.forget_mark(event.run_id, event.generation_id)
             return
         if not isinstance(event, Restored):
             return
