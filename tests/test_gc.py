@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -423,19 +424,27 @@ def test_marks_and_deletions_reach_every_tier_and_an_unfinished_deletion_is_fini
     for tier in (local, remote):
         assert steps(tier) == [4, 3] and steps(tier, "--all") == [4, 3, 2, 1]
 
-    # Step 1 vanished from the first tier only (a deletion cut short): the next pass
-    # finishes it in the other tier and removes the marks; step 2 waits for its delay.
+    # Step 1 vanished from the first tier only (a deletion cut short). Each tier's mark
+    # is finished in that tier alone, and only once its delay has passed, as if the
+    # deletion had never been interrupted: until then both stay marked.
     step_1 = tiers[0].list_generations()[-1]
     tiers[0].delete_generation(step_1)
     finishing = GarbageCollector(tiers, (), 3600, policy=TrustPolicy(run_id="run"))
     finishing.verify_newest()
-    plan = finishing.plan()
-    orphan = plan.decisions[-1]
-    assert (orphan.step, orphan.action, orphan.listed) == (1, "delete", False)
+    orphans = [d for d in finishing.plan().decisions if not d.listed]
+    assert [(d.step, d.action, d.only_in) for d in orphans] == [
+        (1, "marked", (tiers[1].location,)),
+        (1, "marked", (tiers[0].location,)),
+    ]
+    later = datetime.now(timezone.utc) + timedelta(seconds=3601)
+    plan = finishing.plan(now=later)
+    orphans = [d for d in plan.decisions if not d.listed]
+    assert [(d.step, d.action, d.only_in) for d in orphans] == [
+        (1, "delete", (tiers[1].location,)),
+        (1, "delete", (tiers[0].location,)),
+    ]
     applied = finishing.apply(plan)
-    assert [d.step for d in applied.deleted] == [1]
+    assert sorted(d.step for d in applied.deleted) == [1, 1, 2]
     for tier in (local, remote):
-        assert steps(tier, "--all") == [4, 3, 2]
-        assert list(open_store(tier).list_records(DELETION_MARK)) == [
-            tiers[0].list_generations()[-1].name.dirname
-        ]
+        assert steps(tier, "--all") == [4, 3]
+        assert list(open_store(tier).list_records(DELETION_MARK)) == []

@@ -18,6 +18,7 @@ from blake3 import blake3
 
 import ckptvault as cv
 from ckptvault.errors import KeyDestroyedError, KeyUnavailableError, StoreLockedError, UsageError
+from ckptvault.format.canonical import dumps_canonical
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME
 from ckptvault.ops.rotate import (
     ALREADY_ROTATED,
@@ -237,6 +238,53 @@ def test_a_generation_that_fails_verification_keeps_the_old_key(store, keystore)
     # Abandoning it is an explicit choice: the retired key is destroyed anyway.
     done = rotate_run_key(store, "r", keystore, abandon_unverified=True)
     assert done.finished and done.count(FAILED) == 1 and not list(keystore.glob("*.retired"))
+
+
+def _edited(manifest: bytes, how: str) -> bytes:
+    """``manifest`` as someone who can write the store might leave it: it no longer
+    parses, names another run or key, claims to be plaintext, or claims the new key."""
+    if how == "truncated":
+        return manifest[:-5]
+    doc = json.loads(manifest)
+    doc.pop("manifest_blake3")
+    if how == "other-run":
+        doc["run_id"] = "other"
+    elif how == "plaintext":
+        doc["encryption"] = None
+    else:  # the key id it names: unknown, or (how == "new-key") the rotation's new one
+        doc["encryption"]["kek_id"] = how
+    doc["manifest_blake3"] = blake3(dumps_canonical(doc)).hexdigest()
+    return dumps_canonical(doc)
+
+
+@pytest.mark.parametrize("how", ["truncated", "other-run", "plaintext", "unknown-key", "new-key"])
+def test_an_edited_manifest_keeps_the_old_key_so_putting_it_back_loses_nothing(
+    store, keystore, how
+):
+    """Red-team finding A08: rotation decided from the unverified manifest, so a genuine
+    generation whose manifest someone edited for a while (another run id, broken bytes,
+    another key id) was skipped, the retired KEK destroyed, and once the original
+    manifest was put back the generation could never be read again. Whatever rotation
+    cannot confirm now fails and keeps the retired KEK."""
+    save_run(store, keystore)
+    victim = generations(store)[1] / MANIFEST_NAME
+    original = victim.read_bytes()
+    victim.chmod(0o644)
+    if how == "new-key":
+        # Claim the key this rotation will make: the id is only known once it began.
+        begun = rotate_run_key(store, "r", keystore, stop_after=0)
+        victim.write_bytes(_edited(original, begun.new_kek_id))
+    else:
+        victim.write_bytes(_edited(original, how))
+    report = rotate_run_key(store, "r", keystore)
+    assert not report.finished and report.count(FAILED) == 1 and report.count(ROTATED) == 2
+    (failure,) = [g for g in report.generations if g.outcome == FAILED]
+    assert (failure.step == 2 and "--abandon-unverified" in failure.detail) or how == "new-key"
+    assert list(keystore.glob("*.retired"))  # the run's old key is still there
+    victim.write_bytes(original)  # the damage undone: nothing was lost
+    done = rotate_run_key(store, "r", keystore)
+    assert done.finished and done.count(ROTATED) == 1 and done.count(ALREADY_ROTATED) == 2
+    assert_every_generation_restores(store, keystore)
 
 
 def test_replicas_are_rotated_together_and_stay_identical(store, keystore, tmp_path):

@@ -28,6 +28,7 @@ from ckptvault.lifecycle.plan import (
     UNMARK,
     GenerationFacts,
     Mark,
+    OrphanMark,
     RetentionPlan,
     plan_retention,
 )
@@ -442,12 +443,14 @@ def test_abandoned_generations_are_marked_and_not_counted_by_rules():
     assert reasons(p, 1) == (FALLBACK, "keep_last=2")
 
 
-def test_marks_of_generations_gone_from_the_store_are_finished():
+def test_marks_of_generations_gone_from_the_store_are_finished_in_their_own_tier():
     gone = GenerationName(7, new_generation_id(NOW - timedelta(days=3)))
-    p = plan([gen(8), gen(9)], orphan_marks={gone: Mark(NOW - timedelta(days=3), DROPPED)})
+    orphan_mark = OrphanMark(gone, Mark(NOW - timedelta(days=3), DROPPED), "/local")
+    p = plan([gen(8), gen(9)], orphan_marks=[orphan_mark])
     orphan = p.decisions[-1]
     assert (orphan.name, orphan.action, orphan.listed) == (gone, DELETE, False)
     assert orphan.reasons == (DROPPED, GONE) and orphan.was_marked
+    assert orphan.only_in == ("/local",)  # never another tier's copy
 
 
 def test_plan_json_names_every_decision():

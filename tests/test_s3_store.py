@@ -24,7 +24,7 @@ from ckptvault.storage.s3_options import S3Options, parse_s3_url
 from ckptvault.storage.s3_read import S3ObjectReader, head_object
 from ckptvault.storage.s3_upload import MAX_PARTS, part_size_for
 from s3_saboteurs import fresh_bucket_store
-from s3_server import s3_client
+from s3_server import new_bucket, s3_client
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -315,6 +315,63 @@ def test_cleanup_keeps_an_upload_that_is_making_progress(s3_endpoint: str):
     assert store.list_generations() == [ref] and uploads(store) == []
     assert all(ref.generation_id in key for key in keys(store, "data/"))
     assert store.read_bytes(ref, "r00000-000.safetensors", 8 * MiB)[-2:] == b"yy"
+    store.release_writer()
+
+
+def test_cleanup_at_a_bucket_root_leaves_other_applications_keys_under_data(
+    s3_endpoint: str,
+):
+    """Red-team finding A02: a store at a bucket's root shares ``data/`` with whatever
+    else uses the bucket. Cleanup touches only keys this store makes, exactly
+    ``data/<spread digit>/<generation id>/<safe name>``: another application's uploads
+    and objects there are never aborted or deleted, however old."""
+    bucket = new_bucket(s3_endpoint)
+    store = S3Store(f"s3://{bucket}")
+    assert store.layout.prefix == "" and store.layout.data_root == "data/"
+    raw = s3_client(s3_endpoint)
+    store.acquire_writer()
+    ref = publish(store, 1, {"w.bin": b"published"})
+    hours_ago = datetime.now(timezone.utc) - timedelta(hours=3)
+    lookalike = new_generation_id(hours_ago)  # a valid id, in keys ckptvault never makes
+    right = spread_digit(lookalike, 0)
+    wrong = next(d for d in "0123456789abcdef" if d != right)
+    foreign = [
+        "data/videos/big.mp4",
+        "data/0/other-app/file",
+        f"data/{right}/{lookalike}/nested/file",  # below a file name
+        f"data/{right}/{lookalike}/.hidden",  # not a safe name
+        f"data/{wrong}/{lookalike}/w.bin",  # not where this store puts w.bin
+        f"data/{right}/{ref.generation_id}/x/../w.bin",
+    ]
+    foreign_uploads = {}
+    for key in [*foreign, "logs/other.txt"]:
+        upload = raw.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        foreign_uploads[key] = upload
+        raw.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"x")
+        raw.put_object(Bucket=bucket, Key=key, Body=b"someone else's")
+    # This store's own leftovers, which cleanup is for: a dead attempt's object and
+    # upload, and an upload left behind by the published generation.
+    dead_id = new_generation_id(hours_ago - timedelta(seconds=1))
+    dead = store.begin_generation(dead_id)
+    leftover = dead.create_file("r00000-000.safetensors")
+    leftover.write(b"leftover")
+    leftover.commit()
+    for key in (
+        store.layout.data_key(dead_id, "r00001-000.safetensors"),
+        store.layout.data_key(ref.generation_id, "r00002-000.safetensors"),
+    ):
+        raw.create_multipart_upload(Bucket=bucket, Key=key)
+
+    removed = store.remove_stale_staging(older_than=0)
+
+    assert dead_id in removed and not set(removed) & set(foreign_uploads)
+    left = {(str(u["Key"]), str(u["UploadId"])) for u in uploads(store)}
+    assert left == set(foreign_uploads.items())  # ours aborted, everyone else's kept
+    for key in [*foreign, "logs/other.txt"]:
+        assert raw.get_object(Bucket=bucket, Key=key)["Body"].read() == b"someone else's"
+    assert not [key for key in keys(store, "data/") if dead_id in key]
+    assert store.list_generations() == [ref]
+    assert store.read_bytes(ref, "w.bin", 100) == b"published"
     store.release_writer()
 
 

@@ -82,9 +82,9 @@ def test_a_generation_is_never_deleted_locally_before_its_copy_exists(
     gate = threading.Event()
     real_copy = replication.copy_generation
 
-    def gated_copy(source, ref, target, policy=None):  # type: ignore[no-untyped-def]
+    def gated_copy(source, ref, target, policy=None, keystore=None):  # type: ignore[no-untyped-def]
         assert gate.wait(60), "the test never opened the gate"
-        return real_copy(source, ref, target, policy)
+        return real_copy(source, ref, target, policy, keystore)
 
     monkeypatch.setattr(replication, "copy_generation", gated_copy)
     keep_one = cv.Retention(keep_last=1, delete_delay=0)
@@ -112,11 +112,11 @@ def test_a_failed_copy_is_kept_locally_and_tried_again_after_the_next_save(
     real_copy = replication.copy_generation
     failures = []
 
-    def flaky_copy(source, ref, target, policy=None):  # type: ignore[no-untyped-def]
+    def flaky_copy(source, ref, target, policy=None, keystore=None):  # type: ignore[no-untyped-def]
         if ref.step == 1 and not failures:
             failures.append(ref.step)
             raise OSError(5, "the network went away")
-        return real_copy(source, ref, target, policy)
+        return real_copy(source, ref, target, policy, keystore)
 
     monkeypatch.setattr(replication, "copy_generation", flaky_copy)
     keep_one = cv.Retention(keep_last=1, delete_delay=0)

@@ -23,6 +23,7 @@ from rich.table import Table
 
 from ckptvault.cli._common import S3EndpointUrl, out, print_json, safe_markup
 from ckptvault.errors import UsageError
+from ckptvault.ops.rotation_report import FAILED, NOT_REACHED, RotationReport
 from ckptvault.storage import S3Options
 from ckptvault.trust.context import TrustContext
 from ckptvault.trust.keystore import open_keystore
@@ -93,40 +94,50 @@ def destroy(
         )
 
 
+# The options of `ckptvault keys rotate` whose declarations take more than a line, named
+# here so that the command's signature reads one option per line.
+_RotateStores = Annotated[
+    list[str],
+    typer.Option(
+        "--store",
+        help="A store holding generations of the run (repeatable: give every replica; a "
+        "copy left out becomes unreadable when the old key is destroyed).",
+    ),
+]
+_SigningKey = Annotated[
+    Path | None,
+    typer.Option(help="Re-sign the rewritten manifests (required for signed runs)."),
+]
+_TrustedKeys = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--trusted-key",
+        help="Also accept generations signed by this key before re-signing (repeatable).",
+    ),
+]
+_AbandonUnverified = Annotated[
+    bool,
+    typer.Option(
+        help="Destroy the old key even if some generations fail verification (they become "
+        "unreadable)."
+    ),
+]
+_AsJson = Annotated[bool, typer.Option("--json", help="Print a JSON report on stdout.")]
+
+
 @app.command("rotate")
 def rotate(
+    # One parameter per command-line option: the declarations are long, the body is steps.
     keystore: Annotated[str, typer.Option("--keystore", help=KEYSTORE_HELP)],
     run: Annotated[str, typer.Option("--run", help="The run whose key to rotate.")],
-    store: Annotated[
-        list[str],
-        typer.Option(
-            "--store",
-            help="A store holding generations of the run (repeatable: give every replica; a "
-            "copy left out becomes unreadable when the old key is destroyed).",
-        ),
-    ],
-    signing_key: Annotated[
-        Path | None,
-        typer.Option(help="Re-sign the rewritten manifests (required for signed runs)."),
-    ] = None,
-    trusted_key: Annotated[
-        list[Path] | None,
-        typer.Option(
-            "--trusted-key",
-            help="Also accept generations signed by this key before re-signing (repeatable).",
-        ),
-    ] = None,
-    abandon_unverified: Annotated[
-        bool,
-        typer.Option(
-            help="Destroy the old key even if some generations fail verification (they become "
-            "unreadable)."
-        ),
-    ] = False,
+    store: _RotateStores,
+    signing_key: _SigningKey = None,
+    trusted_key: _TrustedKeys = None,
+    abandon_unverified: _AbandonUnverified = False,
     stop_after: Annotated[int | None, typer.Option(hidden=True)] = None,
     audit_log: Annotated[Path | None, typer.Option(help="Audit log to record in.")] = None,
     ledger: Annotated[Path | None, typer.Option(help="Ledger holding the audit head.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON report on stdout.")] = False,
+    as_json: _AsJson = False,
     s3_endpoint_url: S3EndpointUrl = None,
 ) -> None:
     """Give a run a new key and re-wrap every generation; no tensor file is rewritten.
@@ -135,7 +146,7 @@ def rotate(
     command again. Exits 1 when some generation could not be re-wrapped (the old key
     is then kept, so that the run stays readable).
     """
-    from ckptvault.ops.rotate import FAILED, NOT_REACHED, rotate_run_key
+    from ckptvault.ops.rotate import rotate_run_key
 
     report = rotate_run_key(
         store,
@@ -152,25 +163,31 @@ def rotate(
     if as_json:
         print_json(report.to_json())
     else:
-        counts = report.counts()
-        out.print(
-            f"{'resumed' if report.resumed else 'started'} rotation of run "
-            f"{safe_markup(repr(run))} to key {safe_markup(report.new_kek_id)}: "
-            + ", ".join(f"{n} {name}" for name, n in counts.items() if n)
-        )
-        for outcome in report.generations:
-            if outcome.outcome in (FAILED, NOT_REACHED) or outcome.detail:
-                out.print(
-                    f"  step {outcome.step} ({safe_markup(outcome.generation_id)}) in "
-                    f"{safe_markup(outcome.store)}: {outcome.outcome} {safe_markup(outcome.detail)}"
-                )
-        if report.finished:
-            retired = ", ".join(report.destroyed_kek_ids) or "none"
-            out.print(f"finished: retired key(s) destroyed: {safe_markup(retired)}")
-        else:
-            out.print(
-                "not finished: the retired key is kept so that every generation stays readable; "
-                "fix or delete the generations listed, then run this command again"
-            )
+        _print_rotation(report, run)
     if not report.finished:
         raise typer.Exit(1)
+
+
+def _print_rotation(report: RotationReport, run: str) -> None:
+    """The rotation in words: counts, the generations worth a line, and whether the
+    retired key is gone or kept."""
+    counts = report.counts()
+    out.print(
+        f"{'resumed' if report.resumed else 'started'} rotation of run "
+        f"{safe_markup(repr(run))} to key {safe_markup(report.new_kek_id)}: "
+        + ", ".join(f"{n} {name}" for name, n in counts.items() if n)
+    )
+    for outcome in report.generations:
+        if outcome.outcome in (FAILED, NOT_REACHED) or outcome.detail:
+            out.print(
+                f"  step {outcome.step} ({safe_markup(outcome.generation_id)}) in "
+                f"{safe_markup(outcome.store)}: {outcome.outcome} {safe_markup(outcome.detail)}"
+            )
+    if report.finished:
+        retired = ", ".join(report.destroyed_kek_ids) or "none"
+        out.print(f"finished: retired key(s) destroyed: {safe_markup(retired)}")
+    else:
+        out.print(
+            "not finished: the retired key is kept so that every generation stays readable; "
+            "fix or delete the generations listed, then run this command again"
+        )

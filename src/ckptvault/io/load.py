@@ -66,9 +66,8 @@ def load_verified(
     """
     checked = check_structure(store, ref, policy)
     manifest = checked.manifest
-    if require_encryption:
-        _require_all_encrypted(ref, manifest)
-    _authenticate(ref, checked, keystore)  # before any key, tensor or state byte is used
+    # Before any key, tensor or state byte is used.
+    check_authenticity(checked, keystore, require_encryption)
     data_keys = _data_keys(ref, manifest, keystore)
     try:
         tree = _state_tree(store, ref, manifest, data_keys)
@@ -88,6 +87,21 @@ def load_verified(
     except FormatError as exc:
         raise GenerationRejected(ref, [Problem(MANIFEST_INVALID, str(exc))]) from exc
     return LoadedGeneration(ref, manifest, saved, checked.signer)
+
+
+def check_authenticity(
+    checked: CheckedGeneration, keystore: KeyStore | None, require_encryption: bool
+) -> None:
+    """What a generation must satisfy beyond its structure before any of it is used:
+    in an encrypted run (``require_encryption``) every file encrypted, and an encrypted
+    manifest's MAC made with its run's key. Restore, export and replication (a copy
+    into another tier) all apply exactly this rule.
+
+    Raises :class:`GenerationRejected` and :class:`KeyDestroyedError` after crypto-erase.
+    """
+    if require_encryption:
+        _require_all_encrypted(checked.ref, checked.manifest)
+    _authenticate(checked.ref, checked, keystore)
 
 
 def _require_all_encrypted(ref: GenerationRef, manifest: Manifest) -> None:

@@ -5,9 +5,10 @@ store in ``stores``. A deletion goes in this order: the mark exists in every sto
 (written now when the delay is 0); the leases in every store are read once more (a
 reader may have started since the plan was made); the generation is deleted from
 every store that lists it; only then are the marks removed. So an interrupted or
-partly failed deletion leaves a mark behind, and the next pass finishes it
-everywhere (a mark whose generation is gone from the first store is an "orphan" the
-planner finishes).
+partly failed deletion leaves a mark behind, and the next pass finishes it: a mark
+whose generation is gone from the first store is an "orphan", and the planner
+finishes each tier's orphan in that tier alone (``Decision.only_in``), so a mark
+planted in one tier never deletes another tier's copy.
 
 Each mark, unmark and deletion is told to the event subscribers (the audit log
 records ``mark``, ``unmark`` and ``delete`` entries). A failure on one generation is
@@ -25,7 +26,7 @@ from typing import Any
 from ckptvault.errors import AuditError, CheckpointError, UsageError
 from ckptvault.events import Deleted, Event, Marked, Unmarked
 from ckptvault.format.layout import GenerationName, format_timestamp
-from ckptvault.lifecycle.marks import parse_timestamp, put_mark, read_leases, remove_mark
+from ckptvault.lifecycle.marks import put_mark, read_leases, remove_mark, stale_leases
 from ckptvault.lifecycle.plan import DELETE, MARK, UNMARK, Decision, RetentionPlan
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.storage.records import LEASE
@@ -126,13 +127,22 @@ class PlanApplier:
         self._drop_expired_leases()
         return result
 
+    def _tiers(self, decision: Decision) -> list[Store]:
+        """The stores ``decision`` applies to: every one, or an orphan's own tier."""
+        if not decision.only_in:
+            return self.stores
+        return [store for store in self.stores if store.location in decision.only_in]
+
+    def _where(self, decision: Decision) -> str:
+        return decision.only_in[0] if decision.only_in else self.stores[0].location
+
     def _mark(self, decision: Decision, now: datetime) -> None:
         marked_at = decision.marked_at or now
-        put_mark(self.stores, decision.name, decision.reason, marked_at)
+        put_mark(self._tiers(decision), decision.name, decision.reason, marked_at)
         self.emit(
             Marked(
                 self.run_id,
-                self.stores[0].location,
+                self._where(decision),
                 decision.step,
                 decision.generation_id,
                 decision.reason,
@@ -141,11 +151,11 @@ class PlanApplier:
         )
 
     def _unmark(self, decision: Decision) -> None:
-        remove_mark(self.stores, decision.name)
+        remove_mark(self._tiers(decision), decision.name)
         self.emit(
             Unmarked(
                 self.run_id,
-                self.stores[0].location,
+                self._where(decision),
                 decision.step,
                 decision.generation_id,
                 f"kept again: {decision.reason}",
@@ -166,13 +176,16 @@ class PlanApplier:
         leased = [
             expiry
             for store in self.stores  # a reader may be reading any tier's copy
-            for expiry in read_leases(store).get(decision.name, [])
+            for expiry in read_leases(store, current, [decision.name]).get(decision.name, [])
             if expiry > current
         ]
         if leased:
             return f"a reader took a lease until {format_timestamp(max(leased))}", []
+        tiers = self._tiers(decision)
         retained: list[RetainedCopy] = []
         for index, store in enumerate(self.stores):
+            if store not in tiers:
+                continue
             if index not in listings:
                 listings[index] = {ref.name: ref for ref in store.list_generations()}
             ref = listings[index].get(decision.name)
@@ -184,7 +197,7 @@ class PlanApplier:
             elif ref is not None:
                 store.delete_generation(ref)
         if not retained:
-            remove_mark(self.stores, decision.name)
+            remove_mark(tiers, decision.name)
         else:
             logger.warning(
                 "generation %s (step %d) is deleted, but %d stored copies of its objects may "
@@ -205,7 +218,7 @@ class PlanApplier:
         self.emit(
             Deleted(
                 self.run_id,
-                self.stores[0].location,
+                self._where(decision),
                 decision.step,
                 decision.generation_id,
                 reason,
@@ -214,13 +227,12 @@ class PlanApplier:
         )
 
     def _drop_expired_leases(self) -> None:
-        """Leases of readers that died; they expired, so no planner honours them."""
+        """Leases of readers that died (they expired) and leases no reader took (too
+        long): no planner honours them."""
         now = datetime.now(timezone.utc)
         for store in self.stores:
             try:
-                for name, data in store.list_records(LEASE).items():
-                    expires = parse_timestamp(data.get("expires_at"))
-                    if expires is not None and expires < now:
-                        store.delete_record(LEASE, name)
+                for name in stale_leases(store, now):
+                    store.delete_record(LEASE, name)
             except (OSError, CheckpointError) as exc:
                 logger.warning("could not remove expired leases in %s: %s", store.location, exc)

@@ -8,6 +8,14 @@ verifies more (every byte, :func:`~ckptvault.trust.checks.verify_generation`) on
 when the plan is held back for want of a verified generation or fallback. A
 generation a store holds under Object Lock is kept (:mod:`~ckptvault.lifecycle.locks`).
 Applying is :class:`~ckptvault.lifecycle.apply.PlanApplier`, over every store.
+
+Everything is known by the generation's *name* (step and id), never by its id alone:
+a copy planted under another step with a genuine id is another generation, unknown
+until checked. The structure of every generation a rule keeps (each takes a rule's
+place) is checked once (:func:`~ckptvault.trust.checks.check_structure`, bounded);
+one that fails (its manifest names another generation or run, ...) is not counted
+by any rule and is left alone. Marks in any tier whose generation the first store no
+longer lists are finished in their own tier only (:class:`~ckptvault.lifecycle.plan.OrphanMark`).
 """
 
 from __future__ import annotations
@@ -15,17 +23,23 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timezone
 
+from ckptvault.errors import CheckpointError
 from ckptvault.events import Event
-from ckptvault.format.layout import generation_id_time
+from ckptvault.format.layout import GenerationName, generation_id_time
 from ckptvault.lifecycle.apply import AppliedPlan, PlanApplier
 from ckptvault.lifecycle.locks import keep_locked
-from ckptvault.lifecycle.marks import read_leases, read_marks, read_pins
-from ckptvault.lifecycle.metrics import read_metrics
-from ckptvault.lifecycle.plan import GenerationFacts, RetentionPlan, plan_retention
+from ckptvault.lifecycle.marks import read_leases, read_marks, read_orphan_marks, read_pins
+from ckptvault.lifecycle.plan import GenerationFacts, OrphanMark, RetentionPlan, plan_retention
 from ckptvault.lifecycle.retention import KeepBest, RetentionRule
 from ckptvault.storage.base import GenerationRef, Store
-from ckptvault.trust.checks import TrustPolicy, VerificationReport, verify_generation
+from ckptvault.trust.checks import (
+    TrustPolicy,
+    VerificationReport,
+    check_structure,
+    verify_generation,
+)
 from ckptvault.trust.ledger import RestoreFloor
+from ckptvault.trust.problems import UNREADABLE, GenerationRejected, Problem
 
 
 def _ignore(event: Event) -> None:
@@ -55,9 +69,11 @@ class GarbageCollector:
         self.rules = tuple(rules)
         self.delete_delay = delete_delay
         self.policy = policy
-        self.known: dict[str, bool] = {}  # generation id -> verifies
+        self.known: dict[GenerationName, bool] = {}  # generation -> verifies
         self.reports: list[VerificationReport] = []  # verified here, in order
-        self._metrics: dict[str, dict[str, float] | None] = {}
+        self._metrics: dict[GenerationName, dict[str, float] | None] = {}
+        self._sound: set[GenerationName] = set()  # passed the structure checks
+        self._rejected: dict[GenerationName, str] = {}  # failed them: the problem codes
         self._wants_metrics = any(isinstance(rule, KeepBest) for rule in self.rules)
 
     # -- verification ------------------------------------------------------------------
@@ -65,21 +81,26 @@ class GarbageCollector:
     def verify(self, ref: GenerationRef) -> VerificationReport:
         """Verify every byte of ``ref`` and remember the verdict."""
         report = verify_generation(self.store, ref, self.policy)
-        self.known[ref.generation_id] = report.ok
-        if report.manifest is not None and report.ok:
-            metrics = report.manifest.metrics
-            self._metrics[ref.generation_id] = dict(metrics) if metrics else None
+        self.known[ref.name] = report.ok
+        if report.manifest is not None:
+            self._sound.add(ref.name)
+            if report.ok:
+                metrics = report.manifest.metrics
+                self._metrics[ref.name] = dict(metrics) if metrics else None
+        else:
+            self._reject(ref.name, report.problems, {})
         self.reports.append(report)
         return report
 
     def verify_newest(self, now: datetime | None = None) -> VerificationReport | None:
         """Verify unmarked generations newest first until one verifies (``ckptvault gc``
         does this before it deletes anything); None when none does."""
-        marks = read_marks(self.store, now or datetime.now(timezone.utc))
-        for ref in self.store.list_generations():
+        refs = self.store.list_generations()
+        marks = read_marks(self.store, now or datetime.now(timezone.utc), [r.name for r in refs])
+        for ref in refs:
             if ref.name in marks:
                 continue
-            if self.known.get(ref.generation_id) is False:
+            if self.known.get(ref.name) is False or ref.name in self._rejected:
                 continue
             report = self.verify(ref)
             if report.ok:
@@ -100,40 +121,55 @@ class GarbageCollector:
         would go otherwise, that generation is verified and the plan made again."""
         now = now or datetime.now(timezone.utc)
         in_flight = frozenset(in_flight)
+        transient: dict[GenerationName, str] = {}  # could not be checked in this pass
         while True:
-            plan, refs = self._plan_once(now, floor, in_flight)
+            plan, refs = self._plan_once(now, floor, in_flight, transient)
+            # A generation a rule keeps takes a rule's place: only if it is sound.
+            unchecked = [
+                refs[name]
+                for name in sorted(plan.kept_by_rules, reverse=True)
+                if not self._checked(name, transient)
+            ]
+            rejected = [ref for ref in unchecked if self._check(ref, transient) is not None]
+            if rejected:
+                continue  # plan again: no rule counts them
             target = plan.needs_verification
             held_back = plan.blocked is not None and any(
                 plan.blocked in decision.reasons for decision in plan.decisions
             )
-            if target is None or not held_back or target.generation_id in self.known:
+            if target is None or not held_back or target in self.known:
                 return keep_locked(plan, self.applier.stores)  # Object Lock outranks the rules
-            self.verify(refs[target.generation_id])
+            self.verify(refs[target])
 
     def apply(self, plan: RetentionPlan) -> AppliedPlan:
         return self.applier.apply(plan)
 
     def _plan_once(
-        self, now: datetime, floor: RestoreFloor | None, in_flight: frozenset[str]
-    ) -> tuple[RetentionPlan, dict[str, GenerationRef]]:
+        self,
+        now: datetime,
+        floor: RestoreFloor | None,
+        in_flight: frozenset[str],
+        transient: dict[GenerationName, str],
+    ) -> tuple[RetentionPlan, dict[GenerationName, GenerationRef]]:
         refs = self.store.list_generations()
-        marks = read_marks(self.store, now)
-        pins = set().union(*(read_pins(store) for store in self.pin_stores))
-        leases = read_leases(self.store)
+        listed = [ref.name for ref in refs]
+        marks = read_marks(self.store, now, listed)
+        pins = set().union(*(read_pins(store, listed) for store in self.pin_stores))
+        leases = read_leases(self.store, now, listed)
         facts = [
             GenerationFacts(
                 name=ref.name,
                 created=generation_id_time(ref.generation_id),
-                metrics=self._metrics_of(ref),
+                metrics=self._metrics_of(ref, transient),
                 mark=marks.get(ref.name),
                 pinned=ref.name in pins,
                 lease_expiries=tuple(leases.get(ref.name, ())),
-                verified=self.known.get(ref.generation_id),
+                verified=self.known.get(ref.name),
+                rejected=self._rejected.get(ref.name) or transient.get(ref.name),
             )
             for ref in refs
         ]
-        listed = {ref.name for ref in refs}
-        orphans = {name: mark for name, mark in marks.items() if name not in listed}
+        orphans = self._orphans(now, listed)
         plan = plan_retention(
             facts,
             rules=self.rules,
@@ -143,11 +179,75 @@ class GarbageCollector:
             in_flight=in_flight,
             orphan_marks=orphans,
         )
-        return plan, {ref.generation_id: ref for ref in refs}
+        return plan, {ref.name: ref for ref in refs}
 
-    def _metrics_of(self, ref: GenerationRef) -> dict[str, float] | None:
+    def _orphans(self, now: datetime, listed: list[GenerationName]) -> list[OrphanMark]:
+        """Each tier's marks of generations the first store does not list, with what
+        keeps them there: a pin (here or in that tier), a lease (in any tier)."""
+        orphans = []
+        for tier in self.applier.stores:
+            marks = read_orphan_marks(tier, now, listed)
+            if not marks:
+                continue
+            names = list(marks)
+            pinned = set().union(*(read_pins(s, names) for s in (*self.pin_stores, tier)))
+            leases: dict[GenerationName, list[datetime]] = {}
+            for store in self.applier.stores:
+                for name, expiries in read_leases(store, now, names).items():
+                    leases.setdefault(name, []).extend(expiries)
+            orphans += [
+                OrphanMark(name, mark, tier.location, name in pinned, tuple(leases.get(name, ())))
+                for name, mark in marks.items()
+            ]
+        return orphans
+
+    # -- the structure checks -------------------------------------------------------------
+
+    def _checked(self, name: GenerationName, transient: dict[GenerationName, str]) -> bool:
+        """Whether ``name``'s structure is known (a generation known to verify is sound)."""
+        return (
+            self.known.get(name) is True
+            or name in self._sound
+            or name in self._rejected
+            or name in transient
+        )
+
+    def _check(self, ref: GenerationRef, transient: dict[GenerationName, str]) -> str | None:
+        """Apply the structure checks to ``ref`` once (and read its metrics, when a rule
+        ranks by them); why it fails them, or None."""
+        if ref.name in self._sound and (ref.name in self._metrics or not self._wants_metrics):
+            return None
+        if ref.name in self._rejected or ref.name in transient:
+            return self._rejected.get(ref.name) or transient[ref.name]
+        try:
+            checked = check_structure(self.store, ref, self.policy)
+        except GenerationRejected as rejected:
+            return self._reject(ref.name, rejected.problems, transient)
+        except (CheckpointError, OSError) as exc:
+            transient[ref.name] = f"could not be checked: {exc}"  # ask again next pass
+            return transient[ref.name]
+        self._sound.add(ref.name)  # generations are immutable: checked once
+        metrics = checked.manifest.metrics
+        self._metrics[ref.name] = dict(metrics) if metrics else None
+        return None
+
+    def _reject(
+        self, name: GenerationName, problems: list[Problem], transient: dict[GenerationName, str]
+    ) -> str:
+        why = ", ".join(sorted({problem.code for problem in problems}))
+        if any(problem.code == UNREADABLE for problem in problems):
+            transient[name] = why  # perhaps for now only: ask again next pass
+        else:
+            self._rejected[name] = why
+        return why
+
+    def _metrics_of(
+        self, ref: GenerationRef, transient: dict[GenerationName, str]
+    ) -> dict[str, float] | None:
+        """The metrics ``ref`` recorded, read through the structure checks (what a bad
+        generation claims is not believed)."""
         if not self._wants_metrics:
             return None
-        if ref.generation_id not in self._metrics:  # generations are immutable: read once
-            self._metrics[ref.generation_id] = read_metrics(self.store, ref, self.policy)
-        return self._metrics[ref.generation_id]
+        if ref.name not in self._metrics:
+            self._check(ref, transient)
+        return self._metrics.get(ref.name)

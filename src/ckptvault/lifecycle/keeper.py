@@ -8,7 +8,10 @@ policy has its own keeper, which runs after each copy into it (see
 is complete (its writer made and checked every byte), so it is the newest verified
 generation; one restored is verified too. A failing pass is logged and retried
 after the next save: the generation was published either way, and training goes
-on. Only a failure to record in the audit log propagates (it says what happened).
+on. Whatever a pass fails with (a store error, a hostile record, a bug) is logged,
+never raised from ``save()``; only a failure to record in the audit log propagates
+(it says what happened). Generations are known by name (step and id): an event
+makes exactly the generation it names known to verify.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Callable, Collection, Sequence
 
 from ckptvault.errors import AuditError, CheckpointError, UsageError
 from ckptvault.events import Event, Published, Replicated, Restored
+from ckptvault.format.layout import GenerationName
 from ckptvault.lifecycle.apply import AppliedPlan
 from ckptvault.lifecycle.collector import GarbageCollector
 from ckptvault.lifecycle.plan import IN_FLIGHT, KEEP, MARKED, Decision, RetentionPlan
@@ -86,13 +90,14 @@ class RetentionKeeper:
     def __call__(self, event: Event) -> None:
         if isinstance(event, Restored):
             if event.store in self.locations:
-                self.collector.known[event.generation_id] = True
+                self.collector.known[GenerationName(event.step, event.generation_id)] = True
         elif isinstance(event, Published) and not self.after_replication:
-            self.collector.known[event.generation_id] = True
+            self.collector.known[GenerationName(event.step, event.generation_id)] = True
             self.apply_now(in_flight=(event.generation_id,))
         elif isinstance(event, Replicated):
             if self.after_replication and event.target == self.store.location:
-                self.collector.known[event.generation_id] = True  # every byte was checked
+                # Every byte was checked on its way.
+                self.collector.known[GenerationName(event.step, event.generation_id)] = True
                 self.apply_now()
             elif event.store == self.store.location and self._was_awaiting(event.generation_id):
                 self.apply_now()  # its copy exists now: what only waited for it may go
@@ -111,13 +116,14 @@ class RetentionKeeper:
                 applied = self.collector.apply(plan)
             except AuditError:
                 raise
-            except (OSError, CheckpointError) as exc:
+            except Exception as exc:  # a save must not fail for its retention pass
                 logger.error(
                     "retention (%s) failed in %s: %s; nothing more was deleted, and the next "
                     "save retries",
                     self.retention.describe(),
                     self.store.location,
-                    exc,
+                    exc if isinstance(exc, (OSError, CheckpointError)) else repr(exc),
+                    exc_info=not isinstance(exc, (OSError, CheckpointError)),
                 )
                 return None
             self._awaiting = frozenset(

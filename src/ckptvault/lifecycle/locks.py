@@ -15,7 +15,10 @@ Two decisions live here, both about stores that can hold objects under retention
   applied, every generation it would mark or delete is looked up in each store that
   can hold retention; one under Object Lock (or a legal hold) is kept, whole and
   restorable, with the reason ``locked until <date>``, instead of being half
-  deleted or failing. Once the date has passed, the rules decide again.
+  deleted or failing. Once the date has passed, the rules decide again. A mark whose
+  generation the planned store no longer lists (an orphan) is looked up in the one
+  tier that carries it, and stays (the deletion waits) while that tier's copy is
+  locked.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import replace
 
 from ckptvault.errors import CheckpointError
 from ckptvault.format.layout import GenerationName
-from ckptvault.lifecycle.plan import DELETE, KEEP, MARK, UNMARK, Decision, RetentionPlan
+from ckptvault.lifecycle.plan import DELETE, KEEP, MARK, MARKED, UNMARK, Decision, RetentionPlan
 from ckptvault.lifecycle.retention import Retention
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.storage.retained import LockRule, RetainingStore
@@ -66,18 +69,29 @@ def keep_locked(plan: RetentionPlan, stores: Sequence[Store]) -> RetentionPlan:
     listings: dict[int, dict[GenerationName, GenerationRef]] = {}
     decisions = []
     for decision in plan.decisions:
-        going = decision.action in (MARK, DELETE) and decision.listed
-        hold = _hold_of(decision.name, stores, listings) if going else None
-        decisions.append(decision if hold is None else _kept(decision, hold))
+        going = decision.action in (MARK, DELETE)
+        tiers = [
+            store if not decision.only_in or store.location in decision.only_in else None
+            for store in stores
+        ]
+        hold = _hold_of(decision.name, tiers, listings) if going else None
+        if hold is None:
+            decisions.append(decision)
+        elif decision.listed:
+            decisions.append(_kept(decision, hold))
+        else:  # an orphan: nothing plans it again, so its mark stays and waits
+            reasons = (decision.reasons[0], hold)
+            decisions.append(replace(decision, action=MARKED, reasons=reasons))
     return replace(plan, decisions=decisions)
 
 
 def _hold_of(
     name: GenerationName,
-    stores: Sequence[Store],
+    stores: Sequence[Store | None],
     listings: dict[int, dict[GenerationName, GenerationRef]],
 ) -> str | None:
-    """Why a store may not delete this generation now; None when every store may."""
+    """Why a store may not delete this generation now; None when every store may
+    (None stands for a store the decision does not touch)."""
     for index, store in enumerate(stores):
         if not isinstance(store, RetainingStore):
             continue

@@ -2,7 +2,8 @@
 
 They go into the manifest's optional ``metrics`` section, so the self-digest and the
 signature cover them; retention's ``keep_best`` reads them back through the same
-bounded structure checks a restore applies (never more than the checks read).
+bounded structure checks a restore applies (never more than the checks read; see
+:class:`~ckptvault.lifecycle.collector.GarbageCollector`).
 """
 
 from __future__ import annotations
@@ -11,11 +12,8 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from ckptvault.errors import CheckpointError, FormatError, UsageError
+from ckptvault.errors import FormatError, UsageError
 from ckptvault.format.manifest import check_metrics
-from ckptvault.storage.base import GenerationRef, Store
-from ckptvault.trust.checks import TrustPolicy, check_structure
-from ckptvault.trust.problems import GenerationRejected
 
 
 def validate_metrics(metrics: Mapping[str, Any] | None) -> dict[str, int | float] | None:
@@ -43,13 +41,3 @@ def validate_metrics(metrics: Mapping[str, Any] | None) -> dict[str, int | float
         return check_metrics(plain, "save(metrics=...)")
     except FormatError as exc:
         raise UsageError(str(exc)) from exc
-
-
-def read_metrics(store: Store, ref: GenerationRef, policy: TrustPolicy) -> dict[str, float] | None:
-    """The metrics a generation recorded, or None (none recorded, or the generation
-    fails the structure checks: what a bad generation claims is not believed)."""
-    try:
-        manifest = check_structure(store, ref, policy).manifest
-    except (GenerationRejected, CheckpointError, OSError):
-        return None
-    return dict(manifest.metrics) if manifest.metrics else None

@@ -21,135 +21,86 @@ Never deleted or marked, whatever the rules say:
   generation whose verification would settle it);
 - pinned generations and the restore floor's generation (these also lose a mark);
 - generations in flight and generations a reader holds an unexpired lease on
-  (their deletion waits; a mark stays).
+  (their deletion waits; a mark stays);
+- a generation that fails the structure checks (its manifest does not name it, is
+  not this run's, is unsigned, ...; :attr:`GenerationFacts.rejected`) while a rule
+  would keep it were it sound: it never verifies and no rule counts it (so planted
+  copies cannot take the places of genuine generations), but in another tier a
+  genuine copy may bear its name, so retention leaves it alone. Once no rule would
+  keep it, it goes like any other dropped generation.
 
 Generations an allowed rollback abandoned (the ledger's rule) are not restore
 candidates and no rule counts them: they are marked like any other dropped
 generation.
+
+A mark whose generation the planned store no longer lists (an *orphan*: a deletion
+cut short, or a planted record) is finished only in the tier that carries it
+(:class:`OrphanMark`), once its delay has passed, and never while a pin, the restore
+floor or a lease keeps its generation. Times from records are bounded: date
+arithmetic saturates instead of overflowing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
-from typing import Any
+from datetime import datetime, timedelta, timezone
 
 from ckptvault.format.layout import GenerationName, format_timestamp
+from ckptvault.lifecycle.decisions import (
+    ABANDONED,
+    DELETE,
+    DROPPED,
+    FALLBACK,
+    FLOOR,
+    GONE,
+    IN_FLIGHT,
+    KEEP,
+    MARK,
+    MARKED,
+    NEWER_THAN_VERIFIED,
+    NEWEST_VERIFIED,
+    NO_RULES,
+    PINNED,
+    REDATED,
+    REJECTED,
+    UNMARK,
+    Decision,
+    GenerationFacts,
+    Mark,
+    OrphanMark,
+    RetentionPlan,
+)
 from ckptvault.lifecycle.retention import RetentionRule, RuleInput
 from ckptvault.trust.ledger import RestoreFloor
 
-KEEP = "keep"  # stays as it is
-UNMARK = "unmark"  # marked, but kept again: the mark is removed
-MARK = "mark"  # marked now; deleted once the delay has passed
-MARKED = "marked"  # already marked; waiting for the delay (or a lease) to pass
-DELETE = "delete"  # its bytes go now (marked first when it was not)
+_LATEST = datetime.max.replace(tzinfo=timezone.utc)
 
-NEWEST_VERIFIED = "newest verified"
-FALLBACK = "fallback (older, verified)"
-NEWER_THAN_VERIFIED = "newer than the newest verified generation"
-PINNED = "pinned"
-FLOOR = "restore floor"
-IN_FLIGHT = "in flight"
-DROPPED = "no retention rule keeps it"
-ABANDONED = "abandoned by an allowed rollback"
-GONE = "already gone from the store; finishing its deletion"
-NO_RULES = "no retention rule given: only marked generations go"
-
-
-@dataclass(frozen=True)
-class Mark:
-    """A deletion mark: when and why."""
-
-    marked_at: datetime
-    reason: str
-
-
-@dataclass(frozen=True)
-class GenerationFacts:
-    """What the planner knows about one generation."""
-
-    name: GenerationName
-    created: datetime
-    metrics: Mapping[str, float] | None = None
-    mark: Mark | None = None
-    pinned: bool = False
-    lease_expiries: tuple[datetime, ...] = ()
-    verified: bool | None = None  # True: known to verify; False: known not to; None: unknown
-
-    @property
-    def step(self) -> int:
-        return self.name.step
-
-    @property
-    def generation_id(self) -> str:
-        return self.name.generation_id
-
-
-@dataclass(frozen=True)
-class Decision:
-    name: GenerationName
-    action: str
-    reasons: tuple[str, ...]
-    marked_at: datetime | None = None
-    delete_after: datetime | None = None
-    listed: bool = True  # False: only its mark is left (finish the deletion everywhere)
-    was_marked: bool = False  # it carried a deletion mark when the plan was made
-
-    @property
-    def step(self) -> int:
-        return self.name.step
-
-    @property
-    def generation_id(self) -> str:
-        return self.name.generation_id
-
-    @property
-    def reason(self) -> str:
-        return "; ".join(self.reasons)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "generation_id": self.generation_id,
-            "action": self.action,
-            "reasons": list(self.reasons),
-            "marked_at": format_timestamp(self.marked_at) if self.marked_at else None,
-            "delete_after": format_timestamp(self.delete_after) if self.delete_after else None,
-            "listed": self.listed,
-            "was_marked": self.was_marked,
-        }
-
-
-@dataclass(frozen=True)
-class RetentionPlan:
-    now: datetime
-    decisions: list[Decision]  # newest first; then marks whose generation is gone
-    newest_verified: GenerationName | None = None
-    fallback: GenerationName | None = None
-    # Why nothing is marked or deleted now, when that is so.
-    blocked: str | None = None
-    # Verifying this generation could unblock the plan (the applier does, then replans).
-    needs_verification: GenerationName | None = None
-
-    def having(self, *actions: str) -> list[Decision]:
-        return [d for d in self.decisions if d.action in actions]
-
-    @property
-    def changes(self) -> bool:
-        return bool(self.having(MARK, UNMARK, DELETE))
-
-    def to_json(self) -> dict[str, Any]:
-        def name(n: GenerationName | None) -> dict[str, Any] | None:
-            return {"step": n.step, "generation_id": n.generation_id} if n else None
-
-        return {
-            "now": format_timestamp(self.now),
-            "newest_verified": name(self.newest_verified),
-            "fallback": name(self.fallback),
-            "blocked": self.blocked,
-            "decisions": [d.to_json() for d in self.decisions],
-        }
+__all__ = [
+    "ABANDONED",
+    "DELETE",
+    "DROPPED",
+    "FALLBACK",
+    "FLOOR",
+    "GONE",
+    "IN_FLIGHT",
+    "KEEP",
+    "MARK",
+    "MARKED",
+    "NEWER_THAN_VERIFIED",
+    "NEWEST_VERIFIED",
+    "NO_RULES",
+    "PINNED",
+    "REDATED",
+    "REJECTED",
+    "UNMARK",
+    "Decision",
+    "GenerationFacts",
+    "Mark",
+    "OrphanMark",
+    "RetentionPlan",
+    "plan_retention",
+]
 
 
 @dataclass
@@ -166,28 +117,33 @@ def plan_retention(
     now: datetime,
     floor: RestoreFloor | None = None,
     in_flight: Iterable[str] = (),
-    orphan_marks: Mapping[GenerationName, Mark] | None = None,
+    orphan_marks: Iterable[OrphanMark] = (),
 ) -> RetentionPlan:
     """Decide, for every generation, whether it stays, is marked, unmarked or deleted.
 
     ``rules`` empty keeps every unmarked generation (``ckptvault gc`` without rule
     options only finishes what was marked before). ``in_flight`` holds generation ids.
     ``orphan_marks`` are marks whose generation the store no longer lists: their
-    deletion is finished (other tiers, the mark itself).
+    deletion is finished in the tier that carries each (its copy there, the mark).
     """
     gens = sorted(generations, key=lambda g: g.name, reverse=True)
     ids_in_flight = frozenset(in_flight)
     abandoned = _abandoned(gens, floor)
     eligible = [g for g in gens if g.name not in abandoned]
-    verdicts = _rule_verdicts(gens, eligible, rules, now)
+    counted = [g for g in eligible if g.rejected is None]  # what takes a rule's place
+    verdicts = _rule_verdicts(gens, counted, rules, now)
+    kept = frozenset(name for name, verdict in verdicts.items() if verdict.keep)
+    spared = _spared(eligible, rules, now)
     candidates = [g for g in eligible if g.mark is None]  # what a restore may take
     newest, fallback, blocked, needs = _safety_net(candidates)
     _keep_safety_net(verdicts, candidates, newest, fallback)
     for g in gens:
-        _hold(verdicts[g.name], g, floor, ids_in_flight, blocked, now)
+        _hold(verdicts[g.name], g, floor, ids_in_flight, blocked, now, g.name in spared)
     decisions = [_decide(g, verdicts[g.name], g.name in abandoned, delete_delay, now) for g in gens]
-    decisions += _finish_orphans(orphan_marks or {})
-    return RetentionPlan(now, decisions, newest, fallback, blocked, needs)
+    decisions += _finish_orphans(orphan_marks, floor, delete_delay, now)
+    return RetentionPlan(
+        now, decisions, newest, fallback, blocked, needs, kept if rules else frozenset()
+    )
 
 
 def _abandoned(gens: list[GenerationFacts], floor: RestoreFloor | None) -> set[GenerationName]:
@@ -219,6 +175,19 @@ def _rule_verdicts(
     return verdicts
 
 
+def _spared(
+    eligible: list[GenerationFacts], rules: Sequence[RetentionRule], now: datetime
+) -> set[GenerationName]:
+    """The generations that fail the structure checks and that a rule would keep if
+    they were sound: retention leaves them alone (in another tier a genuine copy may
+    bear the name), though no rule counts them."""
+    rejected = {g.name for g in eligible if g.rejected is not None}
+    if not rejected:
+        return set()
+    inputs = [RuleInput(g.name, g.created, g.metrics) for g in eligible]
+    return {name for rule in rules for name in rule.keeps(inputs, now) if name in rejected}
+
+
 def _keep_safety_net(
     verdicts: dict[GenerationName, _Verdict],
     candidates: list[GenerationFacts],
@@ -244,49 +213,102 @@ def _hold(
     ids_in_flight: frozenset[str],
     blocked: str | None,
     now: datetime,
+    spared: bool = False,
 ) -> None:
     """What keeps ``g`` whatever the rules say (a pin, the floor) and what defers its
-    deletion (in flight, a reader's lease, a plan blocked on verification)."""
+    deletion (a rule would keep it were it sound, in flight, a reader's lease, a plan
+    blocked on verification)."""
+    if spared:
+        verdict.defer.append(f"{REJECTED} ({g.rejected})")
     if g.pinned:
         verdict.keep.append(PINNED)
     if floor is not None and floor.generation_id == g.generation_id:
         verdict.keep.append(FLOOR)
     if g.generation_id in ids_in_flight:
         verdict.defer.append(IN_FLIGHT)
-    leased = [until for until in g.lease_expiries if until > now]
-    if leased:
-        verdict.defer.append(f"leased by a reader until {format_timestamp(max(leased))}")
+    _defer_leased(verdict, g.lease_expiries, now)
     if blocked is not None and not verdict.keep:
         verdict.defer.append(blocked)
 
 
-def _finish_orphans(orphan_marks: Mapping[GenerationName, Mark]) -> list[Decision]:
-    """Deletions to finish: marks whose generation the store no longer lists."""
-    return [
-        Decision(name, DELETE, (mark.reason, GONE), mark.marked_at, listed=False, was_marked=True)
-        for name, mark in sorted(orphan_marks.items(), reverse=True)
-    ]
+def _defer_leased(verdict: _Verdict, expiries: Iterable[datetime], now: datetime) -> None:
+    leased = [until for until in expiries if until > now]
+    if leased:
+        verdict.defer.append(f"leased by a reader until {format_timestamp(max(leased))}")
+
+
+def _finish_orphans(
+    orphans: Iterable[OrphanMark], floor: RestoreFloor | None, delay: float, now: datetime
+) -> list[Decision]:
+    """Marks whose generation the planned store no longer lists, each in its own tier:
+    kept (unmarked) for a pin or the floor, waiting for a lease or its delay, else its
+    deletion is finished there."""
+    decisions = []
+    for orphan in sorted(orphans, key=lambda o: (o.name, o.tier), reverse=True):
+        verdict = _Verdict()
+        if orphan.pinned:
+            verdict.keep.append(PINNED)
+        if floor is not None and floor.generation_id == orphan.name.generation_id:
+            verdict.keep.append(FLOOR)
+        _defer_leased(verdict, orphan.lease_expiries, now)
+        mark = orphan.mark
+        delete_after = _after(mark.marked_at, delay)
+        if verdict.keep:
+            action, why = UNMARK, (*verdict.keep, *verdict.defer)
+        elif verdict.defer or now < delete_after:
+            action, why = MARKED, (mark.reason, *verdict.defer)
+            if mark.undated and not verdict.defer:
+                action, why = MARK, (mark.reason, REDATED)
+        else:
+            action, why = DELETE, (mark.reason, GONE)
+        marked_at, after = (None, None) if verdict.keep else (mark.marked_at, delete_after)
+        decisions.append(
+            Decision(
+                orphan.name,
+                action,
+                why,
+                marked_at,
+                after,
+                listed=False,
+                was_marked=True,
+                only_in=(orphan.tier,),
+            )
+        )
+    return decisions
+
+
+def _after(moment: datetime, seconds: float) -> datetime:
+    """``moment`` plus ``seconds``, saturating at the latest time a datetime holds."""
+    try:
+        return moment + timedelta(seconds=seconds)
+    except OverflowError:
+        return _LATEST
 
 
 def _safety_net(
     candidates: list[GenerationFacts],
 ) -> tuple[GenerationName | None, GenerationName | None, str | None, GenerationName | None]:
     """(newest verified, fallback, why nothing may go yet, what to verify to settle it)."""
-    newest_index = next((i for i, g in enumerate(candidates) if g.verified is True), None)
+    newest_index = next((i for i, g in enumerate(candidates) if _verified(g) is True), None)
     if newest_index is None:
-        unknown = next((g.name for g in candidates if g.verified is None), None)
+        unknown = next((g.name for g in candidates if _verified(g) is None), None)
         blocked = "no generation is known to verify yet" if candidates else None
         return None, None, blocked, unknown
     newest = candidates[newest_index].name
     older = candidates[newest_index + 1 :]
     for g in older:
-        if g.verified is True:
+        if _verified(g) is True:
             return newest, g.name, None, None
-        if g.verified is None:
+        if _verified(g) is None:
             return newest, None, "no older generation is known to verify yet (a fallback)", g.name
     if older:
         return newest, None, "no older generation verifies (a fallback is kept first)", None
     return newest, None, None, None
+
+
+def _verified(g: GenerationFacts) -> bool | None:
+    """What is known of ``g``'s verification: one failing the structure checks never does."""
+    return False if g.rejected is not None else g.verified
 
 
 def _decide(
@@ -298,13 +320,13 @@ def _decide(
             g.name, action, tuple(verdict.keep + verdict.defer), was_marked=bool(g.mark)
         )
     if g.mark is not None:
-        delete_after = g.mark.marked_at + timedelta(seconds=delay)
+        delete_after = _after(g.mark.marked_at, delay)
         why = (g.mark.reason, *verdict.defer)
         action = MARKED if verdict.defer or now < delete_after else DELETE
+        if action == MARKED and g.mark.undated and not verdict.defer:
+            action, why = MARK, (g.mark.reason, REDATED)  # written again with now's time
         return Decision(g.name, action, why, g.mark.marked_at, delete_after, was_marked=True)
     if verdict.defer:
         return Decision(g.name, KEEP, tuple(verdict.defer))
     dropped = ABANDONED if abandoned else DROPPED
-    return Decision(
-        g.name, DELETE if delay == 0 else MARK, (dropped,), now, now + timedelta(seconds=delay)
-    )
+    return Decision(g.name, DELETE if delay == 0 else MARK, (dropped,), now, _after(now, delay))

@@ -7,6 +7,13 @@ first, manifest last — so a crash mid-copy leaves nothing visible there, and e
 byte is checked against the source manifest's chunk digests on its way through,
 so a copy is never better than verified. :func:`copy_generation` is also how a
 restore from the remote tier is brought back to the local one.
+
+A copy satisfies what a restore of it would require, before a byte is copied: the
+run's id and trusted keys, and in an encrypted run (a key store is given) every file
+encrypted and the manifest's MAC authenticated by the run's key
+(:func:`~ckptvault.io.load.check_authenticity`). Whoever can write only the local
+tier therefore cannot plant a generation there that the durable tier takes in,
+counts as verified and keeps in place of genuine ones.
 """
 
 from __future__ import annotations
@@ -18,17 +25,26 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from typing import TYPE_CHECKING
 
-from ckptvault.errors import CheckpointError, FormatError, IntegrityError, UsageError
+from ckptvault.errors import (
+    CheckpointError,
+    FormatError,
+    IntegrityError,
+    KeyDestroyedError,
+    UsageError,
+)
 from ckptvault.events import Event, EventBus, Published, Replicated
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, GenerationName, utc_now
+from ckptvault.io.load import check_authenticity
 from ckptvault.lifecycle.marks import read_marks
 from ckptvault.storage import S3Options, StoreLocation, open_store
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import MAX_SIGNATURE_BYTES, TrustPolicy, check_structure
 from ckptvault.trust.context import TrustContext
 from ckptvault.trust.digests import ChunkVerifier, read_full
+from ckptvault.trust.keystore import KeyStore
 from ckptvault.trust.problems import GenerationRejected
 
 if TYPE_CHECKING:
@@ -36,8 +52,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("ckptvault")
 # Failures a second try cannot fix: the source does not verify, or the target holds
-# something else under its name.
-_PERMANENT = (IntegrityError, FormatError, GenerationRejected, UsageError)
+# something else under its name, or the run's key was destroyed.
+_PERMANENT = (IntegrityError, FormatError, GenerationRejected, UsageError, KeyDestroyedError)
 REPLICA_RECORD = "replica"
 COPY_BLOCK = 8 * 1024 * 1024
 
@@ -49,17 +65,26 @@ def find_generation(store: Store, name: GenerationName) -> GenerationRef | None:
 
 
 def copy_generation(
-    source: Store, ref: GenerationRef, target: Store, policy: TrustPolicy | None = None
+    source: Store,
+    ref: GenerationRef,
+    target: Store,
+    policy: TrustPolicy | None = None,
+    keystore: KeyStore | None = None,
 ) -> GenerationRef:
     """Copy one published generation, verified, into ``target`` under the same name.
 
-    The source's structure is checked first (the manifest parses, files are ours),
-    every byte is verified against its chunk digests as it is copied, and the
-    target publishes the source's exact manifest and signature bytes last. Returns
-    the target's generation; an existing copy is left as it is. Raises
+    The source is checked first as a restore would check it: its structure (the
+    manifest parses, files are ours, run id and signature as ``policy`` asks), and
+    with ``keystore`` (an encrypted run) every file encrypted and the manifest's MAC
+    made with the run's key; an encrypted generation is refused without one. Every
+    byte is verified against its chunk digests as it is copied, and the target
+    publishes the source's exact manifest and signature bytes last. Returns the
+    target's generation; an existing copy is left as it is. Raises
     :class:`GenerationRejected` when the source does not verify.
     """
-    manifest = check_structure(source, ref, policy).manifest
+    checked = check_structure(source, ref, policy)
+    check_authenticity(checked, keystore, require_encryption=keystore is not None)
+    manifest = checked.manifest
     manifest_bytes = source.read_bytes(ref, MANIFEST_NAME, len(manifest.to_bytes()))
     if manifest_bytes != manifest.to_bytes():  # changed since it was checked
         raise IntegrityError(f"{ref.location}: the manifest changed while it was being copied")
@@ -124,7 +149,12 @@ class Replicator:
 
     With ``catch_up`` (the manager's replicator), the first publish also queues what
     an earlier process left uncopied: the source's unmarked generations newer than
-    the target's newest that the target does not hold.
+    the target's newest that the target does not hold. With ``recorded`` (the run's
+    publishes its ledger remembers), only those among them: a generation someone put
+    into the source's directory was never published by this run, whatever it says.
+
+    Every copy is checked as a restore would check it (``policy``, and ``keystore``
+    in an encrypted run; see :func:`copy_generation`) before it counts as replicated.
     """
 
     def __init__(
@@ -136,10 +166,14 @@ class Replicator:
         emit: Callable[[Event], None] | None = None,
         run_id: str | None = None,
         catch_up: bool = False,
+        keystore: KeyStore | None = None,
+        recorded: Callable[[], list[GenerationName]] | None = None,
     ) -> None:
         self.source = source
         self.target = target
         self.policy = policy  # run id and trusted keys a copy must satisfy
+        self.keystore = keystore  # an encrypted run: encryption and manifest MAC too
+        self._recorded = recorded  # the ledger's record of the run's publishes, if kept
         self.run_id = run_id
         self.retention: RetentionKeeper | None = None  # the target's own, when it has one
         self._emit = emit
@@ -177,6 +211,8 @@ class Replicator:
             emit=events.emit,
             run_id=run_id,
             catch_up=True,
+            keystore=trust.keystore,
+            recorded=partial(trust.published, run_id) if trust.ledger is not None else None,
         )
         events.subscribe(replicator)
         return replicator
@@ -211,8 +247,10 @@ class Replicator:
 
     def _behind(self, published: GenerationRef) -> list[GenerationRef]:
         """The source's unmarked generations newer than the target's newest that the
-        target lacks (what an earlier process did not get to copy), newest first."""
+        target lacks (what an earlier process did not get to copy), newest first; with
+        a ledger, only those it recorded as published by this run."""
         try:
+            recorded = set(self._recorded()) if self._recorded is not None else None
             held = {ref.name for ref in self.target.list_generations()}
             newest = max(held, default=None)
             marked = read_marks(self.source, datetime.now(timezone.utc))
@@ -220,6 +258,7 @@ class Replicator:
                 ref
                 for ref in self.source.list_generations()
                 if ref.name != published.name
+                and (recorded is None or ref.name in recorded)
                 and ref.name not in held
                 and ref.name not in marked
                 and (newest is None or ref.name > newest)
@@ -261,7 +300,7 @@ class Replicator:
             if not self._target_locked:
                 self.target.acquire_writer()
                 self._target_locked = True
-            copied = copy_generation(self.source, ref, self.target, self.policy)
+            copied = copy_generation(self.source, ref, self.target, self.policy, self.keystore)
             self.source.put_record(
                 REPLICA_RECORD,
                 ref.name.dirname,
@@ -297,7 +336,7 @@ class Replicator:
     def _fetch(self, tier: Store, ref: GenerationRef) -> None:
         try:
             self.source.acquire_writer()  # no concurrent cleanup of our staging area
-            copied = copy_generation(tier, ref, self.source, self.policy)
+            copied = copy_generation(tier, ref, self.source, self.policy, self.keystore)
             logger.info("copied %s back to the local tier as %s", ref.location, copied.location)
         except (CheckpointError, OSError) as exc:
             with self._lock:

@@ -34,127 +34,47 @@ generation readable, wrapped by either KEK; only a signed generation caught betw
 its two writes (new signature, old manifest) is refused by signature checks until
 the rotation resumes — the rotation journal (:mod:`ckptvault.ops.rotation_journal`)
 lets the resumed rotation finish it without trusting an unverifiable signature.
+
+This module is the orchestration: stores, locks, the loop, finishing and the audit
+entry. The survey and the refusals before anything changes are in
+:mod:`~ckptvault.ops.rotation_survey`, the steps for one generation in
+:mod:`~ckptvault.ops.rotation_steps`, the report in
+:mod:`~ckptvault.ops.rotation_report`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from blake3 import blake3
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ckptvault.errors import (
-    AuditError,
-    CheckpointError,
-    FormatError,
-    KeyDestroyedError,
-    KeyServiceError,
-    SignatureError,
-    StoreLockedError,
-    UsageError,
-)
-from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME
-from ckptvault.format.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from ckptvault.errors import AuditError, StoreLockedError, UsageError
 from ckptvault.ops.rotation_journal import RotationJournal, journal_path
+from ckptvault.ops.rotation_report import (
+    ALREADY_ROTATED,
+    FAILED,
+    NOT_REACHED,
+    ROTATED,
+    SKIPPED,
+    GenerationOutcome,
+    RotationReport,
+)
+from ckptvault.ops.rotation_steps import GenerationRotator
+from ckptvault.ops.rotation_survey import (
+    SurveyedGeneration,
+    refuse_signed_without_key,
+    survey,
+)
 from ckptvault.storage import S3Options, StoreLocation, open_store
-from ckptvault.storage.base import GenerationRef, Store
-from ckptvault.trust.checks import (
-    MAX_SIGNATURE_BYTES,
-    TrustPolicy,
-    check_digests,
-    check_structure,
-)
+from ckptvault.storage.base import Store
 from ckptvault.trust.context import TrustContext
-from ckptvault.trust.keystore import KeyStore, RotatingKeyStore, RotationKeys
+from ckptvault.trust.keystore import KeyStore, RotatingKeyStore
 from ckptvault.trust.ledger import default_state_dir
-from ckptvault.trust.manifest_auth import authenticate_manifest
-from ckptvault.trust.problems import GenerationRejected
-from ckptvault.trust.rewrap import rewrap_manifest
-from ckptvault.trust.signing import (
-    MANIFEST_DOMAIN,
-    PrivateKeyLike,
-    PublicKeyLike,
-    TrustedKeys,
-    sign,
-    verify,
-)
-
-ROTATED = "rotated"
-ALREADY_ROTATED = "already-rotated"
-SKIPPED = "skipped"
-FAILED = "failed"
-NOT_REACHED = "not-reached"  # stop_after ended the run first
-
-
-@dataclass(frozen=True)
-class GenerationOutcome:
-    store: str
-    step: int
-    generation_id: str
-    outcome: str  # one of the constants above
-    detail: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "store": self.store,
-            "step": self.step,
-            "generation_id": self.generation_id,
-            "outcome": self.outcome,
-            "detail": self.detail,
-        }
-
-
-@dataclass
-class RotationReport:
-    """What one call of :func:`rotate_run_key` did."""
-
-    run_id: str
-    keystore: str
-    new_kek_id: str
-    retired_kek_ids: list[str]
-    resumed: bool  # an unfinished rotation was found and continued
-    finished: bool = False  # the retired KEK was destroyed
-    destroyed_kek_ids: list[str] = field(default_factory=list)
-    generations: list[GenerationOutcome] = field(default_factory=list)
-
-    def count(self, outcome: str) -> int:
-        return sum(1 for g in self.generations if g.outcome == outcome)
-
-    def counts(self) -> dict[str, int]:
-        return {
-            name: self.count(name)
-            for name in (ROTATED, ALREADY_ROTATED, SKIPPED, FAILED, NOT_REACHED)
-        }
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "run_id": self.run_id,
-            "keystore": self.keystore,
-            "new_kek_id": self.new_kek_id,
-            "retired_kek_ids": self.retired_kek_ids,
-            "resumed": self.resumed,
-            "finished": self.finished,
-            "destroyed_kek_ids": self.destroyed_kek_ids,
-            "counts": self.counts(),
-            "generations": [g.to_json() for g in self.generations],
-        }
-
-
-@dataclass
-class _Found:
-    """One listed generation and what its (not yet verified) manifest says."""
-
-    store: Store
-    ref: GenerationRef
-    manifest: Manifest | None = None
-    signed: bool = False
-    problem: str | None = None  # why its manifest could not be read or parsed
-    unreadable: bool = False  # the problem is I/O, not content: never skip it silently
+from ckptvault.trust.signing import PrivateKeyLike, PublicKeyLike, TrustedKeys
 
 
 def rotate_run_key(
@@ -185,45 +105,74 @@ def rotate_run_key(
         audit_log=audit_log,
         always_audit=True,
     )
-    rotating = trust.keystore
-    if not isinstance(rotating, RotatingKeyStore):
-        raise UsageError(
-            f"key store {getattr(rotating, 'location', rotating)!r} cannot rotate keys"
-        )
+    rotating = _rotating_keystore(trust)
     trusted = _trusted(trust.signer, trusted_keys)
     journal_file = journal_path(_journal_dir(journal_dir, ledger), run_id)
     opened = _open_stores(stores, s3)
-    for store in opened:
-        trust.check_outside(store)
-        if store.holds_path(journal_file):
-            raise UsageError(f"the rotation journal {journal_file} is inside {store.location}")
-    locked: list[Store] = []
-    rotation: _Rotation | None = None
-    try:
-        for store in opened:
-            _lock(store)
-            locked.append(store)
-        found = [item for store in opened for item in _survey(store)]
-        _refuse_signed_without_key(found, run_id, trust.signer)
+    _check_outside(opened, trust, journal_file)
+    with _writer_locks(opened):
+        found = [item for store in opened for item in survey(store)]
+        refuse_signed_without_key(found, run_id, trust.signer)
         keys = rotating.begin_rotation(run_id)
         journal = RotationJournal(journal_file, run_id, keys.new_kek_id)
-        rotation = _Rotation(run_id, rotating, keys, trust.signer, trusted, journal)
-        report = rotation.run(found, stop_after)
-        blocking = report.count(FAILED) and not abandon_unverified
-        if not blocking and not report.count(NOT_REACHED):
-            report.destroyed_kek_ids = rotating.finish_rotation(run_id)
-            report.finished = True
-            rotation.journal.remove()
-    except BaseException as exc:
-        if rotation is not None:  # keys may have moved already: that goes on record too
-            with contextlib.suppress(AuditError):
-                _record(trust, rotation.report, opened, f"{type(exc).__name__}: {exc}")
-        raise
-    finally:
-        for store in locked:
-            store.release_writer()
+        rotator = GenerationRotator(run_id, rotating, keys, trust.signer, trusted, journal)
+        report = _rotate_and_finish(trust, rotator, found, opened, stop_after, abandon_unverified)
     _record(trust, report, opened)
     return report
+
+
+def _rotate_and_finish(
+    trust: TrustContext,
+    rotator: GenerationRotator,
+    found: list[SurveyedGeneration],
+    stores: list[Store],
+    stop_after: int | None,
+    abandon_unverified: bool,
+) -> RotationReport:
+    """Every generation in turn, then the retired KEK destroyed once nothing needs it
+    (no failure, unless ``abandon_unverified``; nothing left unreached)."""
+    keys = rotator.keys
+    report = RotationReport(
+        rotator.run_id,
+        rotator.keystore.location,
+        keys.new_kek_id,
+        list(keys.retired_kek_ids),
+        keys.resumed,
+    )
+    try:
+        _rotate_each(rotator, found, stop_after, report)
+        blocking = report.count(FAILED) and not abandon_unverified
+        if not blocking and not report.count(NOT_REACHED):
+            report.destroyed_kek_ids = rotator.keystore.finish_rotation(rotator.run_id)
+            report.finished = True
+            rotator.journal.remove()
+    except BaseException as exc:  # keys may have moved already: that goes on record too
+        with contextlib.suppress(AuditError):
+            _record(trust, report, stores, f"{type(exc).__name__}: {exc}")
+        raise
+    return report
+
+
+def _rotate_each(
+    rotator: GenerationRotator,
+    found: list[SurveyedGeneration],
+    stop_after: int | None,
+    report: RotationReport,
+) -> None:
+    """Each generation's outcome, into ``report`` as it comes: the ones to re-wrap are
+    rotated until ``stop_after`` of them were, and not reached after that."""
+    for item in found:
+        outcome, detail = rotator.classify(item)
+        if outcome is None:
+            if stop_after is not None and report.count(ROTATED) >= stop_after:
+                outcome, detail = NOT_REACHED, "stop_after reached first"
+            else:
+                outcome, detail = rotator.rotate(item)
+        report.generations.append(
+            GenerationOutcome(
+                item.store.location, item.ref.step, item.ref.generation_id, outcome, detail
+            )
+        )
 
 
 def _record(
@@ -246,6 +195,25 @@ def _record(
         **{name.replace("-", "_"): n for name, n in report.counts().items()},
         **fields,
     )
+
+
+def _rotating_keystore(trust: TrustContext) -> RotatingKeyStore:
+    rotating = trust.keystore
+    if not isinstance(rotating, RotatingKeyStore):
+        raise UsageError(
+            f"key store {getattr(rotating, 'location', rotating)!r} cannot rotate keys"
+        )
+    return rotating
+
+
+def _check_outside(stores: list[Store], trust: TrustContext, journal_file: Path) -> None:
+    """Refuse control-plane state (key store, ledger, audit log, journal) inside a
+    store: whoever can write the store could forge it (a journal entry vouches for a
+    signature that does not verify)."""
+    for store in stores:
+        trust.check_outside(store)
+        if store.holds_path(journal_file):
+            raise UsageError(f"the rotation journal {journal_file} is inside {store.location}")
 
 
 def _trusted(
@@ -283,6 +251,20 @@ def _open_stores(
     return opened
 
 
+@contextlib.contextmanager
+def _writer_locks(stores: list[Store]) -> Iterator[None]:
+    """Every store's writer lock, taken in order and released whatever happens."""
+    locked: list[Store] = []
+    try:
+        for store in stores:
+            _lock(store)
+            locked.append(store)
+        yield
+    finally:
+        for store in locked:
+            store.release_writer()
+
+
 def _lock(store: Store) -> None:
     try:
         store.acquire_writer()
@@ -292,167 +274,6 @@ def _lock(store: Store) -> None:
             "between training jobs (a save in flight could otherwise wrap keys with the old KEK "
             "after it was destroyed)"
         ) from None
-
-
-def _survey(store: Store) -> list[_Found]:
-    """Every generation of ``store`` and its manifest as stored (unverified)."""
-    found = []
-    for ref in store.list_generations():
-        item = _Found(store, ref)
-        try:
-            entries = store.list_entries(ref)
-            item.signed = SIGNATURE_NAME in entries
-            manifest_entry = entries.get(MANIFEST_NAME)
-            if manifest_entry is None or manifest_entry.size > MAX_MANIFEST_BYTES:
-                raise FormatError("the manifest is missing or too large")
-            data = store.read_bytes(ref, MANIFEST_NAME, manifest_entry.size)
-            item.manifest = parse_manifest(data, f"{ref.location}")
-        except (FormatError, CheckpointError) as exc:
-            item.problem = str(exc)
-        except OSError as exc:
-            item.problem, item.unreadable = f"cannot be read: {exc}", True
-        found.append(item)
-    return found
-
-
-def _refuse_signed_without_key(
-    found: list[_Found], run_id: str, signer: Ed25519PrivateKey | None
-) -> None:
-    if signer is not None:
-        return
-    signed = [
-        item
-        for item in found
-        if item.signed
-        and item.manifest is not None
-        and item.manifest.run_id == run_id
-        and item.manifest.encryption is not None
-    ]
-    if signed:
-        named = ", ".join(f"step {i.ref.step} in {i.store.location}" for i in signed[:5])
-        raise UsageError(
-            f"{len(signed)} generation(s) of run {run_id!r} are signed ({named}"
-            f"{', ...' if len(signed) > 5 else ''}); rotation changes their manifests' bytes, "
-            "so it must sign them again: pass --signing-key (signing_key=) with the run's "
-            "signing key. Nothing was changed"
-        )
-
-
-class _Rotation:
-    """One pass over the surveyed generations."""
-
-    def __init__(
-        self,
-        run_id: str,
-        keystore: RotatingKeyStore,
-        keys: RotationKeys,
-        signer: Ed25519PrivateKey | None,
-        trusted: TrustedKeys | None,
-        journal: RotationJournal,
-    ) -> None:
-        self.run_id = run_id
-        self.keystore = keystore
-        self.keys = keys
-        self.signer = signer
-        self.trusted = trusted
-        self.journal = journal
-        # (generation id, BLAKE3 of the old manifest) -> new manifest and signature, so
-        # a generation held by several stores gets the same bytes in each.
-        self.made: dict[tuple[str, str], tuple[bytes, bytes | None]] = {}
-        self.report = RotationReport(
-            run_id, keystore.location, keys.new_kek_id, list(keys.retired_kek_ids), keys.resumed
-        )
-
-    def run(self, found: list[_Found], stop_after: int | None) -> RotationReport:
-        report = self.report
-        for item in found:
-            if stop_after is not None and report.count(ROTATED) >= stop_after:
-                outcome, detail = self._classify(item)
-                if outcome is None:
-                    outcome, detail = NOT_REACHED, "stop_after reached first"
-            else:
-                outcome, detail = self._classify(item)
-                if outcome is None:
-                    outcome, detail = self._rotate(item)
-            report.generations.append(
-                GenerationOutcome(
-                    item.store.location, item.ref.step, item.ref.generation_id, outcome, detail
-                )
-            )
-        return report
-
-    def _classify(self, item: _Found) -> tuple[str | None, str]:
-        """What to do with a generation before verifying it; None: re-wrap it."""
-        manifest = item.manifest
-        if manifest is None:
-            return (FAILED if item.unreadable else SKIPPED), f"manifest {item.problem}"
-        if manifest.run_id != self.run_id:
-            return SKIPPED, f"a generation of run {manifest.run_id!r}"
-        if manifest.encryption is None:
-            return SKIPPED, "not encrypted"
-        kek_id = manifest.encryption.kek_id
-        if kek_id == self.keys.new_kek_id:
-            return ALREADY_ROTATED, ""
-        if kek_id not in self.keys.retired_kek_ids:
-            return SKIPPED, (
-                f"wrapped by {kek_id}, neither the new nor the retired key of this run: it "
-                "was unreadable with this key store before the rotation"
-            )
-        return None, ""
-
-    def _rotate(self, item: _Found) -> tuple[str, str]:
-        store, ref = item.store, item.ref
-        where = f"generation {ref.generation_id} (step {ref.step}) in {store.location}"
-        try:
-            checked = check_structure(store, ref, TrustPolicy(run_id=self.run_id))
-            problems = check_digests(store, checked)
-            if problems:
-                raise GenerationRejected(ref, problems)
-            old = checked.manifest_bytes
-            authenticate_manifest(checked.manifest, old, self.keystore, where)
-            signed = self._check_signature(store, ref, old)
-            made_key = (ref.generation_id, blake3(old).hexdigest())
-            if made_key not in self.made:
-                new = rewrap_manifest(
-                    old, checked.manifest, self.keystore, self.keys.new_kek_id, where
-                )
-                signature = None
-                if signed:
-                    assert self.signer is not None  # refused up front otherwise
-                    signature = sign(self.signer, new, MANIFEST_DOMAIN)
-                self.made[made_key] = (new, signature)
-            new, signature = self.made[made_key]
-            if signature is not None:
-                self.journal.note(ref.generation_id, old)  # before the first write
-            store.replace_manifest(ref, new, signature, replaces=old)
-        except (KeyDestroyedError, KeyServiceError):
-            raise  # about the whole run or the service, not this generation
-        except GenerationRejected as exc:
-            return FAILED, f"does not verify: {exc.reason}"
-        except (CheckpointError, ValueError, OSError) as exc:
-            return FAILED, f"{type(exc).__name__}: {exc}"
-        return ROTATED, ""
-
-    def _check_signature(self, store: Store, ref: GenerationRef, manifest: bytes) -> bool:
-        """Whether the generation is signed; SignatureError unless its signature is
-        by the signing key or a trusted key — or it is the new signature of this
-        rotation beside a manifest the journal records as verified (a crash between
-        the two writes)."""
-        if SIGNATURE_NAME not in store.list_entries(ref):
-            return False
-        if self.trusted is None:  # refused up front; here for safety
-            raise UsageError("a signed generation needs a signing key to be rotated")
-        signature = store.read_bytes(ref, SIGNATURE_NAME, MAX_SIGNATURE_BYTES)
-        try:
-            verify(signature, manifest, self.trusted, MANIFEST_DOMAIN, SIGNATURE_NAME)
-        except SignatureError as exc:
-            if self.journal.vouches(ref.generation_id, manifest):
-                return True
-            raise SignatureError(
-                f"{exc}; rotation re-signs only manifests signed by the signing key or a "
-                "--trusted-key (pass the key that signed it as --trusted-key)"
-            ) from exc
-        return True
 
 
 __all__ = [

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from ckptvault.format.layout import GenerationName
+from ckptvault.storage.records import RecordFilter
 
 AreaT = TypeVar("AreaT", contravariant=True)
 
@@ -190,8 +191,12 @@ class Store(Protocol):
     def put_record(self, kind: str, name: str, data: dict[str, Any]) -> None:
         """Create or replace one record, atomically."""
 
-    def list_records(self, kind: str) -> dict[str, dict[str, Any]]:
-        """Every well-formed record of ``kind`` by name; malformed ones are skipped."""
+    def list_records(
+        self, kind: str, accept: RecordFilter | None = None, limit: int | None = None
+    ) -> dict[str, dict[str, Any]]:
+        """Every well-formed record of ``kind`` by name; malformed ones are skipped.
+        Only names ``accept`` takes are read (all when None), at most ``limit`` of them
+        in name order (:func:`ckptvault.storage.records.records_to_read`)."""
 
     def delete_record(self, kind: str, name: str) -> None:
         """Remove one record; missing is fine."""

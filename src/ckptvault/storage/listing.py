@@ -14,7 +14,7 @@ from typing import Any
 
 from ckptvault.errors import CheckpointError
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, generation_created_at
-from ckptvault.storage.base import Store
+from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.storage.records import DELETION_MARK
 
 
@@ -47,9 +47,11 @@ class GenerationInfo:
         return listed
 
 
-def _marks(store: Store) -> dict[str, dict[str, Any]]:
+def _marks(store: Store, refs: list[GenerationRef]) -> dict[str, dict[str, Any]]:
+    """The marks of the listed generations: no other record is even read."""
+    dirnames = {ref.name.dirname for ref in refs}
     try:
-        return store.list_records(DELETION_MARK)
+        return store.list_records(DELETION_MARK, dirnames.__contains__)
     except (OSError, CheckpointError):
         return {}
 
@@ -58,8 +60,9 @@ def list_generation_infos(store: Store, include_marked: bool = False) -> list[Ge
     """Every published generation, newest first; parses no manifest. Generations
     marked for deletion only with ``include_marked`` (and then with their mark)."""
     infos = []
-    marks = _marks(store)
-    for ref in store.list_generations():
+    refs = store.list_generations()
+    marks = _marks(store, refs)
+    for ref in refs:
         mark = marks.get(ref.name.dirname)
         if mark is not None and not include_marked:
             continue

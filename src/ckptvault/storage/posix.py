@@ -55,6 +55,7 @@ from ckptvault.storage.posix_files import (
 )
 from ckptvault.storage.posix_publish import AtomicRename, PosixStagingArea
 from ckptvault.storage.posix_replace import replace_manifest_files
+from ckptvault.storage.records import RecordFilter
 
 __all__ = ["CAPACITY_HEADROOM", "AtomicRename", "PosixStagingArea", "PosixStore"]
 
@@ -275,8 +276,10 @@ class PosixStore:
     def put_record(self, kind: str, name: str, data: dict[str, Any]) -> None:
         posix_records.put_record(self, kind, name, data)
 
-    def list_records(self, kind: str) -> dict[str, dict[str, Any]]:
-        return posix_records.list_records(self, kind)
+    def list_records(
+        self, kind: str, accept: RecordFilter | None = None, limit: int | None = None
+    ) -> dict[str, dict[str, Any]]:
+        return posix_records.list_records(self, kind, accept, limit)
 
     def delete_record(self, kind: str, name: str) -> None:
         posix_records.delete_record(self, kind, name)

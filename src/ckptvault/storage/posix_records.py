@@ -22,10 +22,12 @@ from ckptvault.storage.records import (
     MAX_RECORD_BYTES,
     RECORD_SUFFIX,
     RECORDS_DIR,
+    RecordFilter,
     check_record_key,
     decode_record,
     encode_record,
     record_name_of,
+    records_to_read,
 )
 
 if TYPE_CHECKING:
@@ -72,17 +74,19 @@ def put_record(store: PosixStore, kind: str, name: str, data: dict[str, Any]) ->
                 os.unlink(temporary, dir_fd=kind_fd)
 
 
-def list_records(store: PosixStore, kind: str) -> dict[str, dict[str, Any]]:
+def list_records(
+    store: PosixStore, kind: str, accept: RecordFilter | None = None, limit: int | None = None
+) -> dict[str, dict[str, Any]]:
     check_record_key(kind, "x")
     kind_fd = records_dir(store, kind, create=False)
     if kind_fd is None:
         return {}
     records = {}
     with opened(kind_fd):
-        for file_name in sorted(os.listdir(kind_fd)):
-            name = record_name_of(file_name)
-            if name is None:
-                continue
+        listed = [name for entry in os.listdir(kind_fd) if (name := record_name_of(entry))]
+        where = os.path.join(store.location, RECORDS_DIR, kind)
+        for name in records_to_read(listed, kind, where, accept, limit):
+            file_name = name + RECORD_SUFFIX
             try:
                 raw = read_small_file(kind_fd, file_name, MAX_RECORD_BYTES)
             except (OSError, UnsafeEntryError):

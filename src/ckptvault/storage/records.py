@@ -6,12 +6,18 @@ operator pins one (``pinned``), a reader holds a lease while it restores
 process that opens the store sees them — and so whoever can write the store can
 write them too. That is why a record may only ever withhold a generation from
 restore or keep one from deletion: nothing a record says makes bytes count as
-verified. Keys and sizes are bounded like everything else read from a store.
+verified. Keys and sizes are bounded like everything else read from a store, and so
+is how many records one listing reads: a caller names the records it can use
+(``accept``, judged on the name alone, before anything is read) and how many it
+reads at most (``limit``; the rest are left unread, with a warning), so thousands of
+planted records cost a listing, not thousands of reads.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ckptvault.errors import FormatError, UsageError
@@ -25,6 +31,15 @@ MAX_RECORD_DEPTH = 16
 DELETION_MARK = "deleted"
 PIN = "pinned"
 LEASE = "lease"
+
+# The most records of one kind that retention reads from a store in one listing when
+# the store's own generations do not bound them (marks of generations it no longer
+# lists, leases). ckptvault itself leaves a handful; more are left for later passes.
+MAX_RECORDS_READ = 256
+
+RecordFilter = Callable[[str], bool]
+
+logger = logging.getLogger("ckptvault")
 
 _KIND_RE = re.compile(r"^[a-z][a-z0-9-]{0,31}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
@@ -58,3 +73,27 @@ def record_name_of(file_name: str) -> str | None:
         return None
     name = file_name[: -len(RECORD_SUFFIX)]
     return name if _NAME_RE.match(name) and ".." not in name else None
+
+
+def records_to_read(
+    names: Iterable[str],
+    kind: str,
+    where: str,
+    accept: RecordFilter | None = None,
+    limit: int | None = None,
+) -> list[str]:
+    """The record names a listing reads, in name order: those ``accept`` takes (every
+    one when None), at most ``limit`` of them; a warning says how many were left
+    unread."""
+    wanted = sorted(name for name in names if accept is None or accept(name))
+    if limit is not None and len(wanted) > limit:
+        logger.warning(
+            "%s holds %d %r records retention could use; %d are read now, the rest are "
+            "left for later passes",
+            where,
+            len(wanted),
+            kind,
+            limit,
+        )
+        return wanted[:limit]
+    return wanted

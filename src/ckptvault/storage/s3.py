@@ -39,10 +39,12 @@ from ckptvault.format.manifest import is_safe_file_name
 from ckptvault.storage.base import EntryInfo, GenerationRef
 from ckptvault.storage.records import (
     MAX_RECORD_BYTES,
+    RecordFilter,
     check_record_key,
     decode_record,
     encode_record,
     record_name_of,
+    records_to_read,
 )
 from ckptvault.storage.retained import LockRule, RetainedCopy, locked_until
 from ckptvault.storage.s3_cleanup import delete_generation, remove_stale_attempts
@@ -284,14 +286,19 @@ class S3Store:
         key = self.layout.record_key(kind, name)
         self.client.call("put_object", key, Body=encode_record(data), ChecksumAlgorithm=CHECKSUM)
 
-    def list_records(self, kind: str) -> dict[str, dict[str, Any]]:
+    def list_records(
+        self, kind: str, accept: RecordFilter | None = None, limit: int | None = None
+    ) -> dict[str, dict[str, Any]]:
         check_record_key(kind, "x")
         prefix = self.layout.records_prefix(kind)
-        records = {}
+        listed = {}
         for item in self._list(prefix):
             name = record_name_of(str(item["Key"])[len(prefix) :])  # None for nested keys
-            if name is None or int(item["Size"]) > MAX_RECORD_BYTES:
-                continue
+            if name is not None and int(item["Size"]) <= MAX_RECORD_BYTES:
+                listed[name] = item
+        records = {}
+        for name in records_to_read(listed, kind, self.client.url(prefix), accept, limit):
+            item = listed[name]
             try:
                 raw, _ = self.client.get_bytes(
                     str(item["Key"]), Range=f"bytes=0-{MAX_RECORD_BYTES}"

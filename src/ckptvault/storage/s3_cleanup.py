@@ -87,19 +87,22 @@ def remove_stale_attempts(store: S3Store, older_than: float | None) -> list[str]
 
 
 def _survey(store: S3Store) -> tuple[dict[str, _Attempt], list[tuple[str, str, float]]]:
-    """Unpublished attempts by generation id, and uploads under ``data/`` that belong
-    to none (``(key, upload id, last write)``): a published attempt's leftovers, or
-    keys ckptvault never makes."""
+    """Unpublished attempts by generation id, and uploads that belong to none
+    (``(key, upload id, last write)``): a published attempt's leftovers.
+
+    Only keys this store makes count (``S3Layout.parse_data_key``): ckptvault
+    uploads nothing elsewhere, and a store at a bucket's root must not abort another
+    application's uploads under ``data/``, nor delete its objects."""
     published = {ref.generation_id for ref in store.list_generations()}
     attempts: dict[str, _Attempt] = defaultdict(lambda: _Attempt(newest=0.0))
     strays = []
-    # Only under data/: ckptvault uploads nothing elsewhere, and a store at a bucket's
-    # root must not abort another application's uploads.
     for upload in store.client.list_uploads(store.layout.data_root):
         key, upload_id = str(upload["Key"]), str(upload["UploadId"])
-        newest = _upload_activity(store.client, key, upload_id, upload.get("Initiated"))
         parsed = store.layout.parse_data_key(key)
-        if parsed is None or parsed[1] in published:
+        if parsed is None:
+            continue  # not a key ckptvault makes: someone else's upload
+        newest = _upload_activity(store.client, key, upload_id, upload.get("Initiated"))
+        if parsed[1] in published:
             strays.append((key, upload_id, newest))
             continue
         attempt = attempts[parsed[1]]

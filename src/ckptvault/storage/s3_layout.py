@@ -135,12 +135,20 @@ class S3Layout:
         return parse_generation_dirname(dirname) if file_name == MANIFEST_NAME else None
 
     def parse_data_key(self, key: str) -> tuple[str, str] | None:
-        """``(spread digit, generation id)`` of a key under ``data/``; None otherwise."""
-        parts = key[len(self.data_root) :].split("/", 2)
-        if not key.startswith(self.data_root) or len(parts) < 3:
+        """``(spread digit, generation id)`` of a key this store writes under ``data/``:
+        exactly ``data/<digit>/<generation id>/<safe file name>``, with the digit that
+        file's rank spreads to (:meth:`data_key`). None for anything else: at a
+        bucket's root, ``data/`` may hold another application's objects and uploads,
+        and cleanup never touches a key this parses to None."""
+        if not key.startswith(self.data_root):
             return None
-        digit, generation_id = parts[0], parts[1]
-        if len(digit) != 1 or digit not in SPREAD_DIGITS or not is_generation_id(generation_id):
+        parts = key[len(self.data_root) :].split("/")
+        if len(parts) != 3:
+            return None
+        digit, generation_id, file_name = parts
+        if not is_generation_id(generation_id) or not is_safe_file_name(file_name):
+            return None
+        if digit != spread_digit(generation_id, rank_of(file_name)):
             return None
         return digit, generation_id
 
