@@ -53,31 +53,12 @@ def test_a_failing_subscriber_says_the_generation_was_published(store: Path):
         assert [g.step for g in mgr.generations()] == [1]
 
 
-class FourthOfFour:
-    """Rank 3 of a job of 4, coordinating (only a single process runs here)."""
-
-    rank = 3
-    world_size = 4
-    is_coordinator = True
-
-    def barrier(self) -> None:
-        return None
-
-    def broadcast(self, value):  # type: ignore[no-untyped-def]
-        return value
-
-
-def test_rank_and_world_size_come_from_the_coordinator(store: Path):
-    assert isinstance(SingleProcess(), Coordinator) and isinstance(FourthOfFour(), Coordinator)
-    with cv.CheckpointManager(store, run_id="r", coordinator=FourthOfFour()) as mgr:
-        info = mgr.save(1, {"x": torch.arange(6.0)}).result()
-        manifest = json.loads((Path(info.path) / "manifest.json").read_bytes())
-        assert manifest["writer"]["world_size"] == 4
-        assert sorted(manifest["files"]) == ["r00003-000.safetensors"]
-        restored = {"x": torch.zeros(6)}
-        assert mgr.restore(restored).step == 1
-        assert torch.equal(restored["x"], torch.arange(6.0))
+def test_one_process_is_a_job_of_one_rank(store: Path):
+    """Without a process group the manager is its own coordinator: rank 0 of 1 names
+    the files and the manifest records one rank (many ranks: test_many_ranks.py)."""
+    assert isinstance(SingleProcess(), Coordinator)
     with cv.CheckpointManager(store, run_id="r") as mgr:
+        assert isinstance(mgr.coordinator, SingleProcess)
         info = mgr.save(2, {"x": torch.ones(1)}).result()
         manifest = json.loads((Path(info.path) / "manifest.json").read_bytes())
         assert manifest["writer"]["world_size"] == 1

@@ -2,7 +2,7 @@
 
 Public names::
 
-    CheckpointManager, RNGState, RestoreInfo, SaveHandle, GenerationInfo,
+    CheckpointManager, RNGState, PerRank, RestoreInfo, SaveHandle, GenerationInfo,
     SkippedGeneration, Retention, errors, __version__
 
 Names that need torch are imported on first use, so ``ckptvault.errors`` and the
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         SkippedGeneration,
     )
     from ckptvault.saving.handles import SaveHandle, SaveStats
+    from ckptvault.state.ranks import PerRank
     from ckptvault.state.rng import RNGState
     from ckptvault.storage.listing import GenerationInfo
 
@@ -36,11 +37,13 @@ _LAZY = {
     "SaveStats": "ckptvault.saving.handles",
     "SkippedGeneration": "ckptvault.manager",
     "RNGState": "ckptvault.state.rng",
+    "PerRank": "ckptvault.state.ranks",
 }
 
 __all__ = [
     "CheckpointManager",
     "GenerationInfo",
+    "PerRank",
     "RNGState",
     "RestoreInfo",
     "Retention",

@@ -54,6 +54,7 @@ class ManagerOptions(TypedDict, total=False):
     chunk_size: int
     segment_size: int
     coordinator: Coordinator | None
+    collective_timeout_s: float
     s3_endpoint_url: str | None
     s3_part_size: int | None
     s3_max_concurrency: int | None
@@ -92,7 +93,7 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
     encode_contract_fields(config.contract or {})  # fail now, not at the first save
     trust = TrustContext.configure(**trust_options)
     trust.check_outside(store)
-    coordinator = options.get("coordinator") or SingleProcess()
+    coordinator = options.get("coordinator") or _default_coordinator(options)
     events = EventBus(trust.subscribers())
     replicator = Replicator.attach(
         store, replicate_to, events, trust, config.run_id, s3 if _is_s3(replicate_to) else None
@@ -128,6 +129,15 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
         scheduler,
         restorer,
     )
+
+
+def _default_coordinator(options: ManagerOptions) -> Coordinator:
+    """A torch.distributed job's coordinator when a process group of several ranks
+    is initialized, else this process alone."""
+    from ckptvault.distributed.coordinator import DEFAULT_TIMEOUT_S, default_coordinator
+
+    timeout = options.get("collective_timeout_s", DEFAULT_TIMEOUT_S)
+    return default_coordinator(timeout) or SingleProcess()
 
 
 def _is_s3(location: StoreLocation | None) -> bool:

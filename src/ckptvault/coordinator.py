@@ -2,14 +2,16 @@
 
 Everything that depends on the job's shape asks a :class:`Coordinator`: the writer
 names tensor files after its rank, the manifest records the world size, restore
-lets the coordinating rank choose the generation and tells the others. Today the
-only implementation is :class:`SingleProcess`; the multi-rank path plugs
-``torch.distributed`` in behind the same protocol.
+lets the coordinating rank choose the generation and tells the others, and every
+rank's verdict is combined before anything is published or applied.
+:class:`SingleProcess` is one process alone;
+:class:`~ckptvault.distributed.coordinator.TorchDistributed` is a torch.distributed
+job, chosen by the manager when a process group of more than one rank exists.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 T = TypeVar("T")
 
@@ -32,6 +34,13 @@ class Coordinator(Protocol):
     def broadcast(self, value: T) -> T:
         """The coordinator's ``value``, on every rank (JSON-able values only)."""
 
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (JSON-able), in rank order, on every rank."""
+
+    @property
+    def process_group(self) -> Any:
+        """The torch.distributed group DCP runs on; None for one process."""
+
 
 class SingleProcess:
     """One process is the whole job: rank 0 of 1, coordinating itself."""
@@ -45,6 +54,11 @@ class SingleProcess:
 
     def broadcast(self, value: T) -> T:
         return value
+
+    def all_gather(self, value: Any) -> list[Any]:
+        return [value]
+
+    process_group = None
 
     def __repr__(self) -> str:
         return "SingleProcess()"

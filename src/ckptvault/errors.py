@@ -144,9 +144,15 @@ class SaveFailedError(CheckpointError):
     """A save failed for a reason that is not one of the more specific errors."""
 
 
+class CollectiveError(CheckpointError):
+    """A collective among the ranks of a job failed or timed out: another rank died,
+    is stuck, or failed its part of a save or restore (the message names it)."""
+
+
 __all__ = [
     "AuditError",
     "CheckpointError",
+    "CollectiveError",
     "ContractMismatch",
     "DecryptionError",
     "FormatError",

@@ -25,7 +25,8 @@ from ckptvault.lifecycle.metrics import validate_metrics
 from ckptvault.restoring.restorer import RestoreInfo
 from ckptvault.restoring.selector import SkippedGeneration
 from ckptvault.saving.handles import SaveHandle, SaveStats
-from ckptvault.state.capture import capture_state
+from ckptvault.state.capture import CapturedState, capture_state
+from ckptvault.state.ranks import capture_ranked
 from ckptvault.storage import StoreLocation
 from ckptvault.storage.listing import GenerationInfo, list_generation_infos
 
@@ -69,7 +70,10 @@ class CheckpointManager:
         threads: worker threads for writing and verifying (default: up to 8).
         chunk_size: bytes per digest chunk in the manifest (default 4 MiB).
         segment_size: plaintext bytes per encrypted segment (default 1 MiB).
-        coordinator: the rank/world seam (default: this process alone).
+        coordinator: the rank/world seam (default: the torch.distributed job when a
+            process group of several ranks is initialized, else this process alone).
+        collective_timeout_s: how long a rank waits for the others in a collective
+            save or restore before it raises ``CollectiveError`` (default 600).
         s3_endpoint_url, s3_part_size, s3_max_concurrency, object_lock_days: options of
             an ``s3://bucket/prefix`` store (:class:`~ckptvault.storage.S3Options`).
         replicate_to: a second, durable tier (path or URL): every published generation
@@ -119,8 +123,9 @@ class CheckpointManager:
         self._scheduler.raise_background_error()
         started = time.perf_counter()
         self.trust.ensure_key_usable(self.run_id)  # KeyDestroyedError after crypto-erase
-        captured = capture_state(state)  # unsupported values fail here, before any I/O
-        self.store.acquire_writer()
+        captured = self._capture(state)  # unsupported values fail here, before any I/O
+        if self.coordinator.is_coordinator:  # one writer per job: the coordinator
+            self.store.acquire_writer()
         blocking = not self.config.async_save if blocking is None else blocking
         return self._scheduler.submit(step, captured, blocking, started, recorded)
 
@@ -185,6 +190,11 @@ class CheckpointManager:
                 self.replicator.close()  # waits for copies in flight
             self.store.release_writer()
             self._writer.close()
+
+    def _capture(self, state: Mapping[str, Any]) -> CapturedState:
+        if self.coordinator.world_size > 1:  # each rank's own entries apart
+            return capture_ranked(state, self.coordinator.rank)
+        return capture_state(state)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -34,9 +34,17 @@ warnings.filterwarnings(
 )
 
 
-def _reraise(exc: CheckpointException, wrap: type[CheckpointError], what: str) -> NoReturn:
-    """Re-raise the first rank's original error; wrap anything untyped in ``wrap``."""
-    for original, _trace in exc.failures.values():
+def _reraise(
+    exc: CheckpointException, wrap: type[CheckpointError], what: str, ranks: int = 1
+) -> NoReturn:
+    """Re-raise the first rank's original error; wrap anything untyped in ``wrap``.
+    Among several ranks, every rank raises ``wrap`` naming the ranks that failed."""
+    for _rank, (original, _trace) in sorted(exc.failures.items()):
+        if ranks > 1:
+            failed = ", ".join(str(r) for r in sorted(exc.failures))
+            raise wrap(
+                f"{what}: rank {failed} failed: {type(original).__name__}: {original}"
+            ) from original
         if isinstance(original, (CheckpointError, OSError, KeyboardInterrupt, MemoryError)):
             raise original
         raise wrap(f"{what}: {type(original).__name__}: {original}") from original
@@ -51,20 +59,32 @@ def write_tensors(
     encryption: FileEncryption | None = None,
     plan_cache_key: str | None = None,
     rank: int = 0,
+    process_group: Any = None,
+    ranks: int = 1,
 ) -> VaultStorageWriter:
     """Write tensors as safetensors files (or encrypted containers of them), named
     after ``rank``; the returned writer holds the DCP metadata JSON, file records and
-    wrapped keys."""
+    wrapped keys (on the coordinator, every rank's: DCP gathers them there).
+
+    With ``process_group`` (a job of ``ranks`` ranks) this is collective: every rank
+    calls it, DCP plans globally (sharded tensors by their shards, replicated ones
+    written once) and a failure on any rank raises on every rank."""
     writer = VaultStorageWriter(
         staging, chunk_size=chunk_size, threads=threads, encryption=encryption, rank=rank
     )
-    if tensors:
+    if tensors or process_group is not None:
         try:
-            planner = TensorOnlySavePlanner(plan_cache_key)
-            dcp.save(tensors, storage_writer=writer, planner=planner, no_dist=True)
+            planner = TensorOnlySavePlanner(plan_cache_key if process_group is None else None)
+            dcp.save(
+                tensors,
+                storage_writer=writer,
+                planner=planner,
+                process_group=process_group,
+                no_dist=process_group is None,
+            )
             writer.reused_plan = planner.reused_plan
         except CheckpointException as exc:
-            _reraise(exc, SaveFailedError, "saving tensors")
+            _reraise(exc, SaveFailedError, "saving tensors", ranks)
     if writer.dcp_json is None:
         writer.dcp_json = {"version": None, "tensors": {}}
     return writer

@@ -7,10 +7,11 @@ through exactly the same rules.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptvault.errors import (
+    CheckpointError,
     DecryptionError,
     FormatError,
     IntegrityError,
@@ -23,6 +24,7 @@ from ckptvault.format.manifest import Manifest
 from ckptvault.io.dcp_io import read_tensors
 from ckptvault.io.state_file import encrypted_state_reference, read_state_file
 from ckptvault.state.capture import decode_tree
+from ckptvault.state.ranks import tree_for_rank
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import CheckedGeneration, TrustPolicy, check_structure
 from ckptvault.trust.envelope import binding
@@ -49,6 +51,9 @@ class LoadedGeneration:
     manifest: Manifest
     saved: dict[str, Any]  # the decoded state, with placeholders for live objects
     signer: str | None
+    # Per-rank entries of a multi-rank save this rank cannot restore (the world size
+    # changed; ``ckptvault.state.ranks``): they are left as they are.
+    reset: list[str] = field(default_factory=list)
 
 
 def load_verified(
@@ -58,35 +63,97 @@ def load_verified(
     keystore: KeyStore | None,
     threads: int,
     require_encryption: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> LoadedGeneration:
-    """Verify ``ref`` completely and decode it.
+    """Verify ``ref`` completely and decode it, as rank ``rank`` of ``world_size``
+    sees it (the job's entries, and the rank's own when the world size is the one
+    that saved it).
 
     Raises :class:`GenerationRejected` for anything wrong with the generation (the
     caller tries the next one) and :class:`KeyDestroyedError` after crypto-erase.
     """
+    prepared = prepare_load(store, ref, policy, keystore, require_encryption)
+    manifest = prepared.checked.manifest
+    try:
+        tensors = read_tensors(store, ref, manifest, threads, data_keys=prepared.data_keys)
+    except (CheckpointError, OSError) as exc:
+        raise rejection(ref, exc) from exc
+    tree = prepared.tree
+    saved, reset = decode_for_rank(ref, manifest, tree, tensors, rank, world_size)
+    return LoadedGeneration(ref, manifest, saved, prepared.checked.signer, reset)
+
+
+@dataclass
+class PreparedLoad:
+    """A generation past every check that needs no tensor byte: structure, signature,
+    authenticity, keys unwrapped, state tree read."""
+
+    checked: CheckedGeneration
+    data_keys: dict[str, bytes]
+    tree: Any
+
+
+def prepare_load(
+    store: Store,
+    ref: GenerationRef,
+    policy: TrustPolicy,
+    keystore: KeyStore | None,
+    require_encryption: bool,
+) -> PreparedLoad:
+    """The checks before any tensor byte is read; GenerationRejected when one fails."""
     checked = check_structure(store, ref, policy)
-    manifest = checked.manifest
     # Before any key, tensor or state byte is used.
     check_authenticity(checked, keystore, require_encryption)
-    data_keys = _data_keys(ref, manifest, keystore)
+    data_keys = _data_keys(ref, checked.manifest, keystore)
     try:
-        tree = _state_tree(store, ref, manifest, data_keys)
-        tensors = read_tensors(store, ref, manifest, threads, data_keys=data_keys)
-    except DecryptionError as exc:
-        raise GenerationRejected(ref, [Problem(AUTHENTICATION_FAILED, str(exc))]) from exc
-    except UnsafeEntryError as exc:
-        raise GenerationRejected(ref, [Problem(UNSAFE_ENTRY, str(exc))]) from exc
-    except IntegrityError as exc:
-        raise GenerationRejected(ref, [Problem(DIGEST_MISMATCH, str(exc))]) from exc
-    except FormatError as exc:
-        raise GenerationRejected(ref, [Problem(TENSOR_FILE_INVALID, str(exc))]) from exc
-    except OSError as exc:
-        raise GenerationRejected(ref, [Problem(UNREADABLE, str(exc))]) from exc
+        tree = _state_tree(store, ref, checked.manifest, data_keys)
+    except (CheckpointError, OSError) as exc:
+        raise rejection(ref, exc) from exc
+    return PreparedLoad(checked, data_keys, tree)
+
+
+def rejection(ref: GenerationRef, exc: CheckpointError | OSError) -> CheckpointError:
+    """What a failure while reading a candidate's bytes means for the candidate:
+    GenerationRejected with its reason code (other errors pass through)."""
+    for kind, code in (
+        (DecryptionError, AUTHENTICATION_FAILED),
+        (UnsafeEntryError, UNSAFE_ENTRY),
+        (IntegrityError, DIGEST_MISMATCH),
+        (FormatError, TENSOR_FILE_INVALID),
+        (OSError, UNREADABLE),
+    ):
+        if isinstance(exc, kind):
+            return GenerationRejected(ref, [Problem(code, str(exc))])
+    if isinstance(exc, CheckpointError):
+        return exc
+    raise AssertionError(exc)
+
+
+def decode_for_rank(
+    ref: GenerationRef,
+    manifest: Manifest,
+    tree: Any,
+    tensors: dict[str, Any],
+    rank: int,
+    world_size: int,
+) -> tuple[dict[str, Any], list[str]]:
+    """The saved state rank ``rank`` of ``world_size`` restores, decoded, and the
+    per-rank entries it cannot restore; GenerationRejected when it does not decode."""
+    where = f"generation {ref.generation_id}"
     try:
-        saved = decode_tree(tree, tensors, f"generation {ref.generation_id}")
+        view, reset = tree_for_rank(tree, saved_world_size(manifest), rank, world_size, where)
+        return decode_tree(view, tensors, where), reset
     except FormatError as exc:
         raise GenerationRejected(ref, [Problem(MANIFEST_INVALID, str(exc))]) from exc
-    return LoadedGeneration(ref, manifest, saved, checked.signer)
+
+
+def saved_world_size(manifest: Manifest) -> int:
+    """How many ranks wrote ``manifest`` (1 when it does not say)."""
+    size = manifest.writer.get("world_size", 1) if isinstance(manifest.writer, dict) else 1
+    if type(size) is not int or not 1 <= size <= 1 << 20:
+        raise FormatError(f"the manifest's writer.world_size {size!r} is not a rank count")
+    return size
 
 
 def check_authenticity(

@@ -11,6 +11,7 @@ host memory with non-blocking copies, synchronized once at the end.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 _Key = tuple[str, tuple[int, ...], torch.dtype]
 
@@ -37,10 +38,23 @@ class StagingSlot:
         live = {(name, tuple(t.shape), t.dtype) for name, t in tensors.items()}
         for stale in set(self._buffers) - live:  # the layout changed: free what is unused
             del self._buffers[stale]
-        staged = {}
+        staged: dict[str, torch.Tensor] = {}
         cuda_used = False
         with torch.no_grad():
             for name, tensor in tensors.items():
+                if isinstance(tensor, DTensor):  # stage the shard, keep the layout
+                    local = tensor.to_local()
+                    shard = self._buffer_for(name, local)
+                    cuda_used |= _copy(shard, local)
+                    staged[name] = DTensor.from_local(
+                        shard,
+                        tensor.device_mesh,
+                        tensor.placements,
+                        run_check=False,
+                        shape=tensor.shape,
+                        stride=tensor.stride(),
+                    )
+                    continue
                 buffer = self._buffer_for(name, tensor)
                 source = tensor.detach()
                 if source.device.type == "cuda":
@@ -52,6 +66,17 @@ class StagingSlot:
         if cuda_used:
             torch.cuda.synchronize()
         return staged
+
+
+def _copy(buffer: torch.Tensor, source: torch.Tensor) -> bool:
+    """Copy ``source`` into ``buffer``; True when it came from a CUDA device (not yet
+    synchronized)."""
+    source = source.detach()
+    if source.device.type == "cuda":
+        buffer.copy_(source, non_blocking=True)
+        return True
+    buffer.copy_(source)
+    return False
 
 
 class StagingPool:

@@ -122,6 +122,7 @@ class VaultStorageWriter(StorageWriter):
         self.dcp_json: dict[str, Any] | None = None
         self.file_records: dict[str, FileRecord] = {}
         self.wrapped_keys: dict[str, tuple[str, bytes]] = {}
+        self.own_files: list[str] = []  # written by this rank (file_records: every rank's)
         self.reused_plan = False
 
     # -- DCP protocol ------------------------------------------------------------------
@@ -130,6 +131,7 @@ class VaultStorageWriter(StorageWriter):
         self.dcp_json = None
         self.file_records = {}
         self.wrapped_keys = {}
+        self.own_files = []
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         # The rank given at construction (the coordinator's) names the files; DCP's
@@ -199,6 +201,7 @@ class VaultStorageWriter(StorageWriter):
             name += ENCRYPTED_SUFFIX
         digester = FileDigester(self.chunk_size)
         sink = self.staging.create_file(name)
+        self.own_files.append(name)
         try:
             out, wrapped_key = self._open_output(HashingSink(sink, digester), name, header)
             out.write(header.header_bytes)

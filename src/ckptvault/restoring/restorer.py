@@ -16,15 +16,17 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ckptvault.distributed.restore import CollectiveLoader
 from ckptvault.errors import AuditError, CheckpointError, NoValidCheckpoint
 from ckptvault.events import Refused, Restored, RollbackApplied
 from ckptvault.format.layout import GenerationName
-from ckptvault.io.load import LoadedGeneration, load_verified
+from ckptvault.io.load import LoadedGeneration, load_verified, saved_world_size
 from ckptvault.lifecycle.leases import reading_lease
 from ckptvault.restoring.selector import CandidateSelector, Selection, SkippedGeneration
 from ckptvault.run_context import RunContext
 from ckptvault.state.apply import plan_restore
 from ckptvault.state.contract import compare_contracts
+from ckptvault.state.ranks import capture_ranked, leave_per_rank_alone
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import TrustPolicy
 from ckptvault.trust.ledger import rollback_cutoff
@@ -49,6 +51,9 @@ class RestoreInfo:
     # when the generation carries a signature but no trusted keys were given (the key
     # id it claims is not reported: anyone can write a claim); None when unsigned.
     signer: str | None = None
+    # Per-rank entries left as they were: saved by another world size, they mean
+    # nothing here (``ckptvault.state.ranks``).
+    reset: list[str] = field(default_factory=list)
 
 
 def _warn_fallback(ref: GenerationRef, skipped: list[SkippedGeneration]) -> None:
@@ -87,6 +92,15 @@ class Restorer:
             CandidateSelector(store, run.run_id, run.trust) for store in (run.store, *remote_tiers)
         ]
         self.on_remote_restore = on_remote_restore
+        self.collective: CollectiveLoader | None = None
+        if run.coordinator.world_size > 1:  # many ranks choose and load together
+            self.collective = CollectiveLoader(
+                run.coordinator,
+                [selector.store for selector in self.selectors],
+                run.trust.keystore,
+                threads,
+                TrustPolicy(run_id=run.run_id, trusted_keys=run.trust.trusted),
+            )
 
     def restore(
         self,
@@ -114,19 +128,32 @@ class Restorer:
     ) -> RestoreInfo | None:
         started = time.perf_counter()
         self.trust.ensure_key_usable(self.run_id)  # crypto-erased runs are gone for good
-        chosen = self._choose(step, allow_rollback_to)
+        chosen = self._choose_anywhere(state, step, allow_rollback_to)
         if chosen is None:
             return None
         store, selection, ref, loaded = chosen
         where = f"generation {ref.generation_id} (step {ref.step})"
-        if self.contract_fields is not None and not allow_contract_change:
-            compare_contracts(loaded.manifest.contract, self.contract_fields, where)
-        plan = plan_restore(state, loaded.saved)
-        if strict and not plan.clean:
-            raise plan.mismatch_error(where)
+        saved_world = saved_world_size(loaded.manifest)
+        world = self.coordinator.world_size
+        loaded.reset += leave_per_rank_alone(state, loaded.saved, saved_world, world)
+        plan, mismatch = None, None
+        try:
+            if self.contract_fields is not None and not allow_contract_change:
+                compare_contracts(loaded.manifest.contract, self.contract_fields, where)
+            plan = plan_restore(state, loaded.saved, loaded.reset)
+            if strict and not plan.clean:
+                raise plan.mismatch_error(where)
+        except CheckpointError as exc:
+            mismatch = exc
+        if self.collective is not None:
+            self.collective.agree_to_apply(mismatch)  # every rank applies, or none
+        elif mismatch is not None:
+            raise mismatch
+        assert plan is not None
         plan.apply(where)
         _warn_fallback(ref, selection.skipped)
-        self._report_restored(store, ref, selection)
+        if self.coordinator.is_coordinator:
+            self._report_restored(store, ref, selection)
         if store is not self.store and self.on_remote_restore is not None:
             self.on_remote_restore(store, ref)  # bring it back to the local tier
         return RestoreInfo(
@@ -140,7 +167,34 @@ class Restorer:
             bytes=loaded.manifest.total_bytes,
             seconds=time.perf_counter() - started,
             signer=loaded.signer,
+            reset=loaded.reset,
         )
+
+    def _choose_anywhere(
+        self, state: MutableMapping[str, Any], step: int | None, allow_rollback_to: int | None
+    ) -> tuple[Store, Selection, GenerationRef, LoadedGeneration] | None:
+        """:meth:`_choose` alone, or with every rank of the job: rank 0 chooses and
+        the others load what it names (:mod:`ckptvault.distributed.restore`)."""
+        collective = self.collective
+        if collective is None:
+            return self._choose(step, allow_rollback_to)
+        collective.live = capture_ranked(state, self.coordinator.rank).tensors
+        if not self.coordinator.is_coordinator:
+            followed = collective.follow()
+            if followed is None:
+                return None
+            store, ref, loaded, skipped = followed
+            policy = TrustPolicy(run_id=self.run_id, trusted_keys=self.trust.trusted)
+            done = Selection([ref], [ref], policy, skipped=[SkippedGeneration(*s) for s in skipped])
+            return store, done, ref, loaded
+        try:
+            chosen = self._choose(step, allow_rollback_to)
+        except BaseException as exc:
+            collective.finish(None, exc)
+            raise
+        skipped = [(s.generation_id, s.step, s.reason) for s in chosen[1].skipped] if chosen else []
+        collective.finish(chosen[2] if chosen else None, None, skipped)
+        return chosen
 
     def _choose(
         self, step: int | None, allow_rollback_to: int | None
@@ -173,6 +227,8 @@ class Restorer:
 
     def _load(self, store: Store, ref: GenerationRef, policy: TrustPolicy) -> LoadedGeneration:
         with reading_lease(store, ref):  # released on errors too
+            if self.collective is not None:
+                return self.collective.load(store, ref, policy)
             return load_verified(
                 store,
                 ref,

@@ -78,19 +78,24 @@ class GenerationWriter:
         metrics: dict[str, int | float] | None = None,
     ) -> WrittenGeneration:
         """Write, sign and publish one generation (the caller holds the writer lock);
-        ``metrics`` (validated) go into the manifest."""
+        ``metrics`` (validated) go into the manifest. In a job of several ranks this
+        is collective (:mod:`ckptvault.distributed.save`)."""
+        if self.coordinator.world_size > 1:
+            from ckptvault.distributed.save import CollectiveSave
+
+            return CollectiveSave(self).write(step, captured, metrics)
         started = time.perf_counter()
         self.store.remove_stale_staging()
         tensor_bytes = sum(t.numel() * t.element_size() for t in captured.tensors.values())
         # Manifest, signature, state file and one tensor file per writer thread at most.
         metadata = MANIFEST_ALLOWANCE + METADATA_PER_TENSOR * len(captured.tensors)
         self.store.check_capacity(tensor_bytes + metadata, self.settings.threads + 4)
-        generation_id = new_generation_id(not_before=self._newest_rollback_cutoff())
+        generation_id = new_generation_id(not_before=self.newest_rollback_cutoff())
         staging = self.store.begin_generation(generation_id)
         try:
             tensors = self._write_tensors(staging, generation_id, captured)
-            state = self._write_state(staging, generation_id, captured, tensors)
-            manifest = self._manifest(step, generation_id, state, tensors, metrics)
+            state = self.write_state(staging, generation_id, captured, tensors)
+            manifest = self.build_manifest(step, generation_id, state, tensors, metrics)
             manifest_bytes = manifest.to_bytes()
             ref = staging.publish(step, manifest_bytes, self.trust.sign_manifest(manifest_bytes))
         except BaseException:
@@ -128,14 +133,14 @@ class GenerationWriter:
     def close(self) -> None:
         forget_cached_plans(self._plan_cache_key)
 
-    def _newest_rollback_cutoff(self) -> str | None:
+    def newest_rollback_cutoff(self) -> str | None:
         """New ids must sort after the run's latest rollback cutoff, even when this
         clock is behind the machine that rolled back: otherwise the new generation
         would count as abandoned by that rollback. Read per save (one SQLite read)."""
         floor = self.trust.floor(self.run_id)  # None without a ledger
         return floor.newest_cutoff if floor is not None else None
 
-    def _encryption(self, generation_id: str) -> FileEncryption | None:
+    def encryption(self, generation_id: str) -> FileEncryption | None:
         keystore = self.trust.keystore
         if keystore is None:
             return None
@@ -149,12 +154,12 @@ class GenerationWriter:
             staging,
             self.settings.chunk_size,
             self.settings.threads,
-            self._encryption(generation_id),
+            self.encryption(generation_id),
             plan_cache_key=self._plan_cache_key,
             rank=self.coordinator.rank,
         )
 
-    def _write_state(
+    def write_state(
         self,
         staging: StagingArea,
         generation_id: str,
@@ -163,7 +168,7 @@ class GenerationWriter:
     ) -> dict[str, Any]:
         """The manifest's ``state``: the tree itself, or (encrypted runs) a reference to
         the encrypted state file written here, whose record and key join the tensors'."""
-        encryption = self._encryption(generation_id)
+        encryption = self.encryption(generation_id)
         if encryption is None:
             return captured.tree
         name = encrypted_state_file_name(self.coordinator.rank)
@@ -174,7 +179,7 @@ class GenerationWriter:
         tensors.wrapped_keys[name] = wrapped
         return {ENCRYPTED_STATE_TAG: name}
 
-    def _manifest(
+    def build_manifest(
         self,
         step: int,
         generation_id: str,
@@ -184,7 +189,7 @@ class GenerationWriter:
     ) -> Manifest:
         """The manifest; an encrypted one sealed with a MAC under a fresh key that only
         the run's KEK unwraps (``ckptvault.trust.manifest_auth``)."""
-        encryption = self._encryption(generation_id)
+        encryption = self.encryption(generation_id)
         section, mac_key = None, None
         if encryption is not None:
             mac_key, kek_id, wrapped_mac_key = encryption.new_manifest_key()

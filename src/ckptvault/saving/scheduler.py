@@ -61,7 +61,8 @@ class SaveScheduler:
             return SaveHandle.completed(info, seconds)
         if not self._make_room(step):
             return SaveHandle(step, None, time.perf_counter() - started, skipped=True)
-        staged = CapturedState(captured.tree, self._staging.next_slot().stage(captured.tensors))
+        tensors = self._staging.next_slot().stage(captured.tensors)
+        staged = CapturedState(captured.tree, tensors, captured.rank_tree)
         self.stats.staging_allocations = self._staging.allocations
         stall = time.perf_counter() - started
         self.stats.last_stall_seconds = stall

@@ -32,7 +32,7 @@ This module walks the state tree; the plan and its actions are in
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import MutableMapping
+from collections.abc import Iterable, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -223,9 +223,13 @@ class _Planner:
         return current
 
 
-def plan_restore(state: MutableMapping[str, Any], saved: dict[str, Any]) -> RestorePlan:
+def plan_restore(
+    state: MutableMapping[str, Any], saved: dict[str, Any], left_alone: Iterable[str] = ()
+) -> RestorePlan:
     """Match ``saved`` (decoded) against ``state``; changes nothing. The caller
-    decides whether an unclean plan (missing, unexpected, mismatched) is an error."""
+    decides whether an unclean plan (missing, unexpected, mismatched) is an error.
+    Entries of ``state`` named in ``left_alone`` (per-rank entries a new world size
+    cannot restore) are not missing: they stay as they are."""
     planner = _Planner()
     plan = planner.plan
     for key, value in saved.items():
@@ -250,7 +254,8 @@ def plan_restore(state: MutableMapping[str, Any], saved: dict[str, Any]) -> Rest
                 state[key] = final
 
             plan.replacements.append(Action(format_path((key,)), assign))
+    skip = set(left_alone)
     for key in state:
-        if key not in saved:
+        if key not in saved and key not in skip:
             plan.missing.append(format_path((key,)))
     return plan

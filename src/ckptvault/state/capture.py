@@ -74,6 +74,9 @@ class CapturedState:
 
     tree: dict[str, Any]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # A multi-rank save: this rank's own entries (``ckptvault.state.ranks``); the
+    # tree then holds the job's entries only.
+    rank_tree: dict[str, Any] | None = None
 
 
 class _TensorCollector:

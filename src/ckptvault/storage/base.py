@@ -85,7 +85,12 @@ class StagingArea(Protocol):
         visible atomically, by the store's publish rule."""
 
     def abort(self) -> None:
-        """Remove everything written; nothing becomes visible. Safe to call twice."""
+        """Remove everything written; nothing becomes visible. Safe to call twice.
+        A joined area (:meth:`Store.join_generation`) removes only its own files."""
+
+    def adopt(self, names: list[str]) -> None:
+        """Files other ranks wrote into this attempt (a multi-rank save): publish
+        covers them too (an object store's Object Lock), and abort removes them."""
 
 
 class PublishRule(Protocol[AreaT]):
@@ -143,6 +148,10 @@ class Store(Protocol):
     def release_writer(self) -> None: ...
 
     def begin_generation(self, generation_id: str) -> StagingArea: ...
+
+    def join_generation(self, generation_id: str) -> StagingArea:
+        """The staging area another rank of the job began (a multi-rank save): files
+        can be created in it, but only the beginning rank publishes."""
 
     def check_capacity(self, nbytes: int, nfiles: int) -> None:
         """Raise ``StorageFullError`` (naming the bytes needed and free) when a save of

@@ -42,7 +42,12 @@ from typing import Any
 
 from ckptvault.durable import make_dirs_durable
 from ckptvault.errors import StorageFullError, UnsafeEntryError, UsageError
-from ckptvault.format.layout import STAGING_DIR, WRITER_LOCK, parse_generation_dirname
+from ckptvault.format.layout import (
+    STAGING_DIR,
+    WRITER_LOCK,
+    is_generation_id,
+    parse_generation_dirname,
+)
 from ckptvault.storage import posix_cleanup, posix_records
 from ckptvault.storage.base import EntryInfo, GenerationRef
 from ckptvault.storage.lock import WriterLock
@@ -241,6 +246,14 @@ class PosixStore:
             return PosixStagingArea(self, generation_id)
         except OSError as exc:
             raise translate_os_error(exc, f"creating a staging area in {self.root}") from exc
+
+    def join_generation(self, generation_id: str) -> PosixStagingArea:
+        if not is_generation_id(generation_id):
+            raise UsageError(f"{generation_id!r} is not a generation id")
+        try:
+            return PosixStagingArea(self, generation_id, joined=True)
+        except OSError as exc:
+            raise translate_os_error(exc, f"joining staging area {generation_id}") from exc
 
     # -- lifecycle ---------------------------------------------------------------------
 

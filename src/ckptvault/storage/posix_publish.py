@@ -10,6 +10,7 @@ either the old set of generations or the old set plus the complete new one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import TYPE_CHECKING
 
@@ -37,13 +38,17 @@ if TYPE_CHECKING:
 class PosixStagingArea:
     """``.staging/<generation id>/``, held open by descriptor while it is written."""
 
-    def __init__(self, store: PosixStore, generation_id: str) -> None:
+    def __init__(self, store: PosixStore, generation_id: str, joined: bool = False) -> None:
         self.store = store
         self.generation_id = generation_id
         self.location = os.path.join(store.location, STAGING_DIR, generation_id)
+        # Joined: another rank began it; this one only adds files and removes its own.
+        self.joined = joined
+        self._created: list[str] = []
         self.staging_fd = store.open_staging_dir()
         try:
-            os.mkdir(generation_id, 0o755, dir_fd=self.staging_fd)
+            if not joined:
+                os.mkdir(generation_id, 0o755, dir_fd=self.staging_fd)
             self.fd = open_dir(generation_id, self.staging_fd, self.location)
         except BaseException:
             os.close(self.staging_fd)
@@ -52,10 +57,16 @@ class PosixStagingArea:
 
     def create_file(self, name: str) -> PosixWritableFile:
         self._check_open()
+        self._created.append(name)
         return PosixWritableFile(self.fd, name, os.path.join(self.location, name))
+
+    def adopt(self, names: list[str]) -> None:
+        """Nothing to do: the other ranks' files are in this directory already."""
 
     def publish(self, step: int, manifest: bytes, signature: bytes | None = None) -> GenerationRef:
         self._check_open()
+        if self.joined:
+            raise UsageError(f"{self.location}: only the rank that began a save publishes it")
         ref = self.store.publish_rule.publish(self, step, manifest, signature)
         self._close()  # on failure the caller aborts, which removes what was written
         return ref
@@ -64,7 +75,12 @@ class PosixStagingArea:
         if self._open:
             try:
                 # Best effort: what stays is removed as a leftover by the next save.
-                remove_tree(self.staging_fd, self.generation_id)
+                if self.joined:
+                    for name in self._created:
+                        with contextlib.suppress(OSError):
+                            os.unlink(name, dir_fd=self.fd)
+                else:
+                    remove_tree(self.staging_fd, self.generation_id)
             finally:
                 self._close()
 

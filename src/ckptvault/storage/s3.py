@@ -230,6 +230,11 @@ class S3Store:
         self.retention.check_bucket()
         return S3StagingArea(self, generation_id)
 
+    def join_generation(self, generation_id: str) -> S3StagingArea:
+        """Another rank's attempt: this rank's objects go under their own spread
+        prefixes of the same attempt; only the beginning rank publishes."""
+        return S3StagingArea(self, generation_id, joined=True)
+
     def check_capacity(self, nbytes: int, nfiles: int) -> None:
         """An object store has no free-space limit to check."""
 

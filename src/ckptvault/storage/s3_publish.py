@@ -166,11 +166,12 @@ class ObjectRetention:
 class S3StagingArea:
     """The data objects of one save attempt, under ``data/<x>/<generation id>/``."""
 
-    def __init__(self, store: S3Store, generation_id: str) -> None:
+    def __init__(self, store: S3Store, generation_id: str, joined: bool = False) -> None:
         if not is_generation_id(generation_id):
             raise UsageError(f"{generation_id!r} is not a generation id")
         self.store = store
         self.generation_id = generation_id
+        self.joined = joined  # another rank began it: this one never publishes
         self.location = f"{store.location}/data/*/{generation_id}"
         self._files: dict[str, S3WritableFile] = {}
         self._written: list[str] = []  # keys this attempt created, to delete on abort
@@ -206,9 +207,15 @@ class S3StagingArea:
         with self._mutex:
             return sorted(name for name, file in self._files.items() if file.is_open)
 
+    def adopt(self, names: list[str]) -> None:
+        for name in names:
+            self.note_written(self.store.layout.data_key(self.generation_id, name))
+
     def publish(self, step: int, manifest: bytes, signature: bytes | None = None) -> GenerationRef:
         with self._mutex:
             self._check_open()
+        if self.joined:
+            raise UsageError(f"{self.location}: only the rank that began a save publishes it")
         try:
             ref = self.store.publish_rule.publish(self, step, manifest, signature)
         except S3Error as exc:  # a request before the manifest's own failed

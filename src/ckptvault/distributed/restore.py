@@ -1,0 +1,311 @@
+"""Restore in a multi-rank job: one decision, taken together.
+
+The coordinator chooses: it runs the one candidate loop
+(:class:`~ckptvault.restoring.selector.CandidateSelector`) with the run's ledger,
+floor and trusted keys, and tells the other ranks, candidate by candidate, which
+generation to try (a broadcast of its tier and name). Every rank then loads that
+candidate in three stages, and after each stage the ranks' verdicts are gathered:
+a problem on any rank rejects the candidate on every rank, naming the rank, so all
+ranks fall back together and all restore the same generation:
+
+1. the checks that need no tensor byte (structure, signature, authenticity, keys,
+   the state tree) on the rank's own view of the store;
+2. the tensors, collectively through DCP on the job's group, into private buffers
+   shaped like the rank's live tensors (a DTensor's buffer is its local shard):
+   DCP's planner maps saved chunks onto them, so a generation saved by N ranks
+   loads onto M; every byte read is checked against its chunk digest first;
+3. the state decoded for this rank (:func:`~ckptvault.io.load.decode_for_rank`).
+
+When the coordinator is done it broadcasts the outcome: the generation taken, or the
+error every rank then raises. Applying waits for one more verdict (every rank's
+state matched), so that no rank changes its state while another refuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ckptvault import errors
+from ckptvault.coordinator import Coordinator
+from ckptvault.errors import CheckpointError, FormatError
+from ckptvault.format.layout import parse_generation_dirname
+from ckptvault.format.manifest import Manifest
+from ckptvault.io.dcp_metadata import metadata_from_json, tensor_metadata
+from ckptvault.io.load import (
+    LoadedGeneration,
+    PreparedLoad,
+    decode_for_rank,
+    prepare_load,
+    rejection,
+    saved_world_size,
+)
+from ckptvault.io.planners import TensorOnlyLoadPlanner
+from ckptvault.io.reader import VaultStorageReader
+from ckptvault.state.ranks import tree_for_rank
+from ckptvault.storage.base import GenerationRef, Store
+from ckptvault.trust.checks import TrustPolicy
+from ckptvault.trust.keystore import KeyStore
+from ckptvault.trust.problems import UNREADABLE, GenerationRejected, Problem
+
+
+class CollectiveLoader:
+    """Loads candidates together with the other ranks (see the module docstring)."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        tiers: Sequence[Store],
+        keystore: KeyStore | None,
+        threads: int,
+        follower_policy: TrustPolicy,
+    ) -> None:
+        self.coordinator = coordinator
+        self.tiers = list(tiers)
+        self.keystore = keystore
+        self.threads = threads
+        self.follower_policy = follower_policy  # run and keys; the floor is rank 0's
+        self.live: dict[str, torch.Tensor] = {}  # this rank's live tensors, by key
+
+    # -- the coordinator's side --------------------------------------------------------
+
+    def load(self, store: Store, ref: GenerationRef, policy: TrustPolicy) -> LoadedGeneration:
+        """Tell the other ranks to try ``ref`` and load it together with them."""
+        tier = next(i for i, tier in enumerate(self.tiers) if tier is store)
+        self.coordinator.broadcast({"try": [tier, ref.name.dirname]})
+        return self._load_together(store, ref, policy)
+
+    def finish(
+        self,
+        chosen: GenerationRef | None,
+        error: BaseException | None,
+        skipped: Sequence[tuple[str, int, str]] = (),
+    ) -> None:
+        """Tell the other ranks how the choice ended (and what it skipped)."""
+        if error is not None:
+            kind = type(error).__name__ if isinstance(error, CheckpointError) else "CheckpointError"
+            message: dict[str, Any] = {"error": [kind, str(error)]}
+        elif chosen is None:
+            message = {"empty": True}
+        else:
+            message = {"done": chosen.name.dirname, "skipped": [list(s) for s in skipped]}
+        self.coordinator.broadcast(message)
+
+    # -- the other ranks' side ---------------------------------------------------------
+
+    def follow(
+        self,
+    ) -> tuple[Store, GenerationRef, LoadedGeneration, list[tuple[str, int, str]]] | None:
+        """Load what the coordinator asks for until it is done; the generation taken
+        and what rank 0 skipped (None: the store is empty), or rank 0's error."""
+        last: tuple[Store, GenerationRef, LoadedGeneration] | None = None
+        while True:
+            message: dict[str, Any] = self.coordinator.broadcast({})
+            if "try" in message:
+                tier_index, dirname = message["try"]
+                store = self.tiers[tier_index]
+                ref, listed = _find(store, dirname)
+                try:
+                    loaded = self._load_together(store, ref, self.follower_policy, listed)
+                    last = (store, ref, loaded)
+                except GenerationRejected:
+                    last = None
+            elif "done" in message:
+                if last is None or last[1].name.dirname != message["done"]:
+                    raise errors.CollectiveError(
+                        f"rank {self.coordinator.rank}: rank 0 restored {message['done']}, "
+                        "which this rank did not load"
+                    )
+                skipped = [(str(g), int(s), str(r)) for g, s, r in message.get("skipped", [])]
+                return (*last, skipped)
+            elif "empty" in message:
+                return None
+            else:
+                kind, text = message["error"]
+                error_type = getattr(errors, kind, errors.CheckpointError)
+                if not (isinstance(error_type, type) and issubclass(error_type, CheckpointError)):
+                    error_type = errors.CheckpointError
+                raise error_type(f"rank 0: {text}")
+
+    # -- both --------------------------------------------------------------------------
+
+    def agree(self, ref: GenerationRef, rejected: GenerationRejected | None) -> None:
+        """Every rank's verdict; GenerationRejected on every rank when any rank found
+        a problem, each problem naming its rank."""
+        mine = [[p.code, p.detail, p.file] for p in rejected.problems] if rejected else []
+        gathered = self.coordinator.all_gather(mine)
+        problems = [
+            Problem(str(code), f"rank {rank}: {detail}", file)
+            for rank, found in enumerate(gathered)
+            for code, detail, file in found
+        ]
+        if problems:
+            raise GenerationRejected(ref, problems)
+
+    def agree_to_apply(self, error: CheckpointError | None) -> None:
+        """Apply only when every rank's state matched; otherwise every rank raises."""
+        mine = None if error is None else [type(error).__name__, str(error)]
+        failed = [(r, m) for r, m in enumerate(self.coordinator.all_gather(mine)) if m]
+        if error is not None:
+            raise error
+        if failed:
+            named = "; ".join(f"rank {rank}: {kind}: {text}" for rank, (kind, text) in failed)
+            raise errors.StateMismatchError(
+                f"another rank could not apply the restored state ({named}); nothing was "
+                "applied on any rank"
+            )
+
+    def _load_together(
+        self, store: Store, ref: GenerationRef, policy: TrustPolicy, listed: bool = True
+    ) -> LoadedGeneration:
+        prepared = self._stage(ref, lambda: self._prepare(store, ref, policy, listed))
+        manifest = prepared.checked.manifest
+        view_keys = self._stage(ref, lambda: _referenced(prepared, ref, self.coordinator))
+        tensors = self._read(store, ref, manifest, prepared, view_keys)
+        rank, world = self.coordinator.rank, self.coordinator.world_size
+        saved, reset = self._stage(
+            ref, lambda: decode_for_rank(ref, manifest, prepared.tree, tensors, rank, world)
+        )
+        return LoadedGeneration(ref, manifest, saved, prepared.checked.signer, reset)
+
+    def _stage(self, ref: GenerationRef, work: Callable[[], Any]) -> Any:
+        """Run one stage here, then agree on it with every rank."""
+        result, rejected = None, None
+        try:
+            result = work()
+        except GenerationRejected as exc:
+            rejected = exc
+        except (CheckpointError, OSError) as exc:
+            found = rejection(ref, exc)
+            rejected = found if isinstance(found, GenerationRejected) else None
+            if rejected is None:
+                rejected = GenerationRejected(ref, [Problem(UNREADABLE, str(exc))])
+        self.agree(ref, rejected)
+        return result
+
+    def _prepare(
+        self, store: Store, ref: GenerationRef, policy: TrustPolicy, listed: bool
+    ) -> PreparedLoad:
+        if not listed:
+            raise OSError(f"{store.location} does not list {ref.name.dirname}, which rank 0 chose")
+        return prepare_load(store, ref, policy, self.keystore, self.keystore is not None)
+
+    def _read(
+        self,
+        store: Store,
+        ref: GenerationRef,
+        manifest: Manifest,
+        prepared: PreparedLoad,
+        keys: set[str],
+    ) -> dict[str, torch.Tensor]:
+        """Stage 2, collectively: DCP raises on every rank when any rank failed."""
+        where = f"generation {ref.generation_id}"
+        destinations: dict[str, torch.Tensor] = {}
+        error: BaseException | None = None
+        reader: VaultStorageReader | None = None
+        try:
+            metadata, locations = metadata_from_json(manifest.dcp, where)
+            destinations = _destinations(metadata, keys, self.live, manifest, where)
+            reader = VaultStorageReader(
+                store, ref, manifest, metadata, locations, self.threads, None, prepared.data_keys
+            )
+        except (CheckpointError, OSError) as exc:
+            error = exc
+        self._stage(ref, lambda: _raise(error))  # everyone can read, or no one tries
+        assert reader is not None
+        try:
+            dcp.load(
+                destinations,
+                storage_reader=reader,
+                planner=TensorOnlyLoadPlanner(),
+                process_group=self.coordinator.process_group,
+            )
+        except CheckpointException as exc:
+            problems = [
+                Problem(_code(ref, original), f"rank {rank}: {original}")
+                for rank, (original, _trace) in sorted(exc.failures.items())
+            ]
+            raise GenerationRejected(ref, problems) from exc
+        return destinations
+
+
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
+
+
+def _code(ref: GenerationRef, error: BaseException) -> str:
+    if isinstance(error, (CheckpointError, OSError)):
+        found = rejection(ref, error)
+        if isinstance(found, GenerationRejected):
+            return found.problems[0].code
+    return UNREADABLE
+
+
+def _find(store: Store, dirname: str) -> tuple[GenerationRef, bool]:
+    """This rank's view of the generation rank 0 named, and whether it lists it."""
+    name = parse_generation_dirname(dirname)
+    if name is None:
+        raise errors.CollectiveError(f"rank 0 named {dirname!r}, which is not a generation")
+    found = next((ref for ref in store.list_generations() if ref.name == name), None)
+    if found is None:
+        return GenerationRef(name, f"{store.location}/{dirname}"), False
+    return found, True
+
+
+def _referenced(prepared: PreparedLoad, ref: GenerationRef, coordinator: Coordinator) -> set[str]:
+    """The tensor keys this rank's view of the saved state refers to."""
+    manifest = prepared.checked.manifest
+    view, _reset = tree_for_rank(
+        prepared.tree,
+        saved_world_size(manifest),
+        coordinator.rank,
+        coordinator.world_size,
+        f"generation {ref.generation_id}",
+    )
+    found: set[str] = set()
+    pending: list[Any] = [view]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            if set(node) == {"$tensor"} and isinstance(node["$tensor"], str):
+                found.add(node["$tensor"])
+            else:
+                pending.extend(node.values())
+        elif isinstance(node, list):
+            pending.extend(node)
+    return found
+
+
+def _destinations(
+    metadata: Any,
+    keys: set[str],
+    live: dict[str, torch.Tensor],
+    manifest: Manifest,
+    where: str,
+) -> dict[str, torch.Tensor]:
+    """A private buffer per referenced tensor: shaped like the live tensor (a DTensor:
+    its local shard) when the saved one matches it, else the saved tensor whole."""
+    destinations: dict[str, torch.Tensor] = {}
+    whole = 0
+    for key in sorted(keys):
+        if key not in metadata.state_dict_metadata:
+            raise FormatError(f"{where}: the state refers to tensor {key!r}, which it lacks")
+        info = tensor_metadata(metadata, key)
+        current = live.get(key)
+        if (
+            current is not None
+            and tuple(current.shape) == tuple(info.size)
+            and current.dtype == info.properties.dtype
+        ):
+            destinations[key] = torch.empty_like(current)
+            continue
+        whole += torch.Size(info.size).numel() * info.properties.dtype.itemsize
+        if whole > manifest.total_bytes:  # what the files hold bounds what they can fill
+            raise FormatError(f"{where}: its tensors take more bytes than its files hold")
+        destinations[key] = torch.empty(tuple(info.size), dtype=info.properties.dtype)
+    return destinations

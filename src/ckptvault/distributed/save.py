@@ -1,0 +1,219 @@
+"""One save of a multi-rank job: every rank writes, one manifest, one publish.
+
+Every rank runs the same phases in the same order; each phase ends with a collective
+that tells every rank whether all of them succeeded, so that no rank waits in a
+collective the others will never reach:
+
+1. the coordinator removes stale attempts, checks capacity, draws the generation id
+   and begins the staging area; the id (or its error) is broadcast;
+2. every other rank joins the staging area; the outcomes are gathered;
+3. every rank writes its tensors through DCP (``dcp.save`` on the job's group):
+   DCP plans globally, so a sharded tensor is written by the ranks holding its
+   shards and a replicated one once; its write results (file records, digests,
+   wrapped keys) reach the coordinator, and an error on any rank raises on all;
+4. every rank's own state tree (RNGs, loaders: :mod:`ckptvault.state.ranks`), its
+   file names and outcome are gathered;
+5. the coordinator writes the state, builds, signs and publishes the manifest, and
+   broadcasts the outcome, which every rank returns or raises.
+
+When any rank fails, nothing is published: each rank removes its own files, the
+coordinator the whole attempt, and every rank raises the same
+:class:`~ckptvault.errors.SaveFailedError` naming the ranks that failed. A rank that
+died makes the others' next collective raise
+:class:`~ckptvault.errors.CollectiveError` after ``collective_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from ckptvault.errors import CheckpointError, CollectiveError, SaveFailedError
+from ckptvault.format.layout import new_generation_id
+from ckptvault.io.dcp_io import write_tensors
+from ckptvault.io.writer import VaultStorageWriter
+from ckptvault.saving.generation_writer import (
+    MANIFEST_ALLOWANCE,
+    METADATA_PER_TENSOR,
+    WrittenGeneration,
+)
+from ckptvault.state.capture import CapturedState
+from ckptvault.state.ranks import compose
+from ckptvault.storage.base import StagingArea
+from ckptvault.storage.listing import GenerationInfo
+
+if TYPE_CHECKING:
+    from ckptvault.saving.generation_writer import GenerationWriter
+
+
+class CollectiveSave:
+    """The phases of one multi-rank save (see the module docstring)."""
+
+    def __init__(self, writer: GenerationWriter) -> None:
+        self.writer = writer
+        self.coordinator = writer.coordinator
+        self.store = writer.store
+
+    def write(
+        self, step: int, captured: CapturedState, metrics: dict[str, int | float] | None
+    ) -> WrittenGeneration:
+        started = time.perf_counter()
+        generation_id = self._begin(captured)
+        area: StagingArea | None = None
+        try:
+            area = self._join(generation_id)
+            tensors = self._write_tensors(area, generation_id, captured)
+            gathered = self._gather(captured, tensors)
+            state = {"global": captured.tree, "ranks": gathered}
+            outcome = self._publish(area, step, generation_id, state, tensors, metrics)
+        except BaseException:
+            if area is not None:
+                area.abort()
+            raise
+        info = GenerationInfo(
+            step, generation_id, outcome["location"], outcome["bytes"], outcome["created_at"]
+        )
+        self.writer.parent = generation_id
+        return WrittenGeneration(
+            info, time.perf_counter() - started, tensors.reused_plan, outcome.get("kek_id")
+        )
+
+    # -- phases --------------------------------------------------------------------------
+
+    _area: StagingArea  # the coordinator's, from phase 1
+
+    def _begin(self, captured: CapturedState) -> str:
+        """Phase 1: the coordinator's generation id, on every rank."""
+        message: dict[str, Any] = {}
+        if self.coordinator.is_coordinator:
+            try:
+                self.store.remove_stale_staging()
+                world = self.coordinator.world_size
+                tensor_bytes = sum(t.numel() * t.element_size() for t in captured.tensors.values())
+                metadata = MANIFEST_ALLOWANCE + METADATA_PER_TENSOR * len(captured.tensors)
+                # A rough bound: every rank holds about as much as this one.
+                self.store.check_capacity(
+                    world * tensor_bytes + metadata, world * self.writer.settings.threads + 4
+                )
+                cutoff = self.writer.newest_rollback_cutoff()
+                message = {"id": new_generation_id(not_before=cutoff)}
+                self._area = self.store.begin_generation(message["id"])
+            except (CheckpointError, OSError) as exc:
+                message = {"error": f"{type(exc).__name__}: {exc}"}
+        message = self.coordinator.broadcast(message)
+        if "error" in message:
+            raise SaveFailedError(f"rank 0 could not begin the save: {message['error']}")
+        generation_id: str = message["id"]
+        return generation_id
+
+    def _join(self, generation_id: str) -> StagingArea:
+        """Phase 2: every rank holds the attempt's staging area."""
+        area: StagingArea | None = None
+        error = None
+        if self.coordinator.is_coordinator:
+            area = self._area
+        else:
+            try:
+                area = self.store.join_generation(generation_id)
+            except (CheckpointError, OSError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        try:
+            self._all_succeeded("joining the staging area", error)
+        except BaseException:
+            if area is not None:
+                area.abort()
+            raise
+        assert area is not None
+        return area
+
+    def _write_tensors(
+        self, area: StagingArea, generation_id: str, captured: CapturedState
+    ) -> VaultStorageWriter:
+        """Phase 3: DCP, collectively; a failure anywhere raises on every rank."""
+        settings = self.writer.settings
+        try:
+            return write_tensors(
+                captured.tensors,
+                area,
+                settings.chunk_size,
+                settings.threads,
+                self.writer.encryption(generation_id),
+                rank=self.coordinator.rank,
+                process_group=self.coordinator.process_group,
+                ranks=self.coordinator.world_size,
+            )
+        except RuntimeError as exc:  # a collective inside DCP: a peer died or timed out
+            raise CollectiveError(
+                f"rank {self.coordinator.rank}: writing tensors among "
+                f"{self.coordinator.world_size} ranks failed ({' '.join(str(exc).split())[:300]}); "
+                "another rank died or is stuck. Nothing was published"
+            ) from exc
+
+    def _gather(self, captured: CapturedState, tensors: VaultStorageWriter) -> list[Any]:
+        """Phase 4: every rank's own state tree and file names, on every rank."""
+        mine = {"tree": captured.rank_tree or {}, "files": sorted(tensors.own_files)}
+        return self.coordinator.all_gather(mine)
+
+    def _publish(
+        self,
+        area: StagingArea,
+        step: int,
+        generation_id: str,
+        gathered: dict[str, Any],
+        tensors: VaultStorageWriter,
+        metrics: dict[str, int | float] | None,
+    ) -> dict[str, Any]:
+        """Phase 5: the coordinator publishes; every rank learns the outcome."""
+        outcome: dict[str, Any] = {}
+        if self.coordinator.is_coordinator:
+            try:
+                outcome = self._build_and_publish(
+                    area, step, generation_id, gathered, tensors, metrics
+                )
+            except (CheckpointError, OSError) as exc:
+                outcome = {"error": f"{type(exc).__name__}: {exc}"}
+        outcome = self.coordinator.broadcast(outcome)
+        if "error" in outcome:
+            raise SaveFailedError(
+                f"rank 0 could not publish generation {generation_id} (step {step}): "
+                f"{outcome['error']}. Nothing was published"
+            )
+        return outcome
+
+    def _build_and_publish(
+        self,
+        area: StagingArea,
+        step: int,
+        generation_id: str,
+        gathered: dict[str, Any],
+        tensors: VaultStorageWriter,
+        metrics: dict[str, int | float] | None,
+    ) -> dict[str, Any]:
+        """The coordinator's part of phase 5: the other ranks' files adopted, the
+        composite state written, the manifest built, signed and published."""
+        ranks = gathered["ranks"]
+        area.adopt([name for entry in ranks[1:] for name in entry["files"]])
+        composite = compose(gathered["global"], [entry["tree"] for entry in ranks])
+        state = self.writer.write_state(area, generation_id, CapturedState(composite), tensors)
+        manifest = self.writer.build_manifest(step, generation_id, state, tensors, metrics)
+        manifest_bytes = manifest.to_bytes()
+        ref = area.publish(step, manifest_bytes, self.writer.trust.sign_manifest(manifest_bytes))
+        return {
+            "location": ref.location,
+            "bytes": manifest.total_bytes,
+            "created_at": manifest.created_at,
+            "kek_id": manifest.encryption.kek_id if manifest.encryption else None,
+        }
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _all_succeeded(self, what: str, error: str | None) -> None:
+        """Gather every rank's outcome of ``what``; raise the same error on every rank
+        when any failed, naming those ranks."""
+        outcomes = self.coordinator.all_gather(error)
+        failed = [(rank, message) for rank, message in enumerate(outcomes) if message]
+        if failed:
+            named = "; ".join(f"rank {rank}: {message}" for rank, message in failed)
+            raise SaveFailedError(
+                f"{what} failed on {len(failed)} rank(s) ({named}). Nothing was published"
+            )

@@ -1,0 +1,67 @@
+"""Launch a real multi-rank job of ``rank_worker.py`` processes (gloo, 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+WORKER = Path(__file__).with_name("rank_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launch(
+    scenario: str, store: str | Path, world: int, out: Path, timeout: float = 180
+) -> tuple[list[int], list[dict[str, Any]]]:
+    """Run ``world`` ranks of ``scenario``; their exit codes and reports (a rank that
+    died leaves an empty report)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("rank*.json"):
+        old.unlink()
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), scenario, str(store), str(out)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    codes, logs = [], []
+    for proc in procs:
+        try:
+            log, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            raise
+        codes.append(proc.returncode)
+        logs.append(log)
+    reports = []
+    for rank in range(world):
+        path = out / f"rank{rank}.json"
+        reports.append(json.loads(path.read_text()) if path.exists() else {"log": logs[rank]})
+    for rank, report in enumerate(reports):
+        report.setdefault("log", logs[rank][-3000:])
+    return codes, reports

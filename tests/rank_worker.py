@@ -1,0 +1,159 @@
+"""One rank of a multi-rank test job (launched by ``multirank.launch``).
+
+``python rank_worker.py SCENARIO STORE OUT`` with RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT in the environment; writes what it saw to ``OUT/rank<r>.json``. The
+state is a small "model": a weight sharded by rows over the ranks (a DTensor, as
+FSDP2 holds it), a replicated bias, the global RNGs (per rank) and a counter (global).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+import ckptvault as cv
+
+RANK = int(os.environ.get("RANK", "0"))
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+ROWS, COLS = 10, 4  # 10 rows do not split evenly over 3 or 4 ranks: uneven shards
+
+
+def weight(step: int) -> torch.Tensor:
+    return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) * step
+
+
+def sharded(full: torch.Tensor) -> torch.Tensor:
+    if WORLD == 1:
+        return full.clone()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    return distribute_tensor(full.clone(), mesh, [Shard(0)])
+
+
+def full_of(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def state_of(step: int) -> dict[str, Any]:
+    return {
+        "model": {"w": sharded(weight(step)), "b": torch.full((3,), float(step))},
+        "rng": cv.RNGState(),
+        "meta": {"tokens_seen": 1000 * step},
+    }
+
+
+def manager(store: str, **options: Any) -> cv.CheckpointManager:
+    keystore = os.environ.get("TEST_KEYSTORE")  # an encrypted run, when set
+    if keystore:
+        options["keystore"] = keystore
+    return cv.CheckpointManager(store, run_id="job", collective_timeout_s=20, **options)
+
+
+def save(store: str, out: dict[str, Any], steps: tuple[int, ...] = (1, 2), **kw: Any) -> None:
+    torch.manual_seed(100 + RANK)
+    with manager(store, **kw) as mgr:
+        for step in steps:
+            mgr.save(step, state_of(step))
+        mgr.wait()
+    out["after_save_draw"] = torch.rand(1).item()  # what a resumed rank must draw next
+
+
+def restore(store: str, out: dict[str, Any]) -> None:
+    torch.manual_seed(12345)  # the restore must replace this rank's RNG, or leave it
+    live = {
+        "model": {"w": sharded(torch.zeros(ROWS, COLS)), "b": torch.zeros(3)},
+        "rng": cv.RNGState(),
+        "meta": {"tokens_seen": 0},
+    }
+    with manager(store) as mgr:
+        info = mgr.restore(live)
+    assert info is not None
+    w = live["model"]["w"]
+    out.update(
+        step=info.step,
+        weight_exact=bool(torch.equal(full_of(w), weight(info.step))),
+        local_rows=int(w.to_local().shape[0]) if isinstance(w, DTensor) else ROWS,
+        bias=live["model"]["b"].tolist(),
+        meta=live["meta"],
+        reset=info.reset,
+        skipped=[[s.step, s.reason] for s in info.skipped],
+        draw=torch.rand(1).item(),
+    )
+    # Training goes on from the restored weights: one optimizer step on the shards.
+    w.requires_grad_(True)
+    optimizer = torch.optim.SGD([w], lr=0.5)
+    (w * w).sum().backward()
+    optimizer.step()
+    out["after_step_exact"] = bool(torch.equal(full_of(w.detach()), weight(info.step) * 0.0))
+
+
+def fail_in_write(store: str, out: dict[str, Any]) -> None:
+    """Rank 1's disk fails while it writes its shard."""
+    from ckptvault.io import writer
+
+    original = writer.VaultStorageWriter._write_file
+
+    def broken(self: Any, name: str, items: Any, planner: Any) -> Any:
+        if RANK == 1:
+            raise OSError(5, "Input/output error (injected on rank 1)")
+        return original(self, name, items, planner)
+
+    save(store, out, steps=(1,))
+    writer.VaultStorageWriter._write_file = broken  # type: ignore[method-assign]
+    try:
+        save(store, out, steps=(2,))
+    except cv.errors.CheckpointError as exc:
+        out["error"] = [type(exc).__name__, str(exc)]
+
+
+def die_in_write(store: str, out: dict[str, Any]) -> None:
+    """Rank 1 is killed (SIGKILL) in the middle of writing its shard of step 2."""
+    from ckptvault.io import writer
+
+    original = writer.VaultStorageWriter._write_file
+
+    def killed(self: Any, name: str, items: Any, planner: Any) -> Any:
+        if RANK == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, name, items, planner)
+
+    save(store, out, steps=(1,))
+    writer.VaultStorageWriter._write_file = killed  # type: ignore[method-assign]
+    try:
+        save(store, out, steps=(2,))
+    except cv.errors.CheckpointError as exc:
+        out["error"] = [type(exc).__name__, str(exc)]
+
+
+SCENARIOS = {
+    "save": save,
+    "save_async": lambda store, out: save(store, out, async_save=True),
+    "restore": restore,
+    "fail_in_write": fail_in_write,
+    "die_in_write": die_in_write,
+}
+
+
+def main() -> None:
+    scenario, store, out_dir = sys.argv[1:4]
+    if WORLD > 1:
+        dist.init_process_group("gloo")
+    out: dict[str, Any] = {"rank": RANK, "world": WORLD}
+    try:
+        SCENARIOS[scenario](store, out)
+    finally:
+        Path(out_dir, f"rank{RANK}.json").write_text(json.dumps(out))
+        if WORLD > 1:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
