@@ -133,12 +133,79 @@ def die_in_write(store: str, out: dict[str, Any]) -> None:
         out["error"] = [type(exc).__name__, str(exc)]
 
 
+def fsdp_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A small MLP wrapped with FSDP2 (``fully_shard``) on this job's ranks, and AdamW
+    over its sharded parameters, as a user builds them on any number of ranks."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(7)  # the same initial weights on every rank and world size
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 6), torch.nn.Linear(6, 3)
+    )
+    if WORLD > 1:
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for layer in (model[0], model[2], model[3]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    batch = torch.Generator().manual_seed(seed)  # the same batch on every rank
+    inputs = torch.randn(12, 8, generator=batch)
+    model(inputs).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Every parameter and optimizer state tensor, whole, as lists (for comparing)."""
+    params = {name: full_of(p.detach()).tolist() for name, p in model.named_parameters()}
+    moments = {
+        f"{index}/{name}": full_of(value).tolist()
+        for index, p in enumerate(model.parameters())
+        for name, value in optimizer.state[p].items()
+    }
+    return {"params": params, "moments": moments}
+
+
+def fsdp_save(store: str, out: dict[str, Any]) -> None:
+    model, optimizer = fsdp_model()
+    for seed in (1, 2):
+        train_step(model, optimizer, seed)
+    with manager(store) as mgr:
+        mgr.save(2, {"model": model, "optim": optimizer})
+    out["saved"] = full_state(model, optimizer)
+    train_step(model, optimizer, 3)  # what an uninterrupted run holds one step later
+    out["continued"] = full_state(model, optimizer)
+
+
+def fsdp_restore(store: str, out: dict[str, Any]) -> None:
+    model, optimizer = fsdp_model()  # fresh: no optimizer state yet
+    with manager(store) as mgr:
+        info = mgr.restore({"model": model, "optim": optimizer})
+    assert info is not None
+    out["restored"] = full_state(model, optimizer)
+    out["sharded"] = (
+        all(
+            isinstance(value, DTensor)
+            for value in optimizer.state[next(iter(model.parameters()))].values()
+            if value.dim() > 0
+        )
+        and WORLD > 1
+    )
+    train_step(model, optimizer, 3)  # training goes on from the restored state
+    out["after_step"] = full_state(model, optimizer)
+
+
 SCENARIOS = {
     "save": save,
     "save_async": lambda store, out: save(store, out, async_save=True),
     "restore": restore,
     "fail_in_write": fail_in_write,
     "die_in_write": die_in_write,
+    "fsdp_save": fsdp_save,
+    "fsdp_restore": fsdp_restore,
 }
 
 

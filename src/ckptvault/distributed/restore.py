@@ -46,6 +46,7 @@ from ckptvault.io.load import (
 )
 from ckptvault.io.planners import TensorOnlyLoadPlanner
 from ckptvault.io.reader import VaultStorageReader
+from ckptvault.state.codec import tensor_key
 from ckptvault.state.ranks import tree_for_rank
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import TrustPolicy
@@ -70,6 +71,9 @@ class CollectiveLoader:
         self.threads = threads
         self.follower_policy = follower_policy  # run and keys; the floor is rank 0's
         self.live: dict[str, torch.Tensor] = {}  # this rank's live tensors, by key
+        # Parameters by the key prefix of their optimizer state ("optim/state/0/"): a
+        # fresh optimizer has no state yet, but its state is shaped like its parameter.
+        self.param_hints: dict[str, torch.Tensor] = {}
 
     # -- the coordinator's side --------------------------------------------------------
 
@@ -209,7 +213,8 @@ class CollectiveLoader:
         reader: VaultStorageReader | None = None
         try:
             metadata, locations = metadata_from_json(manifest.dcp, where)
-            destinations = _destinations(metadata, keys, self.live, manifest, where)
+            live = {**_hinted(keys, self.param_hints), **self.live}
+            destinations = _destinations(metadata, keys, live, manifest, where)
             reader = VaultStorageReader(
                 store, ref, manifest, metadata, locations, self.threads, None, prepared.data_keys
             )
@@ -281,6 +286,38 @@ def _referenced(prepared: PreparedLoad, ref: GenerationRef, coordinator: Coordin
     return found
 
 
+def optimizer_param_hints(state: Any) -> dict[str, torch.Tensor]:
+    """For each optimizer among the top-level entries (and one level of dicts) of a
+    live state: its parameters by the key prefix their state is saved under."""
+    hints: dict[str, torch.Tensor] = {}
+    entries: list[tuple[tuple[str, ...], Any]] = [((key,), value) for key, value in state.items()]
+    entries += [
+        ((key, inner), nested)
+        for key, value in state.items()
+        if isinstance(value, dict)
+        for inner, nested in value.items()
+        if isinstance(inner, str)
+    ]
+    for path, value in entries:
+        if isinstance(value, torch.optim.Optimizer):
+            params = [p for group in value.param_groups for p in group["params"]]
+            for index, param in enumerate(params):
+                hints[tensor_key((*path, "state", index)) + "/"] = param
+    return hints
+
+
+def _hinted(keys: set[str], hints: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Live stand-ins for optimizer state a fresh optimizer lacks: its parameter,
+    so that a sharded parameter's state is read as a shard of the same layout."""
+    found = {}
+    for key in keys:
+        prefix, _sep, _name = key.rpartition("/")
+        param = hints.get(prefix + "/")
+        if param is not None:
+            found[key] = param.detach()
+    return found
+
+
 def _destinations(
     metadata: Any,
     keys: set[str],
@@ -297,12 +334,8 @@ def _destinations(
             raise FormatError(f"{where}: the state refers to tensor {key!r}, which it lacks")
         info = tensor_metadata(metadata, key)
         current = live.get(key)
-        if (
-            current is not None
-            and tuple(current.shape) == tuple(info.size)
-            and current.dtype == info.properties.dtype
-        ):
-            destinations[key] = torch.empty_like(current)
+        if current is not None and tuple(current.shape) == tuple(info.size):
+            destinations[key] = torch.empty_like(current, dtype=info.properties.dtype)
             continue
         whole += torch.Size(info.size).numel() * info.properties.dtype.itemsize
         if whole > manifest.total_bytes:  # what the files hold bounds what they can fill

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ckptvault.distributed.restore import CollectiveLoader
+from ckptvault.distributed.restore import CollectiveLoader, optimizer_param_hints
 from ckptvault.errors import AuditError, CheckpointError, NoValidCheckpoint
 from ckptvault.events import Refused, Restored, RollbackApplied
 from ckptvault.format.layout import GenerationName
@@ -179,6 +179,7 @@ class Restorer:
         if collective is None:
             return self._choose(step, allow_rollback_to)
         collective.live = capture_ranked(state, self.coordinator.rank).tensors
+        collective.param_hints = optimizer_param_hints(state)
         if not self.coordinator.is_coordinator:
             followed = collective.follow()
             if followed is None:
