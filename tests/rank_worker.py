@@ -198,6 +198,22 @@ def fsdp_restore(store: str, out: dict[str, Any]) -> None:
     out["after_step"] = full_state(model, optimizer)
 
 
+def replicas_disagree(store: str, out: dict[str, Any]) -> None:
+    """Rank 1's copy of the replicated bias went bad (a flipped value)."""
+    state = state_of(1)
+    if RANK == 1:
+        state["model"]["b"][1] += 1.0
+    audit = Path(store).parent / "audit.jsonl"
+    with manager(store, audit_log=audit) as mgr:  # "warn": published, reported
+        mgr.save(1, state)
+        out["mismatches"] = mgr.stats.replica_mismatches
+    with manager(store, on_replica_mismatch="raise") as mgr:
+        try:
+            mgr.save(2, state)
+        except cv.errors.CheckpointError as exc:
+            out["error"] = [type(exc).__name__, str(exc)]
+
+
 SCENARIOS = {
     "save": save,
     "save_async": lambda store, out: save(store, out, async_save=True),
@@ -205,6 +221,7 @@ SCENARIOS = {
     "fail_in_write": fail_in_write,
     "die_in_write": die_in_write,
     "fsdp_save": fsdp_save,
+    "replicas_disagree": replicas_disagree,
     "fsdp_restore": fsdp_restore,
 }
 

@@ -159,3 +159,20 @@ def test_fsdp2_model_and_optimizer_reshard_across_world_sizes(tmp_path, saved_on
             assert after["after_step"] == saved["continued"]  # bit-exact resume
         else:  # gradients are averaged over another number of ranks
             assert _close(after["after_step"], saved["continued"])
+
+
+def test_replicas_that_disagree_are_reported_or_refused(tmp_path):
+    """DDP-style replicated state must be identical on every rank; a rank holding other
+    bytes is silent data corruption. "warn" publishes and reports the ranks (log,
+    audit entry, stats); "raise" publishes nothing and every rank raises."""
+    store = tmp_path / "store"
+    reports = ok(*launch("replicas_disagree", store, 2, tmp_path / "run"))
+    assert published(store) == [1]
+    for report in reports:
+        assert report["mismatches"] == 1
+        kind, message = report["error"]
+        assert kind == "SaveFailedError" and "model/b: ranks 0 vs ranks 1" in message
+    entries = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    (mismatch,) = [e for e in entries if e["event"] == "replica_mismatch"]
+    assert mismatch["step"] == 1
+    assert mismatch["slots"] == [{"slot": "model/b", "groups": [[0], [1]]}]

@@ -55,6 +55,7 @@ class ManagerOptions(TypedDict, total=False):
     segment_size: int
     coordinator: Coordinator | None
     collective_timeout_s: float
+    on_replica_mismatch: str
     s3_endpoint_url: str | None
     s3_part_size: int | None
     s3_max_concurrency: int | None
@@ -106,7 +107,9 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
     writer = GenerationWriter(
         run,
         build_contract(config.contract, code_revision()),
-        WriteSettings(config.threads, config.chunk_size, config.segment_size),
+        WriteSettings(
+            config.threads, config.chunk_size, config.segment_size, _replica_policy(options)
+        ),
     )
     scheduler = SaveScheduler(writer.write, writer.announce, config.max_in_flight, config.if_busy)
     restorer = Restorer(
@@ -129,6 +132,15 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
         scheduler,
         restorer,
     )
+
+
+def _replica_policy(options: ManagerOptions) -> str:
+    from ckptvault.distributed.replicas import POLICIES
+
+    policy = options.get("on_replica_mismatch", "warn")
+    if policy not in POLICIES:
+        raise UsageError(f"on_replica_mismatch={policy!r}: give one of {', '.join(POLICIES)}")
+    return policy
 
 
 def _default_coordinator(options: ManagerOptions) -> Coordinator:

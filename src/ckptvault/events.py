@@ -145,7 +145,28 @@ class Replicated:
         return f"generation {self.generation_id} (step {self.step}) was copied to {self.target}"
 
 
-Event = Published | Restored | Refused | Marked | Unmarked | Deleted | Replicated
+@dataclass(frozen=True)
+class ReplicasDisagree:
+    """Replicated tensors of a multi-rank save held different bytes on some ranks
+    (``ckptvault.distributed.replicas``); the generation holds rank 0's copy."""
+
+    run_id: str
+    store: str
+    step: int
+    generation_id: str
+    slots: Sequence[dict[str, object]]  # {"slot": key, "groups": [[ranks], ...]}
+
+    @property
+    def summary(self) -> str:
+        return (
+            f"replicas of {len(self.slots)} tensor slot(s) differed between ranks in "
+            f"generation {self.generation_id} (step {self.step})"
+        )
+
+
+Event = (
+    Published | Restored | Refused | Marked | Unmarked | Deleted | Replicated | ReplicasDisagree
+)
 Subscriber = Callable[[Event], None]
 
 

@@ -74,6 +74,9 @@ class CheckpointManager:
             process group of several ranks is initialized, else this process alone).
         collective_timeout_s: how long a rank waits for the others in a collective
             save or restore before it raises ``CollectiveError`` (default 600).
+        on_replica_mismatch: many ranks: when replicated tensors differ between ranks
+            at save time, ``"warn"`` (default; log, audit entry, ``stats``), ``"raise"``
+            (publish nothing) or ``"ignore"`` (do not hash them).
         s3_endpoint_url, s3_part_size, s3_max_concurrency, object_lock_days: options of
             an ``s3://bucket/prefix`` store (:class:`~ckptvault.storage.S3Options`).
         replicate_to: a second, durable tier (path or URL): every published generation

@@ -25,9 +25,11 @@ died makes the others' next collective raise
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from ckptvault.distributed.replicas import Disagreement, disagreements, replica_digests
 from ckptvault.errors import CheckpointError, CollectiveError, SaveFailedError
 from ckptvault.format.layout import new_generation_id
 from ckptvault.io.dcp_io import write_tensors
@@ -44,6 +46,8 @@ from ckptvault.storage.listing import GenerationInfo
 
 if TYPE_CHECKING:
     from ckptvault.saving.generation_writer import GenerationWriter
+
+logger = logging.getLogger("ckptvault")
 
 
 class CollectiveSave:
@@ -64,6 +68,7 @@ class CollectiveSave:
             area = self._join(generation_id)
             tensors = self._write_tensors(area, generation_id, captured)
             gathered = self._gather(captured, tensors)
+            mismatches = self._check_replicas(gathered, step)
             state = {"global": captured.tree, "ranks": gathered}
             outcome = self._publish(area, step, generation_id, state, tensors, metrics)
         except BaseException:
@@ -75,7 +80,11 @@ class CollectiveSave:
         )
         self.writer.parent = generation_id
         return WrittenGeneration(
-            info, time.perf_counter() - started, tensors.reused_plan, outcome.get("kek_id")
+            info,
+            time.perf_counter() - started,
+            tensors.reused_plan,
+            outcome.get("kek_id"),
+            tuple(mismatches),
         )
 
     # -- phases --------------------------------------------------------------------------
@@ -150,9 +159,30 @@ class CollectiveSave:
             ) from exc
 
     def _gather(self, captured: CapturedState, tensors: VaultStorageWriter) -> list[Any]:
-        """Phase 4: every rank's own state tree and file names, on every rank."""
-        mine = {"tree": captured.rank_tree or {}, "files": sorted(tensors.own_files)}
+        """Phase 4: every rank's own state tree, file names and replica digests, on
+        every rank."""
+        mine: dict[str, Any] = {"tree": captured.rank_tree or {}, "files": tensors.own_files}
+        if self.writer.settings.on_replica_mismatch != "ignore":
+            mine["digests"] = replica_digests(captured.tensors, self.coordinator.rank)
         return self.coordinator.all_gather(mine)
+
+    def _check_replicas(self, gathered: list[Any], step: int) -> list[Disagreement]:
+        """Replicas whose bytes differ (every rank reaches the same verdict); with
+        ``on_replica_mismatch="raise"`` the save fails on every rank."""
+        found = disagreements([entry.pop("digests", {}) for entry in gathered])
+        if not found:
+            return []
+        named = "; ".join(d.describe() for d in found[:5])
+        message = (
+            f"replicas of {len(found)} tensor slot(s) differ between ranks at step {step} "
+            f"({named}{'; ...' if len(found) > 5 else ''}): silent data corruption on the "
+            "ranks in the smaller group is likely"
+        )
+        if self.writer.settings.on_replica_mismatch == "raise":
+            raise SaveFailedError(f"{message}. Nothing was published (on_replica_mismatch='raise')")
+        if self.coordinator.is_coordinator:
+            logger.warning("%s; the generation is published with rank 0's copy", message)
+        return found
 
     def _publish(
         self,

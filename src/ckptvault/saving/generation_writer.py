@@ -17,7 +17,7 @@ from typing import Any
 
 from ckptvault._version import __version__
 from ckptvault.errors import KeyUnavailableError
-from ckptvault.events import Published
+from ckptvault.events import Published, ReplicasDisagree
 from ckptvault.format.container import CIPHER
 from ckptvault.format.layout import (
     encrypted_state_file_name,
@@ -47,6 +47,7 @@ class WriteSettings:
     threads: int
     chunk_size: int  # bytes per digest chunk
     segment_size: int  # plaintext bytes per encrypted segment
+    on_replica_mismatch: str = "warn"  # many ranks: "warn", "raise" or "ignore"
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class WrittenGeneration:
     seconds: float
     reused_plan: bool  # DCP reused the previous save's plan
     kek_id: str | None = None  # the run key that wraps its file keys, when encrypted
+    # Many ranks: replicated tensors whose replicas differed (ckptvault.distributed.replicas).
+    replica_mismatches: tuple[Any, ...] = ()
 
 
 class GenerationWriter:
@@ -129,6 +132,16 @@ class GenerationWriter:
                 kek_id=written.kek_id,
             )
         )
+        if written.replica_mismatches:
+            self.events.emit(
+                ReplicasDisagree(
+                    run_id=self.run_id,
+                    store=self.store.location,
+                    step=info.step,
+                    generation_id=info.generation_id,
+                    slots=[d.to_json() for d in written.replica_mismatches],
+                )
+            )
 
     def close(self) -> None:
         forget_cached_plans(self._plan_cache_key)

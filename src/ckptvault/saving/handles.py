@@ -26,6 +26,7 @@ class SaveStats:
     last_save_seconds: float = 0.0
     staging_allocations: int = 0
     plans_reused: int = 0
+    replica_mismatches: int = 0  # many ranks: replicated tensor slots that differed
 
 
 class SaveHandle:

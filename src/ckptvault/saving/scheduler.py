@@ -81,6 +81,7 @@ class SaveScheduler:
         self.stats.saves_completed += 1
         self.stats.bytes_written += written.info.bytes
         self.stats.plans_reused += int(written.reused_plan)
+        self.stats.replica_mismatches += len(written.replica_mismatches)
         self.stats.last_save_seconds = written.seconds
         self._announce(written)  # the save counts as done even if a subscriber fails
         return written.info

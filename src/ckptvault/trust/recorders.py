@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ckptvault.events import Deleted, Event, Marked, Published, Refused, Restored, Unmarked
+from ckptvault.events import (
+    Deleted,
+    Event,
+    Marked,
+    Published,
+    Refused,
+    ReplicasDisagree,
+    Restored,
+    Unmarked,
+)
 from ckptvault.trust.ledger import Ledger
 
 if TYPE_CHECKING:
@@ -98,6 +107,16 @@ class AuditRecorder:
                 error=event.error,
                 reason=event.reason,
                 rejected=[list(r) for r in event.rejected],
+            )
+        elif isinstance(event, ReplicasDisagree):
+            self.trust.record(
+                event.summary,
+                "replica_mismatch",
+                run_id=event.run_id,
+                store=event.store,
+                step=event.step,
+                generation_id=event.generation_id,
+                slots=list(event.slots),
             )
         elif isinstance(event, (Marked, Unmarked, Deleted)):
             kind = {Marked: "mark", Unmarked: "unmark", Deleted: "delete"}[type(event)]
