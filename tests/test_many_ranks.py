@@ -176,3 +176,15 @@ def test_replicas_that_disagree_are_reported_or_refused(tmp_path):
     (mismatch,) = [e for e in entries if e["event"] == "replica_mismatch"]
     assert mismatch["step"] == 1
     assert mismatch["slots"] == [{"slot": "model/b", "groups": [[0], [1]]}]
+
+
+def test_async_saves_on_two_ranks_publish_once_each_and_restore_exactly(tmp_path):
+    """Each rank's save returns after its staging copy; the ranks' background workers
+    write and commit together."""
+    store = tmp_path / "store"
+    saved = ok(*launch("save_async", store, 2, tmp_path / "save"))
+    assert published(store) == [1, 2]
+    restored = ok(*launch("restore", store, 2, tmp_path / "restore"))
+    for before, after in zip(saved, restored, strict=True):
+        assert after["step"] == 2 and after["weight_exact"]
+        assert after["draw"] == before["after_save_draw"]
