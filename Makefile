@@ -34,6 +34,7 @@ crash: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.save_restore --size-gb 1 --reps 7
 	$(PY) -m bench.s3_save --size-gb 1 --reps 3
+	$(PY) -m bench.multirank_save --size-gb 1 --ranks 2 --reps 5
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
