@@ -56,6 +56,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "dcp":  # the DCP storage plugin (needs torch), a subpackage
+        import importlib
+
+        return importlib.import_module("ckptvault.dcp")
     module_name = _LAZY.get(name)
     if module_name is None:
         raise AttributeError(f"module 'ckptvault' has no attribute {name!r}")

@@ -50,8 +50,17 @@ class VaultStorageReader(StorageReader):
         threads: int,
         on_bytes: Callable[[int], None] | None = None,
         data_keys: dict[str, bytes] | None = None,
+        needed_files_only: bool = False,
+        zero_copy: bool = True,
     ) -> None:
         super().__init__()
+        # True: read (and so verify) only the files holding chunks this rank's plan
+        # loads (the DCP plugin, where each of many ranks loads its own shards).
+        self.needed_files_only = needed_files_only
+        # False: never ``preadv`` into destinations, which hashes bytes where they
+        # land; for destinations that are the caller's own tensors (the DCP plugin),
+        # every chunk is verified in a bounce buffer before it is copied there.
+        self.zero_copy = zero_copy
         self.data_keys = data_keys or {}
         self.store = store
         self.ref = ref
@@ -98,6 +107,8 @@ class VaultStorageReader(StorageReader):
                     f"chunk of {items[0].storage_index.fqn!r} lives in unknown file {location.file}"
                 )
             file_plans[location.file].targets.append(self._target(location, items, planner))
+        if self.needed_files_only:
+            file_plans = {name: fp for name, fp in file_plans.items() if fp.targets}
 
         names = sorted(file_plans)
         if self.threads == 1 or len(names) <= 1:
@@ -167,7 +178,7 @@ class VaultStorageReader(StorageReader):
         """
         record = self.manifest.files[name]
         verifier = ChunkVerifier(record, self.manifest.chunk_size, name, whole_file=False)
-        if name not in self.data_keys and hasattr(os, "preadv"):
+        if name not in self.data_keys and self.zero_copy and hasattr(os, "preadv"):
             with self.store.open_file(self.ref, name) as stream:
                 fd = descriptor(stream)
                 if fd is not None:

@@ -1,0 +1,202 @@
+"""Which generation a DCP plugin load reads: chosen once, checked on every rank.
+
+The coordinator runs ckptvault's one candidate loop
+(:class:`~ckptvault.restoring.selector.CandidateSelector`): newest first, or the
+generations of one step. For each candidate it tells the other ranks which one to
+try; every rank then applies every check that needs no tensor byte (structure,
+file set and sizes, tensor file headers, signature, run id, encryption and keys:
+:func:`~ckptvault.io.load.prepare_load`) on its own view of the store, and the
+verdicts are gathered: a problem on any rank rejects the candidate on every rank,
+so all ranks read the same generation or all raise the same error. Tensor bytes are
+verified later, chunk by chunk, while DCP reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+from ckptvault import errors
+from ckptvault.coordinator import Coordinator
+from ckptvault.errors import CheckpointError, CollectiveError, FormatError, NoValidCheckpoint
+from ckptvault.format.layout import parse_generation_dirname
+from ckptvault.io.dcp_metadata import StoredChunk, metadata_from_json
+from ckptvault.io.load import PreparedLoad, prepare_load, rejection
+from ckptvault.restoring.selector import CandidateSelector, SkippedGeneration
+from ckptvault.storage.base import GenerationRef, Store
+from ckptvault.trust.checks import TrustPolicy
+from ckptvault.trust.context import TrustContext
+from ckptvault.trust.problems import MANIFEST_INVALID, UNREADABLE, GenerationRejected, Problem
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """A generation past every check that needs no tensor byte, ready for DCP."""
+
+    ref: GenerationRef
+    prepared: PreparedLoad
+    metadata: Metadata
+    locations: dict[MetadataIndex, StoredChunk]
+    skipped: list[SkippedGeneration]
+
+
+class Chooser:
+    """Chooses the generation with the other ranks (see the module docstring)."""
+
+    def __init__(
+        self, store: Store, run_id: str, trust: TrustContext, coordinator: Coordinator
+    ) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.trust = trust
+        self.coordinator = coordinator
+        self._unlisted: set[GenerationRef] = set()  # rank 0's choices this rank cannot see
+
+    def choose(self, step: int | None, max_fallback: int | None) -> Chosen:
+        """The newest generation (of ``step``) that passes on every rank; raises
+        ``NoValidCheckpoint`` (listing why each was skipped) on every rank when none
+        does, and the coordinator's error on every rank when choosing failed."""
+        if self.coordinator.is_coordinator:
+            return self._lead(step, max_fallback)
+        return self._follow()
+
+    # -- the coordinator -------------------------------------------------------------------
+
+    def _lead(self, step: int | None, max_fallback: int | None) -> Chosen:
+        found: dict[GenerationRef, Chosen] = {}
+
+        def load(ref: GenerationRef, policy: TrustPolicy) -> None:
+            self.coordinator.broadcast({"try": ref.name.dirname})
+            found[ref] = self._check_together(ref, policy)
+
+        try:
+            selector = CandidateSelector(self.store, self.run_id, self.trust)
+            selection = selector.select(step)
+            if not selection.candidates:
+                raise NoValidCheckpoint(f"store {self.store.location} holds no generation to load")
+            ref, _ = selector.first_verified(selection, load, max_fallback)
+        except CollectiveError:
+            raise  # the other ranks are gone or stuck: nothing more to tell them
+        except AgreedFailure as failure:
+            raise failure.error from None  # every rank raises it already
+        except CheckpointError as exc:
+            self._tell({"error": [type(exc).__name__, str(exc)]})
+            raise
+        except BaseException as exc:
+            self._tell({"error": ["CheckpointError", f"{type(exc).__name__}: {exc}"]})
+            raise
+        self._tell({"done": ref.name.dirname})
+        chosen = found[ref]
+        return Chosen(
+            chosen.ref, chosen.prepared, chosen.metadata, chosen.locations, selection.skipped
+        )
+
+    def _tell(self, message: dict[str, Any]) -> None:
+        if self.coordinator.world_size > 1:
+            self.coordinator.broadcast(message)
+
+    # -- the other ranks -------------------------------------------------------------------
+
+    def _follow(self) -> Chosen:
+        """Check what the coordinator asks for until it is done."""
+        policy = self.trust.policy(self.run_id, None)
+        last: Chosen | None = None
+        while True:
+            message: dict[str, Any] = self.coordinator.broadcast({})
+            if "try" in message:
+                last = None
+                ref = self._find(str(message["try"]))
+                try:
+                    last = self._check_together(ref, policy)
+                except GenerationRejected:
+                    pass
+                except AgreedFailure as failure:
+                    raise failure.error from None
+            elif "done" in message:
+                if last is None or last.ref.name.dirname != message["done"]:
+                    raise errors.CollectiveError(
+                        f"rank {self.coordinator.rank}: rank 0 chose {message['done']}, "
+                        "which this rank did not check"
+                    )
+                return Chosen(last.ref, last.prepared, last.metadata, last.locations, [])
+            else:
+                kind, text = message["error"]
+                raise _error(kind, f"rank 0: {text}")
+
+    def _find(self, dirname: str) -> GenerationRef:
+        """The coordinator's candidate as this rank's store lists it (a placeholder
+        that fails the checks when this rank does not see it)."""
+        name = parse_generation_dirname(dirname)
+        if name is None:
+            raise errors.CollectiveError(f"rank 0 named {dirname[:100]!r}, not a generation")
+        for ref in self.store.list_generations():
+            if ref.name == name:
+                return ref
+        placeholder = GenerationRef(name, f"{self.store.location}/{dirname}")
+        self._unlisted.add(placeholder)
+        return placeholder
+
+    # -- both ------------------------------------------------------------------------------
+
+    def _check_together(self, ref: GenerationRef, policy: TrustPolicy) -> Chosen:
+        """Check ``ref`` here, then agree with every rank: GenerationRejected on every
+        rank when any rank found a problem (each problem naming its rank), and
+        :class:`AgreedFailure` on every rank when one failed for a reason that is not
+        the generation's (a destroyed key, a key service down)."""
+        chosen: Chosen | None = None
+        mine: dict[str, Any] = {"problems": []}
+        try:
+            chosen = self._check(ref, policy)
+        except GenerationRejected as exc:
+            mine["problems"] = [[p.code, p.detail, p.file] for p in exc.problems]
+        except (CheckpointError, OSError) as exc:
+            found = rejection(ref, exc)
+            if isinstance(found, GenerationRejected):
+                mine["problems"] = [[p.code, p.detail, p.file] for p in found.problems]
+            else:
+                mine["fatal"] = [type(exc).__name__, str(exc)]
+        gathered = self.coordinator.all_gather(mine)
+        for rank, verdict in enumerate(gathered):
+            if "fatal" in verdict:
+                kind, text = verdict["fatal"]
+                raise AgreedFailure(_error(kind, f"rank {rank}: {text}"))
+        problems = [
+            Problem(str(code), f"rank {rank}: {detail}" if len(gathered) > 1 else detail, file)
+            for rank, verdict in enumerate(gathered)
+            for code, detail, file in verdict["problems"]
+        ]
+        if problems:
+            raise GenerationRejected(ref, problems)
+        assert chosen is not None
+        return chosen
+
+    def _check(self, ref: GenerationRef, policy: TrustPolicy) -> Chosen:
+        if ref in self._unlisted:
+            problem = Problem(UNREADABLE, f"{ref.name.dirname} is not listed on this rank")
+            raise GenerationRejected(ref, [problem])
+        keystore = self.trust.keystore
+        prepared = prepare_load(self.store, ref, policy, keystore, keystore is not None)
+        where = f"generation {ref.generation_id}"
+        try:
+            metadata, locations = metadata_from_json(prepared.checked.manifest.dcp, where)
+        except FormatError as exc:
+            raise GenerationRejected(ref, [Problem(MANIFEST_INVALID, str(exc))]) from exc
+        return Chosen(ref, prepared, metadata, locations, [])
+
+
+class AgreedFailure(Exception):
+    """Every rank knows of ``error`` already: raise it without telling anyone."""
+
+    def __init__(self, error: CheckpointError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _error(kind: Any, text: str) -> CheckpointError:
+    """An error of the ckptvault kind named ``kind`` (another rank's), or the base."""
+    error_type = getattr(errors, str(kind), None)
+    if not (isinstance(error_type, type) and issubclass(error_type, CheckpointError)):
+        error_type = CheckpointError
+    return error_type(text)
