@@ -239,6 +239,30 @@ def test_a_manager_writing_the_same_store_keeps_the_plugin_out(store):
     assert len(generations(store)) == 2
 
 
+def test_s3_store_with_an_explicit_endpoint(s3_bucket, s3_endpoint):
+    url = f"s3://{s3_bucket}/dcp"
+    writer = cv.dcp.StorageWriter(url, run_id=RUN, step=2, s3_endpoint_url=s3_endpoint)
+    dcp.save(nested_state(2), storage_writer=writer)
+    assert writer.published is not None
+    live = zeros_like(nested_state(2))
+    reader = cv.dcp.StorageReader(url, run_id=RUN, s3_endpoint_url=s3_endpoint)
+    dcp.load(live, storage_reader=reader)
+    assert reader.step == 2
+    assert_bit_exact(live, nested_state(2))
+
+
+def test_a_data_file_swapped_for_a_symlink_is_never_followed(store, tmp_path):
+    save(store, 1)
+    save(store, 2)
+    outside = tmp_path / "outside.bin"
+    data_file = largest_data_file(generations(store)[-1])
+    outside.write_bytes(data_file.read_bytes())
+    writable(data_file).unlink()
+    data_file.symlink_to(outside)
+    reader = cv.dcp.StorageReader(store, run_id=RUN)
+    assert reader.step == 1 and "unsafe-entry" in reader.skipped[0].reason
+
+
 # -- many ranks (gloo on 127.0.0.1) ------------------------------------------------------
 
 

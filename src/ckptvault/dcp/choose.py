@@ -197,6 +197,9 @@ class AgreedFailure(Exception):
 def _error(kind: Any, text: str) -> CheckpointError:
     """An error of the ckptvault kind named ``kind`` (another rank's), or the base."""
     error_type = getattr(errors, str(kind), None)
-    if not (isinstance(error_type, type) and issubclass(error_type, CheckpointError)):
-        error_type = CheckpointError
-    return error_type(text)
+    if isinstance(error_type, type) and issubclass(error_type, CheckpointError):
+        try:
+            return error_type(text)
+        except TypeError:  # one whose constructor wants more than a message
+            pass
+    return CheckpointError(text)
