@@ -315,6 +315,5 @@ def _release_joined(area: StagingArea | None) -> None:
     """Close a joined staging area's handles without removing its files (the
     coordinator publishes them). The POSIX area holds directory descriptors that
     would otherwise stay open until exit, two per save."""
-    close = getattr(area, "_close", None)
-    if callable(close):
-        close()
+    if area is not None:
+        area.release()

@@ -215,8 +215,17 @@ class CollectiveLoader:
             metadata, locations = metadata_from_json(manifest.dcp, where)
             live = {**_hinted(keys, self.param_hints), **self.live}
             destinations = _destinations(metadata, keys, live, manifest, where)
+            # Each rank reads (and verifies) only the files holding chunks it loads.
             reader = VaultStorageReader(
-                store, ref, manifest, metadata, locations, self.threads, None, prepared.data_keys
+                store,
+                ref,
+                manifest,
+                metadata,
+                locations,
+                self.threads,
+                None,
+                prepared.data_keys,
+                needed_files_only=True,
             )
         except (CheckpointError, OSError) as exc:
             error = exc

@@ -75,6 +75,8 @@ class CollectiveSave:
             if area is not None:
                 area.abort()
             raise
+        if not self.coordinator.is_coordinator:
+            area.release()  # rank 0 published it; the files are the generation's now
         info = GenerationInfo(
             step, generation_id, outcome["location"], outcome["bytes"], outcome["created_at"]
         )

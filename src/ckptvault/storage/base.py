@@ -88,6 +88,10 @@ class StagingArea(Protocol):
         """Remove everything written; nothing becomes visible. Safe to call twice.
         A joined area (:meth:`Store.join_generation`) removes only its own files."""
 
+    def release(self) -> None:
+        """A joined area: let go of it once the beginning rank published (or removed)
+        it; its files stay. Closes what it holds open. Safe to call twice."""
+
     def adopt(self, names: list[str]) -> None:
         """Files other ranks wrote into this attempt (a multi-rank save): publish
         covers them too (an object store's Object Lock), and abort removes them."""

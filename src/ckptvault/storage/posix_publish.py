@@ -63,6 +63,9 @@ class PosixStagingArea:
     def adopt(self, names: list[str]) -> None:
         """Nothing to do: the other ranks' files are in this directory already."""
 
+    def release(self) -> None:
+        self._close()  # the directory descriptors; the files stay
+
     def publish(self, step: int, manifest: bytes, signature: bytes | None = None) -> GenerationRef:
         self._check_open()
         if self.joined:

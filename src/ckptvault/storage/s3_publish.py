@@ -207,6 +207,12 @@ class S3StagingArea:
         with self._mutex:
             return sorted(name for name, file in self._files.items() if file.is_open)
 
+    def release(self) -> None:
+        """Nothing is held open between files; the written objects stay."""
+        with self._mutex:
+            if self._state == "open":
+                self._state = "released"
+
     def adopt(self, names: list[str]) -> None:
         for name in names:
             self.note_written(self.store.layout.data_key(self.generation_id, name))
