@@ -15,6 +15,7 @@ import typer
 
 from ckptvault.cli import audit, keys
 from ckptvault.cli._common import safe_text
+from ckptvault.cli.consolidate import consolidate
 from ckptvault.cli.export import export, verify_export
 from ckptvault.cli.gc import gc
 from ckptvault.cli.inspect import inspect
@@ -36,6 +37,7 @@ app.command("inspect")(inspect)
 app.command("verify")(verify)
 app.command("export")(export)
 app.command("verify-export")(verify_export)
+app.command("consolidate")(consolidate)
 app.command("gc")(gc)
 app.add_typer(keys.app, name="keys")
 app.add_typer(audit.app, name="audit")

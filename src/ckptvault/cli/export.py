@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from ckptvault.cli._common import STORE_HELP, S3EndpointUrl, human_bytes, out, safe_markup
+from ckptvault.cli.consolidate import progress_bar
 from ckptvault.storage import S3Options
 from ckptvault.trust.keystore import open_keystore
 
@@ -41,25 +42,29 @@ def export(
 ) -> None:
     """Write the tensors of one state entry, and nothing else, as safetensors.
 
+    Streamed one tensor at a time, from checkpoints saved by any number of ranks.
+
     --signing-key needs --trusted-key: a signed export vouches for its source, so the
     source generation's signature is verified first (exit 2 otherwise, nothing written).
     """
     from ckptvault.ops.export import export_weights  # imports torch
 
-    result = export_weights(
-        store,
-        step,
-        out_path,
-        key=key,
-        dtype=dtype,
-        run_id=run_id,
-        signing_key=signing_key,
-        trusted_keys=trusted_key or None,
-        keystore=open_keystore(keystore) if keystore else None,
-        audit_log=audit_log,
-        ledger=ledger,
-        s3=S3Options.from_keywords(endpoint_url=s3_endpoint_url),
-    )
+    with progress_bar(f"exporting {safe_markup(repr(key))}") as progress:
+        result = export_weights(
+            store,
+            step,
+            out_path,
+            key=key,
+            dtype=dtype,
+            run_id=run_id,
+            signing_key=signing_key,
+            trusted_keys=trusted_key or None,
+            keystore=open_keystore(keystore) if keystore else None,
+            audit_log=audit_log,
+            ledger=ledger,
+            s3=S3Options.from_keywords(endpoint_url=s3_endpoint_url),
+            progress=progress,
+        )
     out.print(
         f"exported {result.tensors} tensors ({human_bytes(result.bytes)}) of "
         f"{safe_markup(repr(key))} from step {result.step} "

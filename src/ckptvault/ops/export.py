@@ -1,50 +1,60 @@
 """Weights-only export: one state entry's tensors, nothing else, as safetensors.
 
 Serving never needs optimizer moments, RNG states or data positions, and should not
-mount the training store. The export reads one generation through the same
-verified path as restore (signature, digests, decryption), keeps the tensors of one
-entry (default ``model``), optionally casts floating-point tensors (never integer
-or bool buffers), and writes a stock safetensors file atomically. With a signing
-key it also writes a signed export manifest (digest of the output, source run,
-step and generation) that ``verify_export`` checks. Signing an export vouches for
-its source, so a signing key needs trusted keys: the source generation's own
-signature is verified first, and an unsigned or foreign generation planted in the
-store is never turned into a signed release.
+mount the training store. The export checks one generation as restore does
+(signature, run, abandonment, manifest MAC), reads the tensors of one entry
+(default ``model``), every byte checked against its chunk digest (and decrypted),
+optionally casts floating-point tensors (never integer or bool buffers), and writes
+a stock safetensors file atomically. With a signing key it also writes a signed
+export manifest (digest of the output, source run, step and generation) that
+``verify_export`` checks. Signing an export vouches for its source, so a signing key
+needs trusted keys: the source generation's own signature is verified first, and an
+unsigned or foreign generation planted in the store is never turned into a signed
+release.
+
+:func:`consolidate_weights` writes a key prefix's tensors as a Hugging Face set. Both
+stream tensor by tensor (:mod:`ckptvault.ops.consolidate`), in bounded memory.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from blake3 import blake3
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from safetensors.torch import save_file
 
 from ckptvault.durable import atomic_path, write_atomically
-from ckptvault.errors import (
-    FormatError,
-    IntegrityError,
-    NoValidCheckpoint,
-    UsageError,
-)
+from ckptvault.errors import FormatError, IntegrityError, NoValidCheckpoint, UsageError
 from ckptvault.format.canonical import dumps_canonical, loads_canonical
 from ckptvault.format.layout import utc_now
 from ckptvault.format.manifest import Manifest
-from ckptvault.io.load import load_verified
-from ckptvault.io.writer import default_threads
+from ckptvault.io.load import saved_world_size
+from ckptvault.ops.consolidate import (
+    DEFAULT_MAX_SHARD,
+    Progress,
+    VerifiedTensors,
+    meter,
+    plan_shards,
+    prefixed_tensors,
+    stream_generation,
+    write_sharded,
+    write_tensor_file,
+)
 from ckptvault.restoring.selector import CandidateSelector
-from ckptvault.state.capture import StatefulPayload
+from ckptvault.state.codec_names import tensor_key
+from ckptvault.state.ranks import tree_for_rank
 from ckptvault.storage import S3Options, StoreLocation, open_store
-from ckptvault.storage.base import Store
+from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import TrustPolicy, check_structure
 from ckptvault.trust.context import TrustContext
 from ckptvault.trust.keystore import KeyStore
-from ckptvault.trust.problems import GenerationRejected
+from ckptvault.trust.problems import MANIFEST_INVALID, GenerationRejected, Problem
 from ckptvault.trust.signing import (
     EXPORT_DOMAIN,
     PrivateKeyLike,
@@ -82,43 +92,6 @@ def export_manifest_paths(out: Path) -> tuple[Path, Path]:
     return out.with_name(out.name + ".manifest.json"), out.with_name(out.name + ".manifest.sig")
 
 
-def _collect_tensors(value: Any, prefix: str, into: dict[str, torch.Tensor]) -> None:
-    if isinstance(value, torch.Tensor):
-        into[prefix] = value
-    elif isinstance(value, StatefulPayload):
-        _collect_tensors(value.state, prefix, into)
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            _collect_tensors(item, f"{prefix}.{key}" if prefix else str(key), into)
-
-
-def select_weights(
-    saved: Mapping[str, Any], key: str, dtype: str | None
-) -> dict[str, torch.Tensor]:
-    """The tensors of entry ``key``, floating point ones cast to ``dtype``."""
-    if key not in saved:
-        raise UsageError(
-            f"the checkpoint has no entry {key!r}; entries: {', '.join(sorted(saved))}"
-        )
-    target = DTYPES[dtype] if dtype else None
-    tensors: dict[str, torch.Tensor] = {}
-    _collect_tensors(saved[key], "", tensors)
-    if not tensors:
-        raise UsageError(f"entry {key!r} holds no tensors")
-    result: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, tensor in tensors.items():
-        if target is not None and tensor.is_floating_point():
-            tensor = tensor.to(target)
-        # Tied weights arrive as one tensor under several names: give each name its
-        # own bytes, so stock safetensors (which refuses shared memory) writes them.
-        if id(tensor) in seen or any(tensor.data_ptr() == t.data_ptr() for t in result.values()):
-            tensor = tensor.clone()
-        seen.add(id(tensor))
-        result[name] = tensor.contiguous()
-    return result
-
-
 def export_weights(
     store_dir: StoreLocation,
     step: int,
@@ -133,21 +106,22 @@ def export_weights(
     audit_log: str | os.PathLike[str] | None = None,
     ledger: str | os.PathLike[str] | None = None,
     s3: S3Options | None = None,
+    progress: Progress | None = None,
 ) -> ExportResult:
     """Export entry ``key`` of the newest verified generation of ``step`` to ``out``
-    (``s3``: options of an ``s3://`` store).
+    (``s3``: options of an ``s3://`` store), one tensor in memory at a time.
 
     ``run_id`` defaults to the one run the store holds (ambiguity is an error, so
     another run's generation planted in the store is never exported by accident);
     generations the ledger records as abandoned are never exported. ``signing_key``
     requires ``trusted_keys`` (UsageError otherwise): a signed export vouches for a
     source whose signature was verified. The export is recorded in the audit log
-    (default beside the ledger).
+    (default beside the ledger). ``progress(done, total)`` follows the tensor bytes
+    written. On any failure ``out`` is left as it was.
     """
     if signing_key is not None and trusted_keys is None:
         raise UsageError(SIGNING_NEEDS_TRUST)
-    if dtype is not None and dtype not in DTYPES:
-        raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    target = _cast_to(dtype)
     trust = TrustContext.configure(  # loads the signing key: fails before writing
         signing_key=signing_key,
         trusted_keys=trusted_keys,
@@ -159,26 +133,141 @@ def export_weights(
     )
     store = open_store(store_dir, must_exist=True, s3=s3)
     trust.check_outside(store)
-    manifest, tensors = _load_weights(store, run_id, step, trust, key, dtype)
     out_path = Path(os.path.abspath(os.fspath(out)))
-    digest, size = _write_weights(out_path, tensors, manifest, key)
-    signed_path = None
+    run_id = run_id if run_id is not None else _only_run(store, step, trust)
+    write = functools.partial(_write_entry, out_path, key, target, progress)
+    _manifest, result = stream_generation(store, run_id, step, trust, write)
     if trust.signer is not None:
-        signed_path = _write_export_manifest(
-            trust.signer, out_path, size, digest, key, dtype, len(tensors), manifest
-        )
-    result = ExportResult(
-        out_path,
-        len(tensors),
-        size,
-        digest,
-        manifest.run_id,
-        manifest.step,
-        manifest.generation_id,
-        signed_path,
-    )
+        signed = _write_export_manifest(trust.signer, result, key, dtype)
+        result = replace(result, manifest_path=signed)
     _record(trust, result, key)
     return result
+
+
+def _write_entry(
+    out_path: Path,
+    key: str,
+    target: torch.dtype | None,
+    progress: Progress | None,
+    manifest: Manifest,
+    tree: Any,
+    source: VerifiedTensors,
+) -> ExportResult:
+    """Write entry ``key`` of a checked generation to ``out_path``, atomically."""
+    tensors = prefixed_tensors(manifest, _entry_prefix(source.ref, manifest, tree, key), target)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in export_manifest_paths(out_path):  # never leave a manifest of another file
+        stale.unlink(missing_ok=True)
+    metadata = _file_metadata(manifest, ckptvault_entry=key)
+    with atomic_path(out_path) as temporary:
+        advance = meter(progress, tensors)
+        digest, size = write_tensor_file(temporary, tensors, source, metadata, advance)
+    origin = (manifest.run_id, manifest.step, manifest.generation_id)
+    return ExportResult(out_path, len(tensors), size, digest, *origin, manifest_path=None)
+
+
+def _cast_to(dtype: str | None) -> torch.dtype | None:
+    if dtype is not None and dtype not in DTYPES:
+        raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype] if dtype else None
+
+
+def _entry_prefix(ref: GenerationRef, manifest: Manifest, tree: Any, key: str) -> str:
+    """The tensor key prefix of the job's state entry ``key`` (UsageError if none)."""
+    where = f"generation {manifest.generation_id}"
+    try:  # as one rank restores it: the job's entries
+        view, _per_rank = tree_for_rank(tree, saved_world_size(manifest), 0, 1, where)
+    except FormatError as exc:
+        raise GenerationRejected(ref, [Problem(MANIFEST_INVALID, str(exc))]) from exc
+    if key not in view:
+        raise UsageError(f"the checkpoint has no entry {key!r}; entries: {', '.join(sorted(view))}")
+    return tensor_key((key,)) + "/"
+
+
+def _file_metadata(manifest: Manifest, **extra: str) -> dict[str, str]:
+    """The ``__metadata__`` of an output file: where its tensors come from."""
+    return {
+        "format": "pt",
+        "ckptvault_run_id": manifest.run_id,
+        "ckptvault_step": str(manifest.step),
+        "ckptvault_generation_id": manifest.generation_id,
+        **extra,
+    }
+
+
+@dataclass(frozen=True)
+class ConsolidateResult:
+    files: list[Path]  # the safetensors files written
+    index: Path | None  # model.safetensors.index.json of a sharded set
+    tensors: int
+    bytes: int  # the tensors' bytes (the index's metadata.total_size)
+    largest: int  # the largest tensor's bytes: about the memory consolidation held
+    source: Manifest  # of the generation consolidated
+
+
+def consolidate_weights(
+    store_dir: StoreLocation,
+    out: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    prefix: str = "model/",
+    max_shard_size: int = DEFAULT_MAX_SHARD,
+    dtype: str | None = None,
+    run_id: str | None = None,
+    trusted_keys: Iterable[PublicKeyLike] | None = None,
+    keystore: KeyStore | None = None,
+    audit_log: str | os.PathLike[str] | None = None,
+    ledger: str | os.PathLike[str] | None = None,
+    s3: S3Options | None = None,
+    progress: Progress | None = None,
+) -> ConsolidateResult:
+    """Write the tensors under key ``prefix`` (``model/``; empty: all) of the newest
+    verified generation of ``step`` (default: the newest step held) into directory
+    ``out`` as Hugging Face does (:func:`~ckptvault.ops.consolidate.write_sharded`),
+    named by the rest of their key with dots (``model/layer.weight`` ->
+    ``layer.weight``). The generation is chosen and checked, and its bytes verified,
+    as by :func:`export_weights`; on failure nothing is left. Audited."""
+    if max_shard_size < 1:
+        raise UsageError(f"max_shard_size must be a positive byte count, not {max_shard_size}")
+    target = _cast_to(dtype)
+    trust = TrustContext.configure(
+        trusted_keys=trusted_keys,
+        keystore=keystore,
+        ledger=ledger,
+        audit_log=audit_log,
+        always_ledger=True,
+        always_audit=True,
+    )
+    store = open_store(store_dir, must_exist=True, s3=s3)
+    trust.check_outside(store)
+    directory = Path(os.path.abspath(os.fspath(out)))
+    if store.holds_path(directory):
+        raise UsageError(f"{directory} is inside the checkpoint store {store.location}")
+    step = step if step is not None else _newest_step(store, run_id, trust)
+    run_id = run_id if run_id is not None else _only_run(store, step, trust)
+
+    def write(manifest: Manifest, _tree: Any, source: VerifiedTensors) -> ConsolidateResult:
+        tensors = prefixed_tensors(manifest, prefix, target)
+        directory.mkdir(parents=True, exist_ok=True)
+        metadata = _file_metadata(manifest, ckptvault_prefix=prefix)
+        shards = plan_shards(tensors, max_shard_size)
+        files, index = write_sharded(directory, shards, source, metadata, progress)
+        sizes = [t.nbytes for t in tensors]
+        return ConsolidateResult(files, index, len(sizes), sum(sizes), max(sizes), manifest)
+
+    manifest, result = stream_generation(store, run_id, step, trust, write)
+    done = f"step {manifest.step} was consolidated into {directory}"
+    fields = {"run_id": manifest.run_id, "generation_id": manifest.generation_id}
+    trust.record(done, "consolidate", step=manifest.step, out=str(directory), **fields)
+    return result
+
+
+def _newest_step(store: Store, run_id: str | None, trust: TrustContext) -> int:
+    """The newest step the store holds (of ``run_id``, when given)."""
+    candidates = CandidateSelector(store, run_id, trust).select(None, floor_applies=False)
+    if not candidates.candidates:
+        raise NoValidCheckpoint(f"store {store.location} holds no generation to export")
+    return max(ref.step for ref in candidates.candidates)
 
 
 def _record(trust: TrustContext, result: ExportResult, key: str) -> None:
@@ -195,74 +284,24 @@ def _record(trust: TrustContext, result: ExportResult, key: str) -> None:
     )
 
 
-def _load_weights(
-    store: Store, run_id: str | None, step: int, trust: TrustContext, key: str, dtype: str | None
-) -> tuple[Manifest, dict[str, torch.Tensor]]:
-    """The newest generation of ``step`` that verifies (through restore's own path),
-    and the tensors of its entry ``key``. Export never rewinds a run, so the floor
-    does not apply; abandoned generations stay refused."""
-    run_id = run_id if run_id is not None else _only_run(store, step, trust)
-    selector = CandidateSelector(store, run_id, trust)
-    selection = selector.select(step, floor_applies=False)  # never empty: a step is given
-    _ref, loaded = selector.first_verified(
-        selection,
-        lambda ref, policy: load_verified(
-            store,
-            ref,
-            policy,
-            trust.keystore,
-            default_threads(),
-            # As restore: an encrypted run never exports a planted plaintext generation.
-            require_encryption=trust.keystore is not None,
-        ),
-    )
-    return loaded.manifest, select_weights(loaded.saved, key, dtype)
-
-
-def _write_weights(
-    out_path: Path, tensors: dict[str, torch.Tensor], manifest: Manifest, key: str
-) -> tuple[str, int]:
-    """Write the safetensors file atomically; returns its BLAKE3 digest and size."""
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in export_manifest_paths(out_path):  # never leave a manifest of another file
-        stale.unlink(missing_ok=True)
-    metadata = {
-        "format": "pt",
-        "ckptvault_run_id": manifest.run_id,
-        "ckptvault_step": str(manifest.step),
-        "ckptvault_generation_id": manifest.generation_id,
-        "ckptvault_entry": key,
-    }
-    with atomic_path(out_path) as temporary:
-        save_file(tensors, str(temporary), metadata=metadata)
-        return _digest(temporary)
-
-
 def _write_export_manifest(
-    signer: Ed25519PrivateKey,
-    out_path: Path,
-    size: int,
-    digest: str,
-    key: str,
-    dtype: str | None,
-    tensors: int,
-    manifest: Manifest,
+    signer: Ed25519PrivateKey, result: ExportResult, key: str, dtype: str | None
 ) -> Path:
     """Write the signed export manifest beside the output; returns its path."""
-    manifest_path, signature_path = export_manifest_paths(out_path)
+    manifest_path, signature_path = export_manifest_paths(result.path)
     document = dumps_canonical(
         {
             "format": EXPORT_FORMAT,
-            "file": out_path.name,
-            "size": size,
-            "blake3": digest,
+            "file": result.path.name,
+            "size": result.bytes,
+            "blake3": result.blake3,
             "entry": key,
             "dtype": dtype,
-            "tensors": tensors,
+            "tensors": result.tensors,
             "source": {
-                "run_id": manifest.run_id,
-                "step": manifest.step,
-                "generation_id": manifest.generation_id,
+                "run_id": result.run_id,
+                "step": result.step,
+                "generation_id": result.generation_id,
             },
             "created_at": utc_now(),
         }
