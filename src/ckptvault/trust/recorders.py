@@ -65,69 +65,84 @@ class AuditRecorder:
 
     def __call__(self, event: Event) -> None:
         if isinstance(event, Published):
-            self.trust.record(
-                event.summary,
-                "save",
-                run_id=event.run_id,
-                step=event.step,
-                generation_id=event.generation_id,
-                store=event.store,
-                bytes=event.bytes,
-                signer=event.signer,
-                kek_id=event.kek_id,
-            )
+            self._published(event)
         elif isinstance(event, Restored):
-            if event.rollback is not None:
-                self.trust.record(
-                    f"the rollback to step {event.step} was applied",
-                    "rollback_allowed",
-                    run_id=event.run_id,
-                    store=event.store,
-                    previous_floor=event.rollback.previous_floor,
-                    step=event.step,
-                    generation_id=event.generation_id,
-                    abandoned=[list(a) for a in event.rollback.abandoned],
-                    cutoff_generation_id=event.rollback.cutoff_generation_id,
-                )
-            self.trust.record(
-                event.summary,
-                "restore",
-                run_id=event.run_id,
-                store=event.store,
-                step=event.step,
-                generation_id=event.generation_id,
-                skipped=[list(s) for s in event.skipped],
-            )
+            self._restored(event)
         elif isinstance(event, Refused):
-            self.trust.record(
-                event.summary,
-                "refusal",
-                run_id=event.run_id,
-                store=event.store,
-                error=event.error,
-                reason=event.reason,
-                rejected=[list(r) for r in event.rejected],
-            )
+            self._refused(event)
         elif isinstance(event, ReplicasDisagree):
-            self.trust.record(
-                event.summary,
-                "replica_mismatch",
-                run_id=event.run_id,
-                store=event.store,
-                step=event.step,
-                generation_id=event.generation_id,
-                slots=list(event.slots),
-            )
+            self._replicas(event)
         elif isinstance(event, (Marked, Unmarked, Deleted)):
-            kind = {Marked: "mark", Unmarked: "unmark", Deleted: "delete"}[type(event)]
-            fields = {"marked_at": event.marked_at} if not isinstance(event, Unmarked) else {}
+            self._lifecycle(event)
+
+    def _published(self, event: Published) -> None:
+        self.trust.record(
+            event.summary,
+            "save",
+            run_id=event.run_id,
+            step=event.step,
+            generation_id=event.generation_id,
+            store=event.store,
+            bytes=event.bytes,
+            signer=event.signer,
+            kek_id=event.kek_id,
+        )
+
+    def _restored(self, event: Restored) -> None:
+        if event.rollback is not None:
             self.trust.record(
-                event.summary,
-                kind,
+                f"the rollback to step {event.step} was applied",
+                "rollback_allowed",
                 run_id=event.run_id,
                 store=event.store,
+                previous_floor=event.rollback.previous_floor,
                 step=event.step,
                 generation_id=event.generation_id,
-                reason=event.reason,
-                **fields,
+                abandoned=[list(a) for a in event.rollback.abandoned],
+                cutoff_generation_id=event.rollback.cutoff_generation_id,
             )
+        self.trust.record(
+            event.summary,
+            "restore",
+            run_id=event.run_id,
+            store=event.store,
+            step=event.step,
+            generation_id=event.generation_id,
+            skipped=[list(s) for s in event.skipped],
+        )
+
+    def _refused(self, event: Refused) -> None:
+        self.trust.record(
+            event.summary,
+            "refusal",
+            run_id=event.run_id,
+            store=event.store,
+            error=event.error,
+            reason=event.reason,
+            rejected=[list(r) for r in event.rejected],
+        )
+
+    def _replicas(self, event: ReplicasDisagree) -> None:
+        self.trust.record(
+            event.summary,
+            "replica_mismatch",
+            run_id=event.run_id,
+            store=event.store,
+            step=event.step,
+            generation_id=event.generation_id,
+            slots=list(event.slots),
+        )
+
+    def _lifecycle(self, event: Marked | Unmarked | Deleted) -> None:
+        kind = {Marked: "mark", Unmarked: "unmark", Deleted: "delete"}[type(event)]
+        fields = {"marked_at": event.marked_at} if not isinstance(event, Unmarked) else {}
+        self.trust.record(
+            event.summary,
+            kind,
+            run_id=event.run_id,
+            store=event.store,
+            step=event.step,
+            generation_id=event.generation_id,
+            reason=event.reason,
+            **fields,
+        )
