@@ -20,7 +20,8 @@ import ckptvault as cv
 from ckptvault.cli.consolidate import parse_size
 from ckptvault.errors import NoValidCheckpoint, UsageError
 from ckptvault.io.load import prepare_load
-from ckptvault.ops.consolidate import OutputTensor, VerifiedTensors, plan_shards
+from ckptvault.io.verified_ranges import VerifiedRanges
+from ckptvault.ops.consolidate import OutputTensor, plan_shards
 from ckptvault.ops.export import consolidate_weights, export_weights
 from ckptvault.storage import open_store
 from ckptvault.trust.checks import TrustPolicy
@@ -196,7 +197,7 @@ def test_column_chunks_are_assembled_through_staging(tmp_path):
     opened = open_store(store, must_exist=True)
     ref = opened.list_generations()[0]
     prepared = prepare_load(opened, ref, TrustPolicy(), None, False)
-    source = VerifiedTensors(opened, ref, prepared.checked.manifest, prepared.data_keys)
+    source = VerifiedRanges(opened, ref, prepared.checked.manifest, prepared.data_keys)
     left, right = (source.entries[k]["chunks"][0] for k in ("left", "right"))
     source.entries["w"] = {
         "dtype": "float32",

@@ -45,7 +45,7 @@ from ckptvault.io.load import (
     saved_world_size,
 )
 from ckptvault.io.planners import TensorOnlyLoadPlanner
-from ckptvault.io.reader import VaultStorageReader
+from ckptvault.io.ranged_reader import RangedStorageReader
 from ckptvault.state.codec import tensor_key
 from ckptvault.state.ranks import tree_for_rank
 from ckptvault.storage.base import GenerationRef, Store
@@ -210,13 +210,13 @@ class CollectiveLoader:
         where = f"generation {ref.generation_id}"
         destinations: dict[str, torch.Tensor] = {}
         error: BaseException | None = None
-        reader: VaultStorageReader | None = None
+        reader: RangedStorageReader | None = None
         try:
             metadata, locations = metadata_from_json(manifest.dcp, where)
             live = {**_hinted(keys, self.param_hints), **self.live}
             destinations = _destinations(metadata, keys, live, manifest, where)
-            # Each rank reads (and verifies) only the files holding chunks it loads.
-            reader = VaultStorageReader(
+            # Each rank reads (and verifies) only the byte ranges its shards need.
+            reader = RangedStorageReader(
                 store,
                 ref,
                 manifest,
@@ -225,7 +225,6 @@ class CollectiveLoader:
                 self.threads,
                 None,
                 prepared.data_keys,
-                needed_files_only=True,
             )
         except (CheckpointError, OSError) as exc:
             error = exc

@@ -17,7 +17,6 @@ outputs are renamed into place once durable (:mod:`ckptvault.durable`).
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
 import re
@@ -28,41 +27,22 @@ from typing import Any, TypeVar
 
 import torch
 from blake3 import blake3
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ckptvault.durable import atomic_path, write_atomically
 from ckptvault.errors import (
-    CheckpointError,
-    DecryptionError,
-    FormatError,
-    IntegrityError,
     UsageError,
-)
-from ckptvault.format.container import (
-    CONTAINER_PREFIX_BYTES,
-    NONCE_BYTES,
-    SEGMENT_OVERHEAD,
-    ContainerHeader,
-    container_header_length,
-    parse_container_header,
 )
 from ckptvault.format.manifest import Manifest
 from ckptvault.format.tensorfile import (
-    HEADER_LENGTH_BYTES,
     build_header,
-    header_length,
-    header_size_limit,
-    parse_header,
 )
 from ckptvault.io.dcp_metadata import dtype_from_name, dtype_name
-from ckptvault.io.load import prepare_load, rejection
+from ckptvault.io.load import prepare_load
+from ckptvault.io.verified_ranges import VerifiedRanges, bytes_of
 from ckptvault.restoring.selector import CandidateSelector
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import TrustPolicy
-from ckptvault.trust.chunk_layout import check_chunk_locations
 from ckptvault.trust.context import TrustContext
-from ckptvault.trust.envelope import binding, segment_ad
 
 T = TypeVar("T")
 Progress = Callable[[int, int], None]  # (tensor bytes written so far, of how many)
@@ -87,161 +67,6 @@ class OutputTensor:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-class VerifiedTensors:
-    """Whole tensors of one generation that passed the restore checks, read one at
-    a time. Every stored byte is matched against its chunk digest before it is
-    copied anywhere; encrypted files are decrypted segment by segment (AES-GCM
-    authenticates each) and their tensor header is tied to the manifest, as restore
-    does. Holds one digest chunk and one segment besides the tensor it reads.
-    Read failures raise :class:`GenerationRejected` (the caller tries the next one).
-    """
-
-    def __init__(
-        self, store: Store, ref: GenerationRef, manifest: Manifest, data_keys: dict[str, bytes]
-    ) -> None:
-        self.store, self.ref, self.manifest, self.data_keys = store, ref, manifest, data_keys
-        self.entries: dict[str, Any] = manifest.dcp["tensors"]
-        self._block: tuple[str, int, memoryview] | None = None
-        self._segment: tuple[str, int, bytes] | None = None
-        self._containers: dict[str, ContainerHeader] = {}
-
-    def read(self, key: str) -> torch.Tensor:
-        """The full tensor ``key``, in a fresh buffer the caller owns."""
-        try:
-            return self._assemble(key)
-        except (CheckpointError, OSError) as exc:
-            raise rejection(self.ref, exc) from exc
-
-    def _assemble(self, key: str) -> torch.Tensor:
-        info = self.entries[key]
-        dtype = dtype_from_name(info["dtype"], f"{self.ref.location}: tensor {key[:200]!r}")
-        try:
-            full = torch.empty(tuple(info["shape"]), dtype=dtype)
-        except (RuntimeError, MemoryError) as exc:  # the allocator's own error, untyped
-            raise OSError(
-                errno.ENOMEM,
-                f"cannot allocate tensor {key[:200]!r} ({exc}); this needs memory for its "
-                "largest tensor: run it on a machine with more",
-            ) from exc
-        for chunk in info["chunks"]:  # they tile the shape exactly (the restore checks)
-            if not math.prod(chunk["sizes"]):
-                continue
-            region = full
-            for dim, (offset, size) in enumerate(
-                zip(chunk["offsets"], chunk["sizes"], strict=True)
-            ):
-                region = region.narrow(dim, offset, size)
-            encrypted = chunk["file"] in self.data_keys
-            read_into = self._read_plaintext if encrypted else self._read_stored
-            if region.is_contiguous():  # whole tensors, row shards: straight into place
-                read_into(chunk["file"], chunk["start"], _bytes_of(region))
-            else:
-                staging = torch.empty(chunk["length"], dtype=torch.uint8)
-                read_into(chunk["file"], chunk["start"], staging.numpy().data)
-                region.copy_(staging.view(dtype).reshape(chunk["sizes"]))
-        return full
-
-    def _read_stored(self, name: str, start: int, out: memoryview) -> None:
-        """Stored bytes ``start..start+len(out)`` of file ``name``, each digest chunk
-        that holds them verified before any of its bytes is copied."""
-        size = self.manifest.chunk_size
-        position, end = start, start + len(out)
-        while position < end:
-            index = position // size
-            block = self._verified_block(name, index)
-            upto = min(end, index * size + len(block))
-            if upto <= position:
-                raise IntegrityError(f"{self.ref.location}/{name}: ends before byte {end}")
-            lo = position - index * size
-            out[position - start : upto - start] = block[lo : lo + upto - position]
-            position = upto
-
-    def _verified_block(self, name: str, index: int) -> memoryview:
-        if self._block is not None and self._block[:2] == (name, index):
-            return self._block[2]
-        self._block = None
-        record, size = self.manifest.files[name], self.manifest.chunk_size
-        where = f"{self.ref.location}/{name}"
-        length = min(size, record.size - index * size)
-        if index >= len(record.chunks) or length <= 0:
-            raise IntegrityError(f"{where}: byte {index * size} lies beyond the recorded size")
-        data = self.store.read_range(self.ref, name, index * size, length)
-        if len(data) != length or blake3(data).hexdigest() != record.chunks[index]:
-            raise IntegrityError(
-                f"{where}: bytes {index * size}..{index * size + length} (chunk {index + 1} of "
-                f"{len(record.chunks)}) do not match the manifest digest: the file changed "
-                "after it was written; nothing of it was used"
-            )
-        self._block = (name, index, memoryview(data))
-        return self._block[2]
-
-    def _container(self, name: str) -> ContainerHeader:
-        header = self._containers.get(name)
-        if header is None:
-            where = f"{self.ref.location}/{name}"
-            prefix = bytearray(CONTAINER_PREFIX_BYTES)
-            self._read_stored(name, 0, memoryview(prefix))
-            raw = bytearray(container_header_length(bytes(prefix), where))
-            self._read_stored(name, 0, memoryview(raw))
-            header = parse_container_header(bytes(raw), self.manifest.files[name].size, where)
-            self._containers[name] = header
-            self._check_plain_header(name, header.plaintext_size)
-        return header
-
-    def _read_plaintext(self, name: str, start: int, out: memoryview) -> None:
-        """Plaintext bytes of encrypted file ``name``, segment by segment."""
-        header = self._container(name)
-        end = start + len(out)
-        if end > header.plaintext_size:
-            raise FormatError(f"{self.ref.location}/{name}: ends before plaintext byte {end}")
-        step = header.segment_size
-        for index in range(start // step, (end - 1) // step + 1 if end > start else 0):
-            plain = self._open_segment(name, header, index)
-            lo, hi = max(start, index * step), min(end, index * step + len(plain))
-            out[lo - start : hi - start] = plain[lo - index * step : hi - index * step]
-
-    def _open_segment(self, name: str, header: ContainerHeader, index: int) -> bytes:
-        if self._segment is not None and self._segment[:2] == (name, index):
-            return self._segment[2]
-        sealed = bytearray(header.segment_plaintext(index) + SEGMENT_OVERHEAD)
-        offset = len(header.header_bytes) + index * (header.segment_size + SEGMENT_OVERHEAD)
-        self._read_stored(name, offset, memoryview(sealed))
-        context = binding(self.manifest.run_id, self.manifest.generation_id, name)
-        final = index == header.segments - 1
-        try:
-            plain = AESGCM(self.data_keys[name]).decrypt(
-                bytes(sealed[:NONCE_BYTES]),
-                bytes(sealed[NONCE_BYTES:]),
-                segment_ad(context, index, final),
-            )
-        except InvalidTag:
-            raise DecryptionError(
-                f"{self.ref.location}/{name}: encrypted segment {index + 1} of {header.segments} "
-                "failed authentication (edited, or moved from another file, generation or run)"
-            ) from None
-        self._segment = (name, index, plain)
-        return plain
-
-    def _check_plain_header(self, name: str, plaintext_size: int) -> None:
-        """A decrypted tensor file's header must place every chunk where the manifest
-        says (restore's reader checks the same)."""
-        held = [c["name"] for i in self.entries.values() for c in i["chunks"] if c["file"] == name]
-        limit = header_size_limit(held)
-        prefix = bytearray(min(HEADER_LENGTH_BYTES, plaintext_size))
-        self._read_plaintext(name, 0, memoryview(prefix))
-        raw = bytearray(header_length(bytes(prefix), plaintext_size, name, limit))
-        self._read_plaintext(name, 0, memoryview(raw))
-        parsed = parse_header(bytes(raw), plaintext_size, name, limit)
-        problems = check_chunk_locations(self.manifest, {name: parsed})
-        if problems:
-            raise FormatError("; ".join(str(p) for p in problems))
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """A contiguous CPU tensor's own memory, as bytes (writable)."""
-    return tensor.reshape(-1).view(torch.uint8).numpy().data
-
-
 def plan_shards(tensors: Sequence[OutputTensor], limit: int) -> list[list[OutputTensor]]:
     """Pack ``tensors``, in order, into shards of at most ``limit`` bytes (a larger
     tensor gets a shard of its own), as Hugging Face does."""
@@ -259,7 +84,7 @@ def plan_shards(tensors: Sequence[OutputTensor], limit: int) -> list[list[Output
 def write_tensor_file(
     path: Path,
     tensors: Sequence[OutputTensor],
-    source: VerifiedTensors,
+    source: VerifiedRanges,
     metadata: Mapping[str, str],
     progress: Callable[[int], None] | None = None,
 ) -> tuple[str, int]:
@@ -275,8 +100,8 @@ def write_tensor_file(
             if tensor.dtype != item.dtype:
                 tensor = tensor.to(item.dtype)  # the stored copy is freed right here
             if tensor.numel():
-                hasher.update(_bytes_of(tensor))
-                handle.write(_bytes_of(tensor))
+                hasher.update(bytes_of(tensor))
+                handle.write(bytes_of(tensor))
             del tensor  # before the next one is allocated
             if progress is not None:
                 progress(item.nbytes)
@@ -299,7 +124,7 @@ def meter(progress: Progress | None, tensors: Sequence[OutputTensor]) -> Callabl
 def write_sharded(
     directory: Path,
     shards: Sequence[Sequence[OutputTensor]],
-    source: VerifiedTensors,
+    source: VerifiedRanges,
     metadata: Mapping[str, str],
     progress: Progress | None = None,
 ) -> tuple[list[Path], Path | None]:
@@ -343,7 +168,7 @@ def stream_generation(
     run_id: str,
     step: int,
     trust: TrustContext,
-    write: Callable[[Manifest, Any, VerifiedTensors], T],
+    write: Callable[[Manifest, Any, VerifiedRanges], T],
 ) -> tuple[Manifest, T]:
     """Run ``write(manifest, state tree, tensors)`` on the newest generation of
     ``step`` that passes the restore checks, as export always has: run
@@ -359,7 +184,7 @@ def stream_generation(
         encrypted_run = trust.keystore is not None
         prepared = prepare_load(store, ref, policy, trust.keystore, encrypted_run)
         manifest = prepared.checked.manifest
-        source = VerifiedTensors(store, ref, manifest, prepared.data_keys)
+        source = VerifiedRanges(store, ref, manifest, prepared.data_keys)
         return manifest, write(manifest, prepared.tree, source)
 
     return selector.first_verified(selection, attempt)[1]

@@ -35,10 +35,10 @@ from ckptvault.format.canonical import dumps_canonical, loads_canonical
 from ckptvault.format.layout import utc_now
 from ckptvault.format.manifest import Manifest
 from ckptvault.io.load import saved_world_size
+from ckptvault.io.verified_ranges import VerifiedRanges
 from ckptvault.ops.consolidate import (
     DEFAULT_MAX_SHARD,
     Progress,
-    VerifiedTensors,
     meter,
     plan_shards,
     prefixed_tensors,
@@ -151,7 +151,7 @@ def _write_entry(
     progress: Progress | None,
     manifest: Manifest,
     tree: Any,
-    source: VerifiedTensors,
+    source: VerifiedRanges,
 ) -> ExportResult:
     """Write entry ``key`` of a checked generation to ``out_path``, atomically."""
     tensors = prefixed_tensors(manifest, _entry_prefix(source.ref, manifest, tree, key), target)
@@ -246,7 +246,7 @@ def consolidate_weights(
     step = step if step is not None else _newest_step(store, run_id, trust)
     run_id = run_id if run_id is not None else _only_run(store, step, trust)
 
-    def write(manifest: Manifest, _tree: Any, source: VerifiedTensors) -> ConsolidateResult:
+    def write(manifest: Manifest, _tree: Any, source: VerifiedRanges) -> ConsolidateResult:
         tensors = prefixed_tensors(manifest, prefix, target)
         directory.mkdir(parents=True, exist_ok=True)
         metadata = _file_metadata(manifest, ckptvault_prefix=prefix)

@@ -1,0 +1,104 @@
+"""A DCP ``StorageReader`` that reads only the byte ranges a rank's load plan needs.
+
+In a multi-rank restore each rank loads its own shards. The plan DCP makes for it
+names, per saved chunk, the sub-box of that chunk the rank needs
+(``storage_offsets``/``lengths``). Its bytes in the chunk (row-major) lie in the
+whole rows along dimension 0 that hold it (all of them for a row shard, as FSDP2
+makes); this reader reads exactly those rows through
+:class:`~ckptvault.io.verified_ranges.VerifiedRanges` — which rounds it out to whole
+digest chunks and verifies each before a byte is used — into a private staging
+buffer, and copies the sub-box into the destination DCP gives (the restore's private
+buffer). A rank therefore reads about its own shards plus the replicated tensors,
+not every rank's files.
+
+What no rank reads is not verified by this restore (it is not used either);
+``ckptvault verify`` checks whole generations.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from ckptvault.errors import FormatError
+from ckptvault.io.dcp_metadata import StoredChunk, dtype_from_name, tensor_metadata
+from ckptvault.io.reader import VaultStorageReader
+from ckptvault.io.verified_ranges import VerifiedRanges
+
+
+class RangedStorageReader(VaultStorageReader):
+    """:class:`VaultStorageReader` whose ``read_data`` reads only what the plan needs."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        ranges = VerifiedRanges(self.store, self.ref, self.manifest, self.data_keys)
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                raise FormatError(f"{item.storage_index.fqn!r} is a pickled object; refused")
+            self._read_item(ranges, item, planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_item(self, ranges: VerifiedRanges, item: ReadItem, planner: LoadPlanner) -> None:
+        location: StoredChunk = self.locations[item.storage_index]
+        info = tensor_metadata(self.metadata, item.storage_index.fqn)
+        dtype = dtype_from_name(
+            str(info.properties.dtype).removeprefix("torch."), item.storage_index.fqn
+        )
+        chunk = _chunk_of(info.chunks, item)
+        sizes = list(chunk.sizes)
+        first, last = _span(sizes, list(item.storage_offsets), list(item.lengths))
+        itemsize = dtype.itemsize
+        if (last + 1) * itemsize > location.length:
+            raise FormatError(
+                f"{item.storage_index.fqn!r}: the load plan reaches past its stored chunk"
+            )
+        staging = torch.empty((last + 1 - first) * itemsize, dtype=torch.uint8)
+        if staging.numel():
+            ranges.read_range(
+                location.file, location.start + first * itemsize, staging.numpy().data
+            )
+        piece = _sub_box(staging.view(dtype), sizes, item)
+        destination = planner.resolve_tensor(item).detach()
+        destination.copy_(piece)
+        planner.commit_tensor(item, destination)
+        if self.on_bytes is not None:
+            self.on_bytes(staging.numel())
+
+
+def _chunk_of(chunks: Sequence[ChunkStorageMetadata], item: ReadItem) -> ChunkStorageMetadata:
+    """The saved chunk ``item`` reads from (by its offset, as DCP indexes chunks)."""
+    offsets = list(item.storage_index.offset or ())
+    for chunk in chunks:
+        if list(chunk.offsets) == offsets:
+            return chunk
+    raise FormatError(f"{item.storage_index.fqn!r}: no saved chunk at offset {offsets}")
+
+
+def _span(sizes: list[int], offsets: list[int], lengths: list[int]) -> tuple[int, int]:
+    """The row-major element indices, in a chunk of ``sizes``, of the first and last
+    element of the whole rows (along dimension 0) that hold a sub-box; (0, -1) when
+    it is empty. A 0-d chunk is its one element."""
+    if any(length == 0 for length in lengths):
+        return 0, -1
+    if not sizes:
+        return 0, 0
+    row = math.prod(sizes[1:])
+    return offsets[0] * row, (offsets[0] + lengths[0]) * row - 1
+
+
+def _sub_box(flat: torch.Tensor, sizes: list[int], item: ReadItem) -> torch.Tensor:
+    """The sub-box out of the whole rows read (see :func:`_span`)."""
+    if not sizes:
+        return flat.reshape(())
+    box = flat.reshape([item.lengths[0], *sizes[1:]])
+    for dim, (offset, length) in enumerate(
+        zip(item.storage_offsets[1:], item.lengths[1:], strict=True), start=1
+    ):
+        box = box.narrow(dim, offset, length)
+    return box
