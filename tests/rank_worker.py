@@ -200,9 +200,15 @@ def fsdp_restore(store: str, out: dict[str, Any]) -> None:
 
 def replicas_disagree(store: str, out: dict[str, Any]) -> None:
     """Rank 1's copy of the replicated bias went bad (a flipped value)."""
+    from torch.distributed.tensor import Replicate
+
     state = state_of(1)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    # A DTensor replicated over the mesh (HSDP's replicate dimension holds these).
+    state["model"]["r"] = distribute_tensor(torch.ones(2, 2), mesh, [Replicate()])
     if RANK == 1:
         state["model"]["b"][1] += 1.0
+        state["model"]["r"].to_local()[0, 0] = 5.0
     audit = Path(store).parent / "audit.jsonl"
     with manager(store, audit_log=audit) as mgr:  # "warn": published, reported
         mgr.save(1, state)

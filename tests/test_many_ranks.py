@@ -169,13 +169,17 @@ def test_replicas_that_disagree_are_reported_or_refused(tmp_path):
     reports = ok(*launch("replicas_disagree", store, 2, tmp_path / "run"))
     assert published(store) == [1]
     for report in reports:
-        assert report["mismatches"] == 1
+        assert report["mismatches"] == 2
         kind, message = report["error"]
         assert kind == "SaveFailedError" and "model/b: ranks 0 vs ranks 1" in message
+        assert "model/r@0,0: ranks 0 vs ranks 1" in message
     entries = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
     (mismatch,) = [e for e in entries if e["event"] == "replica_mismatch"]
     assert mismatch["step"] == 1
-    assert mismatch["slots"] == [{"slot": "model/b", "groups": [[0], [1]]}]
+    assert mismatch["slots"] == [
+        {"slot": "model/b", "groups": [[0], [1]]},
+        {"slot": "model/r@0,0", "groups": [[0], [1]]},
+    ]
 
 
 def test_async_saves_on_two_ranks_publish_once_each_and_restore_exactly(tmp_path):

@@ -51,7 +51,7 @@ def replica_digests(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, st
     own = rank_entry(rank) + "/"
     digests = {}
     for key, tensor in tensors.items():
-        if key.startswith(own):
+        if key.startswith(own) or _only_sharded(tensor):
             continue
         slot, local = _slot(key, tensor)
         digests[slot] = blake3(tensor_bytes(local)).hexdigest()
@@ -70,6 +70,11 @@ def disagreements(gathered: list[dict[str, str]]) -> list[Disagreement]:
         if len(groups) > 1:
             found.append(Disagreement(slot, tuple(tuple(g) for g in groups)))
     return found
+
+
+def _only_sharded(tensor: torch.Tensor) -> bool:
+    """A DTensor sharded along every mesh dimension: no other rank holds its shard."""
+    return isinstance(tensor, DTensor) and all(p.is_shard() for p in tensor.placements)
 
 
 def _slot(key: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
