@@ -28,7 +28,7 @@ def launch(
     for old in out.glob("rank*.json"):
         old.unlink()
     port = free_port()
-    procs = []
+    procs, logs = [], []
     for rank in range(world):
         env = dict(
             os.environ,
@@ -39,29 +39,31 @@ def launch(
             MASTER_PORT=str(port),
             OMP_NUM_THREADS="1",
         )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, str(store), str(out)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
+        # Output to a file, not a pipe: a rank that writes more than a pipe holds
+        # would block while the launcher waits for another rank.
+        log_path = out / f"rank{rank}.log"
+        logs.append(log_path)
+        with open(log_path, "w") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), scenario, str(store), str(out)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
             )
-        )
-    codes, logs = [], []
+    codes = []
     for proc in procs:
         try:
-            log, _ = proc.communicate(timeout=timeout)
+            codes.append(proc.wait(timeout=timeout))
         except subprocess.TimeoutExpired:
             for other in procs:
                 other.kill()
             raise
-        codes.append(proc.returncode)
-        logs.append(log)
     reports = []
     for rank in range(world):
         path = out / f"rank{rank}.json"
-        reports.append(json.loads(path.read_text()) if path.exists() else {"log": logs[rank]})
-    for rank, report in enumerate(reports):
-        report.setdefault("log", logs[rank][-3000:])
+        text = logs[rank].read_text(errors="replace")
+        reports.append(json.loads(path.read_text()) if path.exists() else {"log": text})
+        reports[-1].setdefault("log", text[-3000:])
     return codes, reports

@@ -220,6 +220,29 @@ def replicas_disagree(store: str, out: dict[str, Any]) -> None:
             out["error"] = [type(exc).__name__, str(exc)]
 
 
+def restore_diverging_manifest(store: str, out: dict[str, Any]) -> None:
+    """Rank 1 reads other manifest bytes for the newest generation than rank 0 did
+    (a manifest swapped while the ranks read it): simulated by altering what rank 1's
+    checks return, so that the ranks cannot agree."""
+    from dataclasses import replace
+
+    from ckptvault.distributed import restore as collective
+
+    original = collective.prepare_load
+
+    def diverging(store_: Any, ref: Any, *args: Any) -> Any:
+        prepared = original(store_, ref, *args)
+        if RANK == 1 and ref.step == 2:
+            checked = replace(
+                prepared.checked, manifest_bytes=prepared.checked.manifest_bytes + b" "
+            )
+            prepared = replace(prepared, checked=checked)
+        return prepared
+
+    collective.prepare_load = diverging  # type: ignore[assignment]
+    restore(store, out)
+
+
 SCENARIOS = {
     "save": save,
     "save_async": lambda store, out: save(store, out, async_save=True),
@@ -227,6 +250,7 @@ SCENARIOS = {
     "fail_in_write": fail_in_write,
     "die_in_write": die_in_write,
     "fsdp_save": fsdp_save,
+    "restore_diverging_manifest": restore_diverging_manifest,
     "replicas_disagree": replicas_disagree,
     "fsdp_restore": fsdp_restore,
 }

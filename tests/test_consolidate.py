@@ -277,3 +277,16 @@ def test_consolidation_memory_is_about_the_largest_tensor(tmp_path):
     with safe_open(str(out / "model.safetensors"), "pt") as opened:
         for name, value in state["model"].items():
             assert torch.equal(opened.get_tensor(name), value), name
+
+
+def test_without_a_step_a_planted_higher_step_does_not_stop_consolidation(tmp_path):
+    """Red-team finding (round 3): consolidate without --step took the newest step
+    name from the listing, so one empty directory named step 999999 defeated it."""
+    store = tmp_path / "store"
+    with cv.CheckpointManager(store, run_id="run") as mgr:
+        mgr.save(5, {"model": {"w": torch.arange(6.0)}})
+    genuine = next(store.glob("step-*")).name
+    (store / ("step-000000999999." + genuine.split(".", 1)[1])).mkdir()
+    result = consolidate_weights(store, tmp_path / "hf")
+    assert result.source.step == 5
+    assert torch.equal(load_file(tmp_path / "hf" / "model.safetensors")["w"], torch.arange(6.0))

@@ -170,6 +170,22 @@ def test_a_corrupt_byte_read_during_load_raises_integrity_error(store):
         dcp.load(live, storage_reader=cv.dcp.StorageReader(store, run_id=RUN))
 
 
+def test_a_file_cut_short_after_the_checks_puts_no_byte_into_the_callers_tensors(store):
+    """Red-team finding (round 3): the tensor file overwritten and cut by one byte
+    after the reader's checks passed. The short last block must be refused before it
+    is copied: the caller's tensor keeps every one of its own values."""
+    values = torch.arange(65536, dtype=torch.float32)
+    save(store, 1, {"w": values})
+    data_file = largest_data_file(generations(store)[0])
+    reader = cv.dcp.StorageReader(store, run_id=RUN)  # the checks pass here
+    size = data_file.stat().st_size
+    writable(data_file).write_bytes(b"A" * (size - 1))
+    live = {"w": torch.full((65536,), -1.0)}
+    with pytest.raises(IntegrityError), cv.dcp.typed_errors():
+        dcp.load(live, storage_reader=reader)
+    assert torch.equal(live["w"], torch.full((65536,), -1.0))
+
+
 def test_a_corrupt_generation_is_skipped_with_its_reason_never_silently(store):
     save(store, 1)
     save(store, 2)

@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 import ckptvault as cv
 from ckptvault.errors import IntegrityError, SignatureError
-from ckptvault.ops.export import export_weights, verify_export
+from ckptvault.ops.export import export_weights
+from ckptvault.ops.export_manifest import verify_export
 from ckptvault.trust.signing import generate_keypair
 from conftest import run_cli, writable
 
@@ -168,3 +169,25 @@ def test_a_bad_signing_key_leaves_the_previous_export_intact(store, tmp_path, tr
     export_weights(store, 3, out, dtype="fp16")  # unsigned: the old manifest must go
     with pytest.raises(cv.errors.FormatError, match="no signed export manifest"):
         verify_export(out, [tmp_path / "k.pub"])
+
+
+def test_a_refused_export_leaves_the_previous_release_and_its_manifest_intact(
+    store, tmp_path, trained
+):
+    """Red-team finding (round 3): a re-export over an existing signed release that is
+    refused (the source no longer verifies) removed the release's signed manifest."""
+    out = tmp_path / "model.safetensors"
+    trusted = [tmp_path / "k.pub"]
+    export_weights(store, 3, out, signing_key=tmp_path / "k.pem", trusted_keys=trusted)
+    before = out.read_bytes()
+    data_file = max(
+        (p for p in next(store.glob("step-*")).iterdir() if p.name.endswith(".safetensors")),
+        key=lambda p: p.stat().st_size,
+    )
+    data = bytearray(data_file.read_bytes())
+    data[-5] ^= 0xFF
+    writable(data_file).write_bytes(bytes(data))
+    with pytest.raises(cv.errors.NoValidCheckpoint):
+        export_weights(store, 3, out, signing_key=tmp_path / "k.pem", trusted_keys=trusted)
+    assert out.read_bytes() == before
+    assert verify_export(out, trusted).source["step"] == 3

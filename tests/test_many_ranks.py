@@ -192,3 +192,14 @@ def test_async_saves_on_two_ranks_publish_once_each_and_restore_exactly(tmp_path
     for before, after in zip(saved, restored, strict=True):
         assert after["step"] == 2 and after["weight_exact"]
         assert after["draw"] == before["after_save_draw"]
+
+
+def test_ranks_that_read_different_manifests_fall_back_together(two_rank_store, tmp_path):
+    """Red-team finding (round 3): a manifest swapped while the ranks read it gave them
+    different state under one generation name. The ranks now compare the manifest
+    bytes they checked; a difference rejects the generation on every rank."""
+    store, _saved = two_rank_store
+    for after in ok(*launch("restore_diverging_manifest", store, 2, tmp_path)):
+        assert after["step"] == 1 and after["meta"] == {"tokens_seen": 1000}
+        ((step, reason),) = after["skipped"]
+        assert step == 2 and "different manifest bytes" in reason

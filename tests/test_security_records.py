@@ -17,7 +17,8 @@ import torch
 import ckptvault as cv
 from ckptvault.errors import NoValidCheckpoint, UsageError
 from ckptvault.format.canonical import dumps_canonical
-from ckptvault.ops.export import export_manifest_paths, export_weights, verify_export
+from ckptvault.ops.export import export_weights
+from ckptvault.ops.export_manifest import export_manifest_paths, verify_export
 from ckptvault.trust.audit import AuditLog, entry_hash
 from ckptvault.trust.audit_verify import verify_audit_log
 from ckptvault.trust.ledger import Ledger

@@ -81,7 +81,7 @@ def verify_export(
     ],
 ) -> None:
     """Check an export's signed manifest and that the file matches it."""
-    from ckptvault.ops.export import verify_export as check
+    from ckptvault.ops.export_manifest import verify_export as check
 
     result = check(file, trusted_key)
     source = result.source

@@ -16,12 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from blake3 import blake3
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from ckptvault import errors
 from ckptvault.coordinator import Coordinator
 from ckptvault.errors import CheckpointError, CollectiveError, FormatError, NoValidCheckpoint
-from ckptvault.format.layout import parse_generation_dirname
+from ckptvault.format.layout import GenerationName, parse_generation_dirname
 from ckptvault.io.dcp_metadata import StoredChunk, metadata_from_json
 from ckptvault.io.load import PreparedLoad, prepare_load, rejection
 from ckptvault.restoring.selector import CandidateSelector, SkippedGeneration
@@ -53,6 +54,7 @@ class Chooser:
         self.trust = trust
         self.coordinator = coordinator
         self._unlisted: set[GenerationRef] = set()  # rank 0's choices this rank cannot see
+        self._listing: dict[GenerationName, GenerationRef] | None = None  # this rank's
 
     def choose(self, step: int | None, max_fallback: int | None) -> Chosen:
         """The newest generation (of ``step``) that passes on every rank; raises
@@ -131,9 +133,11 @@ class Chooser:
         name = parse_generation_dirname(dirname)
         if name is None:
             raise errors.CollectiveError(f"rank 0 named {dirname[:100]!r}, not a generation")
-        for ref in self.store.list_generations():
-            if ref.name == name:
-                return ref
+        if self._listing is None:  # one listing per choice, not one per candidate
+            self._listing = {ref.name: ref for ref in self.store.list_generations()}
+        found = self._listing.get(name)
+        if found is not None:
+            return found
         placeholder = GenerationRef(name, f"{self.store.location}/{dirname}")
         self._unlisted.add(placeholder)
         return placeholder
@@ -149,6 +153,8 @@ class Chooser:
         mine: dict[str, Any] = {"problems": []}
         try:
             chosen = self._check(ref, policy)
+            # Every rank must have checked the very same manifest bytes.
+            mine["manifest"] = blake3(chosen.prepared.checked.manifest_bytes).hexdigest()
         except GenerationRejected as exc:
             mine["problems"] = [[p.code, p.detail, p.file] for p in exc.problems]
         except (CheckpointError, OSError) as exc:
@@ -167,6 +173,13 @@ class Chooser:
             for rank, verdict in enumerate(gathered)
             for code, detail, file in verdict["problems"]
         ]
+        if len({str(verdict.get("manifest")) for verdict in gathered}) > 1 and not problems:
+            problems = [
+                Problem(
+                    MANIFEST_INVALID,
+                    "the ranks read different manifest bytes: it changed while they read it",
+                )
+            ]
         if problems:
             raise GenerationRejected(ref, problems)
         assert chosen is not None

@@ -75,7 +75,7 @@ class TorchDistributed:
         self._collective("a broadcast", lambda: dist.broadcast(size, src=0, group=self.group))
         buffer = _buffer(data, int(size.item()))
         self._collective("a broadcast", lambda: dist.broadcast(buffer, src=0, group=self.group))
-        decoded: T = _decode(buffer)
+        decoded: T = _checked(_decode(buffer), 0)
         return decoded
 
     def all_gather(self, value: Any) -> list[Any]:
@@ -91,8 +91,8 @@ class TorchDistributed:
             "an all-gather", lambda: dist.all_gather(gathered, padded, group=self.group)
         )
         return [
-            _decode(buffer[: int(size.item())])
-            for buffer, size in zip(gathered, sizes, strict=True)
+            _checked(_decode(buffer[: int(size.item())]), rank)
+            for rank, (buffer, size) in enumerate(zip(gathered, sizes, strict=True))
         ]
 
     def _collective(self, what: str, call: Any) -> None:
@@ -110,11 +110,26 @@ class TorchDistributed:
         return f"TorchDistributed(rank={self._rank}, world_size={self._world_size})"
 
 
+_OVERSIZED = "$oversized"
+
+
 def _encode(value: Any) -> bytes:
-    data = json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+    """``value`` as compact JSON; a value over the limit travels as a marker instead,
+    so that every rank still takes part in the collective and then raises the same
+    error (raising here would leave the other ranks waiting)."""
+    data = json.dumps(value, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode()
     if len(data) > _MAX_MESSAGE:
-        raise UsageError(f"a collective message of {len(data)} bytes is too large")
+        return json.dumps({_OVERSIZED: len(data)}).encode()
     return data
+
+
+def _checked(value: Any, rank: int) -> Any:
+    if isinstance(value, dict) and set(value) == {_OVERSIZED}:
+        raise CollectiveError(
+            f"rank {rank} had a message of {value[_OVERSIZED]} bytes to send, more than the "
+            f"{_MAX_MESSAGE} a collective carries; every rank stops here"
+        )
+    return value
 
 
 def _buffer(data: bytes, size: int, pad: bool = False) -> torch.Tensor:

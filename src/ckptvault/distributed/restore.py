@@ -28,12 +28,13 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from blake3 import blake3
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptvault import errors
 from ckptvault.coordinator import Coordinator
 from ckptvault.errors import CheckpointError, FormatError
-from ckptvault.format.layout import parse_generation_dirname
+from ckptvault.format.layout import GenerationName, parse_generation_dirname
 from ckptvault.format.manifest import Manifest
 from ckptvault.io.dcp_metadata import metadata_from_json, tensor_metadata
 from ckptvault.io.load import (
@@ -47,11 +48,16 @@ from ckptvault.io.load import (
 from ckptvault.io.planners import TensorOnlyLoadPlanner
 from ckptvault.io.ranged_reader import RangedStorageReader
 from ckptvault.state.codec import tensor_key
-from ckptvault.state.ranks import tree_for_rank
+from ckptvault.state.ranks import tensor_references, tree_for_rank
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import TrustPolicy
 from ckptvault.trust.keystore import KeyStore
-from ckptvault.trust.problems import UNREADABLE, GenerationRejected, Problem
+from ckptvault.trust.problems import (
+    MANIFEST_INVALID,
+    UNREADABLE,
+    GenerationRejected,
+    Problem,
+)
 
 
 class CollectiveLoader:
@@ -107,14 +113,17 @@ class CollectiveLoader:
         """Load what the coordinator asks for until it is done; the generation taken
         and what rank 0 skipped (None: the store is empty), or rank 0's error."""
         last: tuple[Store, GenerationRef, LoadedGeneration] | None = None
+        listed: dict[int, dict[GenerationName, GenerationRef]] = {}  # one listing per tier
         while True:
             message: dict[str, Any] = self.coordinator.broadcast({})
             if "try" in message:
                 tier_index, dirname = message["try"]
                 store = self.tiers[tier_index]
-                ref, listed = _find(store, dirname)
+                if tier_index not in listed:
+                    listed[tier_index] = {ref.name: ref for ref in store.list_generations()}
+                ref, found = _find(store, listed[tier_index], dirname)
                 try:
-                    loaded = self._load_together(store, ref, self.follower_policy, listed)
+                    loaded = self._load_together(store, ref, self.follower_policy, found)
                     last = (store, ref, loaded)
                 except GenerationRejected:
                     last = None
@@ -167,6 +176,7 @@ class CollectiveLoader:
         self, store: Store, ref: GenerationRef, policy: TrustPolicy, listed: bool = True
     ) -> LoadedGeneration:
         prepared = self._stage(ref, lambda: self._prepare(store, ref, policy, listed))
+        self._same_manifest(ref, prepared)
         manifest = prepared.checked.manifest
         view_keys = self._stage(ref, lambda: _referenced(prepared, ref, self.coordinator))
         tensors = self._read(store, ref, manifest, prepared, view_keys)
@@ -175,6 +185,24 @@ class CollectiveLoader:
             ref, lambda: decode_for_rank(ref, manifest, prepared.tree, tensors, rank, world)
         )
         return LoadedGeneration(ref, manifest, saved, prepared.checked.signer, reset)
+
+    def _same_manifest(self, ref: GenerationRef, prepared: PreparedLoad) -> None:
+        """Every rank must have checked the very same manifest bytes: a manifest
+        swapped while the ranks read it would give them different state."""
+        digest = blake3(prepared.checked.manifest_bytes).hexdigest()
+        seen = self.coordinator.all_gather(digest)
+        if len(set(seen)) > 1:
+            groups = ", ".join(f"rank {rank}: {d[:16]}" for rank, d in enumerate(seen))
+            raise GenerationRejected(
+                ref,
+                [
+                    Problem(
+                        MANIFEST_INVALID,
+                        f"the ranks read different manifest bytes ({groups}): it changed "
+                        "while they read it",
+                    )
+                ],
+            )
 
     def _stage(self, ref: GenerationRef, work: Callable[[], Any]) -> Any:
         """Run one stage here, then agree on it with every rank."""
@@ -259,39 +287,36 @@ def _code(ref: GenerationRef, error: BaseException) -> str:
     return UNREADABLE
 
 
-def _find(store: Store, dirname: str) -> tuple[GenerationRef, bool]:
-    """This rank's view of the generation rank 0 named, and whether it lists it."""
+def _find(
+    store: Store, listed: dict[GenerationName, GenerationRef], dirname: str
+) -> tuple[GenerationRef, bool]:
+    """This rank's view of the generation rank 0 named (from this rank's one listing
+    of the tier), and whether it lists it."""
     name = parse_generation_dirname(dirname)
     if name is None:
         raise errors.CollectiveError(f"rank 0 named {dirname!r}, which is not a generation")
-    found = next((ref for ref in store.list_generations() if ref.name == name), None)
+    found = listed.get(name)
     if found is None:
         return GenerationRef(name, f"{store.location}/{dirname}"), False
     return found, True
 
 
 def _referenced(prepared: PreparedLoad, ref: GenerationRef, coordinator: Coordinator) -> set[str]:
-    """The tensor keys this rank's view of the saved state refers to."""
+    """The tensor keys this rank's view of the saved state refers to; a view that
+    cannot be made is ``manifest-invalid``, as :func:`decode_for_rank` says."""
     manifest = prepared.checked.manifest
-    view, _reset = tree_for_rank(
-        prepared.tree,
-        saved_world_size(manifest),
-        coordinator.rank,
-        coordinator.world_size,
-        f"generation {ref.generation_id}",
-    )
-    found: set[str] = set()
-    pending: list[Any] = [view]
-    while pending:
-        node = pending.pop()
-        if isinstance(node, dict):
-            if set(node) == {"$tensor"} and isinstance(node["$tensor"], str):
-                found.add(node["$tensor"])
-            else:
-                pending.extend(node.values())
-        elif isinstance(node, list):
-            pending.extend(node)
-    return found
+    where = f"generation {ref.generation_id}"
+    try:
+        view, _reset = tree_for_rank(
+            prepared.tree,
+            saved_world_size(manifest),
+            coordinator.rank,
+            coordinator.world_size,
+            where,
+        )
+    except FormatError as exc:
+        raise GenerationRejected(ref, [Problem(MANIFEST_INVALID, str(exc))]) from exc
+    return tensor_references(view)
 
 
 def optimizer_param_hints(state: Any) -> dict[str, torch.Tensor]:

@@ -39,10 +39,16 @@ class RangedStorageReader(VaultStorageReader):
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
                 raise FormatError(f"{item.storage_index.fqn!r} is a pickled object; refused")
+        # In file order: each verified block is read (and hashed) once, not per tensor.
+        for item in sorted(plan.items, key=self._position):
             self._read_item(ranges, item, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _position(self, item: ReadItem) -> tuple[str, int]:
+        location: StoredChunk = self.locations[item.storage_index]
+        return location.file, location.start
 
     def _read_item(self, ranges: VerifiedRanges, item: ReadItem, planner: LoadPlanner) -> None:
         location: StoredChunk = self.locations[item.storage_index]

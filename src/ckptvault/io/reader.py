@@ -217,10 +217,12 @@ class VaultStorageReader(StorageReader):
         position = 0
         with self.store.open_file(self.ref, name) as stream:
             while position < record.size:
-                count = read_full(stream, block_view[: min(chunk_size, record.size - position)])
-                if count == 0:
+                wanted = min(chunk_size, record.size - position)
+                count = read_full(stream, block_view[:wanted])
+                if count != wanted:  # short: refused before any of its bytes is used
                     raise IntegrityError(
-                        f"{where}: file ends at byte {position}, the manifest records {record.size}"
+                        f"{where}: file ends at byte {position + count}, the manifest records "
+                        f"{record.size}"
                     )
                 verifier.update(block_view[:count])  # raises before any byte is used
                 if decryptor is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import math
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -44,6 +45,8 @@ from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.chunk_layout import check_chunk_locations
 from ckptvault.trust.envelope import binding, segment_ad
 
+CACHED_FILES = 4  # files whose last verified block is kept
+
 
 class VerifiedRanges:
     """Whole tensors of one generation that passed the restore checks, read one at
@@ -59,7 +62,10 @@ class VerifiedRanges:
     ) -> None:
         self.store, self.ref, self.manifest, self.data_keys = store, ref, manifest, data_keys
         self.entries: dict[str, Any] = manifest.dcp["tensors"]
-        self._block: tuple[str, int, memoryview] | None = None
+        # The last verified block of a few files: tensors read in turn from several
+        # rank files (a row-sharded model) must not re-read and re-hash a block per
+        # tensor. Bounded, because a manifest's author chooses the chunk size.
+        self._blocks: OrderedDict[str, tuple[int, memoryview]] = OrderedDict()
         self._segment: tuple[str, int, bytes] | None = None
         self._containers: dict[str, ContainerHeader] = {}
 
@@ -123,9 +129,11 @@ class VerifiedRanges:
             position = upto
 
     def _verified_block(self, name: str, index: int) -> memoryview:
-        if self._block is not None and self._block[:2] == (name, index):
-            return self._block[2]
-        self._block = None
+        cached = self._blocks.get(name)
+        if cached is not None and cached[0] == index:
+            self._blocks.move_to_end(name)
+            return cached[1]
+        self._blocks.pop(name, None)
         record, size = self.manifest.files[name], self.manifest.chunk_size
         where = f"{self.ref.location}/{name}"
         length = min(size, record.size - index * size)
@@ -138,8 +146,10 @@ class VerifiedRanges:
                 f"{len(record.chunks)}) do not match the manifest digest: the file changed "
                 "after it was written; nothing of it was used"
             )
-        self._block = (name, index, memoryview(data))
-        return self._block[2]
+        self._blocks[name] = (index, memoryview(data))
+        while len(self._blocks) > CACHED_FILES:
+            self._blocks.popitem(last=False)
+        return self._blocks[name][1]
 
     def _container(self, name: str) -> ContainerHeader:
         header = self._containers.get(name)

@@ -20,19 +20,15 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from blake3 import blake3
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ckptvault.durable import atomic_path, write_atomically
-from ckptvault.errors import FormatError, IntegrityError, NoValidCheckpoint, UsageError
-from ckptvault.format.canonical import dumps_canonical, loads_canonical
-from ckptvault.format.layout import utc_now
+from ckptvault.durable import atomic_path
+from ckptvault.errors import FormatError, NoValidCheckpoint, UsageError
 from ckptvault.format.manifest import Manifest
 from ckptvault.io.load import saved_world_size
 from ckptvault.io.verified_ranges import VerifiedRanges
@@ -46,6 +42,10 @@ from ckptvault.ops.consolidate import (
     write_sharded,
     write_tensor_file,
 )
+from ckptvault.ops.export_manifest import (
+    export_manifest_paths,
+    write_export_manifest,
+)
 from ckptvault.restoring.selector import CandidateSelector
 from ckptvault.state.codec_names import tensor_key
 from ckptvault.state.ranks import tree_for_rank
@@ -56,15 +56,10 @@ from ckptvault.trust.context import TrustContext
 from ckptvault.trust.keystore import KeyStore
 from ckptvault.trust.problems import MANIFEST_INVALID, GenerationRejected, Problem
 from ckptvault.trust.signing import (
-    EXPORT_DOMAIN,
     PrivateKeyLike,
     PublicKeyLike,
-    TrustedKeys,
-    sign,
-    verify,
 )
 
-EXPORT_FORMAT = "ckptvault-export/1"
 # Generations whose manifests export reads to learn the run id when none is given.
 MAX_RUN_PROBES = 4
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -85,11 +80,6 @@ class ExportResult:
     step: int
     generation_id: str
     manifest_path: Path | None
-
-
-def export_manifest_paths(out: Path) -> tuple[Path, Path]:
-    """Where the export manifest and its signature live, beside the output."""
-    return out.with_name(out.name + ".manifest.json"), out.with_name(out.name + ".manifest.sig")
 
 
 def export_weights(
@@ -138,7 +128,7 @@ def export_weights(
     write = functools.partial(_write_entry, out_path, key, target, progress)
     _manifest, result = stream_generation(store, run_id, step, trust, write)
     if trust.signer is not None:
-        signed = _write_export_manifest(trust.signer, result, key, dtype)
+        signed = write_export_manifest(trust.signer, result, key, dtype)
         result = replace(result, manifest_path=signed)
     _record(trust, result, key)
     return result
@@ -156,12 +146,14 @@ def _write_entry(
     """Write entry ``key`` of a checked generation to ``out_path``, atomically."""
     tensors = prefixed_tensors(manifest, _entry_prefix(source.ref, manifest, tree, key), target)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in export_manifest_paths(out_path):  # never leave a manifest of another file
-        stale.unlink(missing_ok=True)
     metadata = _file_metadata(manifest, ckptvault_entry=key)
     with atomic_path(out_path) as temporary:
         advance = meter(progress, tensors)
         digest, size = write_tensor_file(temporary, tensors, source, metadata, advance)
+    # Only now that the new file replaced the old one: never leave a manifest of another
+    # file, and never drop a release's manifest for an export that did not happen.
+    for stale in export_manifest_paths(out_path):
+        stale.unlink(missing_ok=True)
     origin = (manifest.run_id, manifest.step, manifest.generation_id)
     return ExportResult(out_path, len(tensors), size, digest, *origin, manifest_path=None)
 
@@ -243,8 +235,6 @@ def consolidate_weights(
     directory = Path(os.path.abspath(os.fspath(out)))
     if store.holds_path(directory):
         raise UsageError(f"{directory} is inside the checkpoint store {store.location}")
-    step = step if step is not None else _newest_step(store, run_id, trust)
-    run_id = run_id if run_id is not None else _only_run(store, step, trust)
 
     def write(manifest: Manifest, _tree: Any, source: VerifiedRanges) -> ConsolidateResult:
         tensors = prefixed_tensors(manifest, prefix, target)
@@ -255,19 +245,39 @@ def consolidate_weights(
         sizes = [t.nbytes for t in tensors]
         return ConsolidateResult(files, index, len(sizes), sum(sizes), max(sizes), manifest)
 
-    manifest, result = stream_generation(store, run_id, step, trust, write)
+    manifest, result = _newest_that_verifies(store, run_id, step, trust, write)
     done = f"step {manifest.step} was consolidated into {directory}"
     fields = {"run_id": manifest.run_id, "generation_id": manifest.generation_id}
     trust.record(done, "consolidate", step=manifest.step, out=str(directory), **fields)
     return result
 
 
-def _newest_step(store: Store, run_id: str | None, trust: TrustContext) -> int:
-    """The newest step the store holds (of ``run_id``, when given)."""
-    candidates = CandidateSelector(store, run_id, trust).select(None, floor_applies=False)
-    if not candidates.candidates:
-        raise NoValidCheckpoint(f"store {store.location} holds no generation to export")
-    return max(ref.step for ref in candidates.candidates)
+def _newest_that_verifies(
+    store: Store,
+    run_id: str | None,
+    step: int | None,
+    trust: TrustContext,
+    write: Callable[[Manifest, Any, VerifiedRanges], ConsolidateResult],
+) -> tuple[Manifest, ConsolidateResult]:
+    """``stream_generation`` of ``step``, or without one of the newest step whose
+    generation verifies: steps are tried newest first, so a planted directory with a
+    higher step name cannot stop a consolidation the store's genuine steps allow."""
+    if step is None:
+        selection = CandidateSelector(store, run_id, trust).select(None, floor_applies=False)
+        steps = sorted({ref.step for ref in selection.candidates}, reverse=True)
+        if not steps:
+            raise NoValidCheckpoint(f"store {store.location} holds no generation to export")
+    else:
+        steps = [step]
+    refused: NoValidCheckpoint | None = None
+    for candidate in steps:
+        try:
+            owner = run_id if run_id is not None else _only_run(store, candidate, trust)
+            return stream_generation(store, owner, candidate, trust, write)
+        except NoValidCheckpoint as exc:
+            refused = refused or exc
+    assert refused is not None
+    raise refused
 
 
 def _record(trust: TrustContext, result: ExportResult, key: str) -> None:
@@ -282,33 +292,6 @@ def _record(trust: TrustContext, result: ExportResult, key: str) -> None:
         blake3=result.blake3,
         signed=result.manifest_path is not None,
     )
-
-
-def _write_export_manifest(
-    signer: Ed25519PrivateKey, result: ExportResult, key: str, dtype: str | None
-) -> Path:
-    """Write the signed export manifest beside the output; returns its path."""
-    manifest_path, signature_path = export_manifest_paths(result.path)
-    document = dumps_canonical(
-        {
-            "format": EXPORT_FORMAT,
-            "file": result.path.name,
-            "size": result.bytes,
-            "blake3": result.blake3,
-            "entry": key,
-            "dtype": dtype,
-            "tensors": result.tensors,
-            "source": {
-                "run_id": result.run_id,
-                "step": result.step,
-                "generation_id": result.generation_id,
-            },
-            "created_at": utc_now(),
-        }
-    )
-    write_atomically(signature_path, sign(signer, document, EXPORT_DOMAIN))
-    write_atomically(manifest_path, document)
-    return manifest_path
 
 
 def _only_run(store: Store, step: int, trust: TrustContext) -> str:
@@ -342,51 +325,3 @@ def _only_run(store: Store, step: int, trust: TrustContext) -> str:
             "pass --run-id"
         )
     return runs.pop()
-
-
-@dataclass(frozen=True)
-class ExportVerification:
-    signer: str
-    source: dict[str, Any]
-    blake3: str
-
-
-def verify_export(
-    file: str | os.PathLike[str], trusted_keys: Iterable[PublicKeyLike]
-) -> ExportVerification:
-    """Check an export's signed manifest and that the file matches it.
-
-    Raises SignatureError (untrusted or edited manifest), IntegrityError (the file
-    differs from what was signed) or FormatError (no or malformed manifest)."""
-    path = Path(file)
-    manifest_path, signature_path = export_manifest_paths(path)
-    try:
-        document = manifest_path.read_bytes()
-        signature = signature_path.read_bytes()
-    except FileNotFoundError as exc:
-        raise FormatError(
-            f"{path} has no signed export manifest ({exc.filename} is missing); export it with --signing-key"
-        ) from exc
-    signer = verify(
-        signature, document, TrustedKeys.load(trusted_keys), EXPORT_DOMAIN, str(signature_path)
-    )
-    raw = loads_canonical(document, str(manifest_path))
-    if raw.get("format") != EXPORT_FORMAT or raw.get("file") != path.name:
-        raise FormatError(f"{manifest_path} does not describe {path.name}")
-    digest, size = _digest(path)
-    if size != raw["size"] or digest != raw["blake3"]:
-        raise IntegrityError(
-            f"{path} does not match its signed export manifest (size or BLAKE3 differs)"
-        )
-    return ExportVerification(signer, raw["source"], digest)
-
-
-def _digest(path: Path) -> tuple[str, int]:
-    """BLAKE3 and size of a file."""
-    hasher = blake3()
-    size = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(8 << 20):
-            hasher.update(chunk)
-            size += len(chunk)
-    return hasher.hexdigest(), size

@@ -106,6 +106,14 @@ def tree_for_rank(
     if world_size != saved_world:
         return tree, per_rank
     own = state[RANKS][rank]
+    strangers = sorted(
+        k for k in tensor_references(own) if not k.startswith(f"{rank_entry(rank)}/")
+    )
+    if strangers:
+        raise FormatError(
+            f"{where}: rank {rank}'s own entries refer to tensors that are not its own "
+            f"({', '.join(repr(k[:100]) for k in strangers[:3])})"
+        )
     overlap = sorted(set(own) & set(tree))
     if overlap:
         raise FormatError(f"{where}: entries {overlap} are both global and per-rank")
@@ -125,3 +133,19 @@ def leave_per_rank_alone(
     for key in dropped:
         del saved[key]
     return dropped
+
+
+def tensor_references(tree: Any) -> set[str]:
+    """Every tensor key a (JSON) state tree refers to (``{"$tensor": key}``)."""
+    found: set[str] = set()
+    pending: list[Any] = [tree]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            if set(node) == {"$tensor"} and isinstance(node["$tensor"], str):
+                found.add(node["$tensor"])
+            else:
+                pending.extend(node.values())
+        elif isinstance(node, list):
+            pending.extend(node)
+    return found

@@ -50,12 +50,34 @@ class Problem:
         return f"{self.code}: {self.detail}"
 
 
+# What one rejection keeps: a store's author decides how many problems a generation
+# has (one per chunk of an edited manifest), and reasons travel into logs, the audit
+# log and, among ranks, collective messages. The first ones say enough.
+MAX_PROBLEMS = 20
+MAX_DETAIL = 500
+
+
+def bounded(problems: list[Problem]) -> list[Problem]:
+    """At most :data:`MAX_PROBLEMS` problems, each detail at most :data:`MAX_DETAIL`
+    characters, and one more saying how many were left out."""
+    kept = [
+        p if len(p.detail) <= MAX_DETAIL else Problem(p.code, p.detail[:MAX_DETAIL] + "...", p.file)
+        for p in problems[:MAX_PROBLEMS]
+    ]
+    if len(problems) > MAX_PROBLEMS:
+        left = problems[MAX_PROBLEMS:]
+        codes = ", ".join(sorted({p.code for p in left}))
+        kept.append(Problem(left[0].code, f"and {len(left)} more problems ({codes})"))
+    return kept
+
+
 class GenerationRejected(CheckpointError):
-    """A candidate generation failed a check; restore skips it and tries the next."""
+    """A candidate generation failed a check; restore skips it and tries the next.
+    Its problems are :func:`bounded`."""
 
     def __init__(self, ref: GenerationRef, problems: list[Problem]) -> None:
         self.ref = ref
-        self.problems = problems
+        self.problems = bounded(problems)
         super().__init__(f"generation {ref.generation_id} (step {ref.step}): {self.reason}")
 
     @property
