@@ -111,6 +111,7 @@ def test_a_rank_killed_mid_save_publishes_nothing_and_the_survivor_raises(tmp_pa
     kind, message = reports[0]["error"]
     assert kind in ("CollectiveError", "SaveFailedError"), message
     assert published(store) == [1]
+    assert not list((store / ".staging").iterdir())  # rank 0 removed the whole attempt
 
 
 def test_two_ranks_save_to_s3_and_restore_onto_three(s3_bucket, tmp_path):
