@@ -50,7 +50,7 @@ from ckptvault.storage.posix import PosixStore
 from ckptvault.storage.records import DELETION_MARK
 from ckptvault.trust import checks
 from ckptvault.trust.context import TrustContext
-from ckptvault.trust.digests import verify_stream
+from ckptvault.trust.digests import derived_file_digest, verify_stream
 from ckptvault.trust.keystore import LocalKeyStore
 from ckptvault.trust.signing import generate_keypair
 from conftest import (
@@ -532,7 +532,8 @@ def test_allocation_failure_skips_the_generation(store, two_steps, monkeypatch):
 
 def test_verify_buffers_are_no_larger_than_the_file():
     data = b"0123456789"
-    record = FileRecord(len(data), blake3(data).hexdigest(), (blake3(data).hexdigest(),))
+    chunks = (blake3(data).hexdigest(),)
+    record = FileRecord(len(data), derived_file_digest(len(data), chunks), chunks)
     tracemalloc.start()
     try:
         verify_stream(io.BytesIO(data), record, 256 * 1024 * 1024, "f")
@@ -542,7 +543,7 @@ def test_verify_buffers_are_no_larger_than_the_file():
     assert peak < 1024 * 1024
     with pytest.raises(IntegrityError, match="longer"):
         verify_stream(io.BytesIO(data + b"x"), record, 256 * 1024 * 1024, "f")
-    empty = FileRecord(0, blake3(b"").hexdigest(), ())
+    empty = FileRecord(0, derived_file_digest(0, ()), ())
     verify_stream(io.BytesIO(b""), empty, 1024, "f")
     with pytest.raises(IntegrityError):
         verify_stream(io.BytesIO(b"x"), empty, 1024, "f")

@@ -14,7 +14,7 @@ from ckptvault.errors import FormatError, NoValidCheckpoint
 from ckptvault.format.canonical import dumps_canonical
 from ckptvault.format.manifest import parse_manifest
 from ckptvault.state.codec import decode_plain
-from conftest import make_training_state, train_steps, writable
+from conftest import make_training_state, run_cli, train_steps, writable
 
 
 def _save(store: Path, step: int = 1, **kwargs) -> tuple[Path, dict]:
@@ -63,14 +63,19 @@ def test_file_digests_match_bytes_and_chunks(store: Path):
     chunk_size = manifest["chunk_size"]
     assert chunk_size == 1024
     assert set(manifest["files"]) == {p.name for p in path.iterdir()} - {"manifest.json"}
+    assert manifest["format_version"] == 2
     for name, record in manifest["files"].items():
+        # The documented check, with nothing but the blake3 package: each byte hashed
+        # once, in its chunk; the whole-file digest derived from the chunk digests.
         data = (path / name).read_bytes()
         assert record["size"] == len(data)
-        assert record["blake3"] == blake3(data).hexdigest()
         chunks = [
             blake3(data[i : i + chunk_size]).hexdigest() for i in range(0, len(data), chunk_size)
         ]
         assert record["chunks"] == chunks and len(chunks) > 1
+        whole = blake3(b"ckptvault file digest v2\0" + len(data).to_bytes(8, "little"))
+        whole.update(b"".join(bytes.fromhex(digest) for digest in chunks))
+        assert record["blake3"] == whole.hexdigest()
 
 
 def test_no_absolute_paths_and_store_is_relocatable(tmp_path: Path):
@@ -126,7 +131,7 @@ def test_newer_format_version_names_both_versions(store: Path):
         old = mgr.save(1, state).result()
         new = mgr.save(2, state).result()
     _rewrite_manifest(Path(new.path), lambda m: m.update(format_version=99))
-    with pytest.raises(FormatError, match=r"format version 99.*up to 1"):
+    with pytest.raises(FormatError, match=r"format version 99.*up to 2"):
         parse_manifest((Path(new.path) / "manifest.json").read_bytes(), "gen")
     with cv.CheckpointManager(store, run_id="r") as mgr:
         info = mgr.restore(make_training_state())
@@ -151,3 +156,45 @@ def test_non_canonical_or_edited_manifest_is_refused(store: Path):
         info = mgr.restore(make_training_state())
     assert info.step == 1 and "manifest-invalid" in info.skipped[0].reason
     assert "canonical" in info.skipped[0].reason
+
+
+def test_generations_of_format_version_1_still_verify_and_restore(
+    store: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Format 1 recorded BLAKE3 over each file's bytes as its whole-file digest;
+    format 2 derives it from the chunk digests. A store holding both verifies and
+    restores both, and a flipped byte in the old one is still caught."""
+    import dataclasses
+    import functools
+
+    from ckptvault.io import writer as writer_module
+    from ckptvault.saving.generation_writer import GenerationWriter
+    from ckptvault.trust.digests import FileDigester
+
+    build = GenerationWriter.build_manifest
+    with monkeypatch.context() as legacy:  # what ckptvault wrote before format 2
+        legacy.setattr(
+            writer_module, "FileDigester", functools.partial(FileDigester, derived=False)
+        )
+        legacy.setattr(
+            GenerationWriter,
+            "build_manifest",
+            lambda self, *a, **k: dataclasses.replace(build(self, *a, **k), format_version=1),
+        )
+        with cv.CheckpointManager(store, run_id="r") as mgr:
+            old = mgr.save(1, {"w": torch.arange(1000.0)}).result()
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        mgr.save(2, {"w": torch.arange(1000.0) * 2})
+    old_manifest = json.loads((Path(old.path) / "manifest.json").read_text())
+    assert old_manifest["format_version"] == 1
+    ((name, record),) = old_manifest["files"].items()
+    assert record["blake3"] == blake3((Path(old.path) / name).read_bytes()).hexdigest()
+    assert run_cli("verify", str(store), "--all").returncode == 0
+    restored = {"w": torch.zeros(1000)}
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        assert mgr.restore(restored, step=1).step == 1
+    assert torch.equal(restored["w"], torch.arange(1000.0))
+    data = bytearray((Path(old.path) / name).read_bytes())
+    data[-7] ^= 1
+    writable(Path(old.path) / name).write_bytes(bytes(data))
+    assert run_cli("verify", str(store), "--step", "1").returncode != 0

@@ -5,7 +5,8 @@
 absolute paths: file names are plain names relative to the generation, so a copied
 or moved store stays valid.
 
-Top-level keys (format version 1):
+Top-level keys (format versions 1 and 2; 2 derives each file's whole-file digest
+from its chunk digests, see :mod:`ckptvault.trust.digests`):
 
 - ``format_version``, ``run_id``, ``step``, ``generation_id``, ``created_at``, ``parent``
 - ``chunk_size`` and ``files``: name -> ``{size, blake3, chunks}`` for every file
@@ -43,10 +44,11 @@ from ckptvault.format.records import (
     check_dcp_section,
 )
 
-FORMAT_VERSION = 1
+# 2: whole-file digests are derived from the chunk digests (ckptvault.trust.digests).
+FORMAT_VERSION = 2
 MAX_CHUNK_SIZE = 1 << 30
 SELF_DIGEST_KEY = "manifest_blake3"
-READABLE_FORMAT_VERSIONS = frozenset({1})
+READABLE_FORMAT_VERSIONS = frozenset({1, 2})
 # A manifest is read (and, unsigned, parsed) before anything is verified, so it is
 # capped at what real checkpoints need: a 1 TB checkpoint's chunk digests take about
 # 17 MB. Saving refuses to write a larger one; restore refuses to read it.

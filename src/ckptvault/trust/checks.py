@@ -64,7 +64,7 @@ from ckptvault.format.tensorfile import (
     TensorFileHeader,
 )
 from ckptvault.storage.base import EntryInfo, GenerationRef, Store
-from ckptvault.trust.digests import verify_stream
+from ckptvault.trust.digests import derives_file_digest, verify_stream
 from ckptvault.trust.file_formats import check_own_formats
 from ckptvault.trust.ledger import RestoreFloor
 from ckptvault.trust.problems import (
@@ -321,7 +321,14 @@ def check_digests(
     for name, record in sorted(manifest.files.items()):
         try:
             with store.open_file(ref, name) as stream:
-                verify_stream(stream, record, manifest.chunk_size, name, on_bytes)
+                verify_stream(
+                    stream,
+                    record,
+                    manifest.chunk_size,
+                    name,
+                    on_bytes,
+                    derived=derives_file_digest(manifest.format_version),
+                )
         except UnsafeEntryError as exc:
             problems.append(Problem(UNSAFE_ENTRY, str(exc), name))
         except IntegrityError as exc:

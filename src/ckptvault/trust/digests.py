@@ -1,9 +1,21 @@
 """BLAKE3 digests of whole files and of their fixed-size chunks.
 
-Every file in a generation is recorded with its size, the BLAKE3 digest of all its
-bytes, and the BLAKE3 digest of each ``chunk_size`` slice (the last one may be
-shorter). Chunk digests let a reader verify exactly the part of a file it reads;
-the whole-file digest matches what ``b3sum`` prints, for operators.
+Every file in a generation is recorded with its size, the BLAKE3 digest of each
+``chunk_size`` slice (the last one may be shorter) and a whole-file digest. Chunk
+digests let a reader verify exactly the part of a file it reads.
+
+The whole-file digest is *derived* from the chunk digests (manifest format version
+2 and later), so that every byte is hashed once::
+
+    blake3(b"ckptvault file digest v2\0"
+           + size.to_bytes(8, "little")
+           + b"".join(bytes.fromhex(d) for d in chunk_digests)).hexdigest()
+
+A file is checked with a few lines of Python and the ``blake3`` package: hash each
+``chunk_size`` slice, compare each with the manifest's ``chunks``, then the derived
+digest with its ``blake3``. Format version 1 recorded BLAKE3 over the file's bytes
+(what ``b3sum`` prints); such generations still verify that way
+(:func:`derives_file_digest`).
 """
 
 from __future__ import annotations
@@ -21,15 +33,41 @@ READ_BLOCK = DEFAULT_CHUNK_SIZE
 HEAD_READ_BLOCK = 1024 * 1024  # verifying a header reads its first chunk in these
 
 
-class FileDigester:
-    """Computes a :class:`FileRecord` from a file's bytes, fed in order."""
+DERIVED_SINCE_FORMAT = 2
+_DERIVED_DOMAIN = b"ckptvault file digest v2\0"
 
-    def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE, whole_file: bool = True) -> None:
+
+def derives_file_digest(format_version: int) -> bool:
+    """Whether manifests of ``format_version`` record derived whole-file digests."""
+    return format_version >= DERIVED_SINCE_FORMAT
+
+
+def derived_file_digest(size: int, chunks: Sequence[str]) -> str:
+    """The whole-file digest of a file of ``size`` bytes with these chunk digests
+    (see the module docstring)."""
+    hasher = blake3(_DERIVED_DOMAIN)
+    hasher.update(size.to_bytes(8, "little"))
+    for digest in chunks:
+        hasher.update(bytes.fromhex(digest))
+    return hasher.hexdigest()
+
+
+class FileDigester:
+    """Computes a :class:`FileRecord` from a file's bytes, fed in order.
+
+    ``derived`` (the default, format version 2): the whole-file digest comes from the
+    chunk digests, each byte hashed once; otherwise (format 1) a second hasher runs
+    over every byte. ``whole_file=False``: no whole-file digest at all."""
+
+    def __init__(
+        self, chunk_size: int = DEFAULT_CHUNK_SIZE, whole_file: bool = True, derived: bool = True
+    ) -> None:
         if chunk_size <= 0:
             raise ValueError("chunk_size must be positive")
         self.chunk_size = chunk_size
         self.size = 0
-        self._whole = blake3() if whole_file else None
+        self._derived = whole_file and derived
+        self._whole = blake3() if whole_file and not derived else None
         self._chunk = blake3()
         self._chunk_fill = 0
         self._chunks: list[str] = []
@@ -65,7 +103,10 @@ class FileDigester:
 
     def finish(self) -> FileRecord:
         self.close_partial_chunk()
-        whole = self._whole.hexdigest() if self._whole is not None else ""
+        if self._derived:
+            whole = derived_file_digest(self.size, self._chunks)
+        else:
+            whole = self._whole.hexdigest() if self._whole is not None else ""
         return FileRecord(self.size, whole, tuple(self._chunks))
 
 
@@ -77,12 +118,18 @@ class ChunkVerifier:
     """
 
     def __init__(
-        self, record: FileRecord, chunk_size: int, where: str, whole_file: bool = True
+        self,
+        record: FileRecord,
+        chunk_size: int,
+        where: str,
+        whole_file: bool = True,
+        derived: bool = True,
     ) -> None:
         self.record = record
         self.where = where
         self.whole_file = whole_file
-        self._digester = FileDigester(chunk_size, whole_file)
+        # derived: the whole-file digest is checked from the chunk digests (format 2).
+        self._digester = FileDigester(chunk_size, whole_file, derived)
         self._checked = 0
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
@@ -191,9 +238,11 @@ def verify_stream(
     chunk_size: int,
     where: str,
     on_bytes: Callable[[int], None] | None = None,
+    derived: bool = True,
 ) -> None:
-    """Read ``stream`` to its end and verify every chunk and the whole file."""
-    verifier = ChunkVerifier(record, chunk_size, where)
+    """Read ``stream`` to its end and verify every chunk and the whole file (its
+    digest derived from the chunks', or over its bytes for format version 1)."""
+    verifier = ChunkVerifier(record, chunk_size, where, derived=derived)
     # No larger than the file is said to be (a zero-filled chunk per tiny file adds
     # up); at least one byte, so that bytes beyond the recorded size are still seen.
     buffer = memoryview(bytearray(max(1, min(chunk_size, record.size))))
