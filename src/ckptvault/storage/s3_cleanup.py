@@ -79,6 +79,8 @@ def remove_stale_attempts(store: S3Store, older_than: float | None) -> list[str]
     stale -= {ref.generation_id for ref in store.list_generations()}
     for generation_id in sorted(stale):
         attempt = attempts[generation_id]
+        if _written_since(store.client, attempt.keys, cutoff):
+            continue  # a listing can lag; an object's own HEAD says it is still fresh
         aborted = all([_abort_upload(store.client, k, u) for k, u in attempt.uploads])
         store.client.delete_keys(attempt.keys)
         if aborted:
@@ -119,6 +121,18 @@ def _survey(store: S3Store) -> tuple[dict[str, _Attempt], list[tuple[str, str, f
         # The attempt began when its id was made: never older than that.
         attempt.newest = max(attempt.newest, generation_id_time(generation_id).timestamp())
     return dict(attempts), strays
+
+
+def _written_since(client: S3Client, keys: list[str], cutoff: float) -> bool:
+    """Whether any of ``keys`` was written after ``cutoff``, by each object's HEAD."""
+    for key in keys:
+        try:
+            response = client.call("head_object", key)
+        except S3NotFound:
+            continue  # gone meanwhile
+        if _timestamp(response.get("LastModified")) > cutoff:
+            return True
+    return False
 
 
 def _upload_activity(client: S3Client, key: str, upload_id: str, initiated: Any) -> float:
