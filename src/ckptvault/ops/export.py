@@ -112,17 +112,8 @@ def export_weights(
     if signing_key is not None and trusted_keys is None:
         raise UsageError(SIGNING_NEEDS_TRUST)
     target = _cast_to(dtype)
-    trust = TrustContext.configure(  # loads the signing key: fails before writing
-        signing_key=signing_key,
-        trusted_keys=trusted_keys,
-        keystore=keystore,
-        ledger=ledger,
-        audit_log=audit_log,
-        always_ledger=True,
-        always_audit=True,
-    )
-    store = open_store(store_dir, must_exist=True, s3=s3)
-    trust.check_outside(store)
+    # Loads the signing key: a bad one fails before anything is written.
+    trust, store = _open(store_dir, s3, signing_key, trusted_keys, keystore, ledger, audit_log)
     out_path = Path(os.path.abspath(os.fspath(out)))
     run_id = run_id if run_id is not None else _only_run(store, step, trust)
     write = functools.partial(_write_entry, out_path, key, target, progress)
@@ -156,6 +147,31 @@ def _write_entry(
         stale.unlink(missing_ok=True)
     origin = (manifest.run_id, manifest.step, manifest.generation_id)
     return ExportResult(out_path, len(tensors), size, digest, *origin, manifest_path=None)
+
+
+def _open(
+    store_dir: StoreLocation,
+    s3: S3Options | None,
+    signing_key: PrivateKeyLike | None,
+    trusted_keys: Iterable[PublicKeyLike] | None,
+    keystore: KeyStore | None,
+    ledger: str | os.PathLike[str] | None,
+    audit_log: str | os.PathLike[str] | None,
+) -> tuple[TrustContext, Store]:
+    """The trust context (ledger and audit log always on: exports are recorded) and
+    the store, checked to hold none of the control-plane files."""
+    trust = TrustContext.configure(
+        signing_key=signing_key,
+        trusted_keys=trusted_keys,
+        keystore=keystore,
+        ledger=ledger,
+        audit_log=audit_log,
+        always_ledger=True,
+        always_audit=True,
+    )
+    store = open_store(store_dir, must_exist=True, s3=s3)
+    trust.check_outside(store)
+    return trust, store
 
 
 def _cast_to(dtype: str | None) -> torch.dtype | None:
@@ -222,16 +238,7 @@ def consolidate_weights(
     if max_shard_size < 1:
         raise UsageError(f"max_shard_size must be a positive byte count, not {max_shard_size}")
     target = _cast_to(dtype)
-    trust = TrustContext.configure(
-        trusted_keys=trusted_keys,
-        keystore=keystore,
-        ledger=ledger,
-        audit_log=audit_log,
-        always_ledger=True,
-        always_audit=True,
-    )
-    store = open_store(store_dir, must_exist=True, s3=s3)
-    trust.check_outside(store)
+    trust, store = _open(store_dir, s3, None, trusted_keys, keystore, ledger, audit_log)
     directory = Path(os.path.abspath(os.fspath(out)))
     if store.holds_path(directory):
         raise UsageError(f"{directory} is inside the checkpoint store {store.location}")
