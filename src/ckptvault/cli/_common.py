@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -35,6 +36,26 @@ S3EndpointUrl = Annotated[
     ),
 ]
 STORE_HELP = "The checkpoint store (path, file:// or s3://bucket/prefix URL)."
+
+# Options that export and consolidate share: the trust they read the checkpoint with.
+CastDtype = Annotated[
+    str | None, typer.Option("--dtype", help="Cast floating-point tensors: bf16, fp16 or fp32.")
+]
+TrustedKeys = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--trusted-key", help="Require the checkpoint be signed by this key (repeatable)."
+    ),
+]
+KeystoreOption = Annotated[
+    str | None,
+    typer.Option("--keystore", help="Key store of an encrypted run (a directory or a kms:// URL)."),
+]
+RunIdOption = Annotated[str | None, typer.Option("--run-id", help="Require this run id.")]
+AuditLogOption = Annotated[Path | None, typer.Option("--audit-log", help="Audit log to record in.")]
+LedgerOption = Annotated[
+    Path | None, typer.Option("--ledger", help="Ledger of abandoned generations.")
+]
 
 
 def open_store(location: str, s3_endpoint_url: str | None = None) -> Store:

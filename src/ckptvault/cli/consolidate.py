@@ -17,7 +17,20 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from ckptvault.cli._common import STORE_HELP, S3EndpointUrl, err, human_bytes, out, safe_markup
+from ckptvault.cli._common import (
+    STORE_HELP,
+    AuditLogOption,
+    CastDtype,
+    KeystoreOption,
+    LedgerOption,
+    RunIdOption,
+    S3EndpointUrl,
+    TrustedKeys,
+    err,
+    human_bytes,
+    out,
+    safe_markup,
+)
 from ckptvault.errors import UsageError
 from ckptvault.storage import S3Options
 from ckptvault.trust.keystore import open_keystore
@@ -78,22 +91,12 @@ def consolidate(
     max_shard_size: Annotated[
         str, typer.Option(help="Largest file, e.g. 5GB or 500MiB; larger models are sharded.")
     ] = "5GB",
-    dtype: Annotated[
-        str | None, typer.Option(help="Cast floating-point tensors: bf16, fp16 or fp32.")
-    ] = None,
-    trusted_key: Annotated[
-        list[Path] | None,
-        typer.Option(
-            "--trusted-key", help="Require the checkpoint be signed by this key (repeatable)."
-        ),
-    ] = None,
-    keystore: Annotated[
-        str | None,
-        typer.Option(help="Key store of an encrypted run (a directory or a kms:// URL)."),
-    ] = None,
-    run_id: Annotated[str | None, typer.Option(help="Require this run id.")] = None,
-    audit_log: Annotated[Path | None, typer.Option(help="Audit log to record in.")] = None,
-    ledger: Annotated[Path | None, typer.Option(help="Ledger of abandoned generations.")] = None,
+    dtype: CastDtype = None,
+    trusted_key: TrustedKeys = None,
+    keystore: KeystoreOption = None,
+    run_id: RunIdOption = None,
+    audit_log: AuditLogOption = None,
+    ledger: LedgerOption = None,
     s3_endpoint_url: S3EndpointUrl = None,
 ) -> None:
     """Write a checkpoint's weights as Hugging Face safetensors files, streamed:

@@ -7,7 +7,19 @@ from typing import Annotated
 
 import typer
 
-from ckptvault.cli._common import STORE_HELP, S3EndpointUrl, human_bytes, out, safe_markup
+from ckptvault.cli._common import (
+    STORE_HELP,
+    AuditLogOption,
+    CastDtype,
+    KeystoreOption,
+    LedgerOption,
+    RunIdOption,
+    S3EndpointUrl,
+    TrustedKeys,
+    human_bytes,
+    out,
+    safe_markup,
+)
 from ckptvault.cli.consolidate import progress_bar
 from ckptvault.storage import S3Options
 from ckptvault.trust.keystore import open_keystore
@@ -18,26 +30,16 @@ def export(
     step: Annotated[int, typer.Option(help="The step to export.")],
     out_path: Annotated[Path, typer.Option("--out", help="The safetensors file to write.")],
     key: Annotated[str, typer.Option(help="The state entry to export.")] = "model",
-    dtype: Annotated[
-        str | None, typer.Option(help="Cast floating-point tensors: bf16, fp16 or fp32.")
-    ] = None,
+    dtype: CastDtype = None,
     signing_key: Annotated[
         Path | None,
         typer.Option(help="Sign an export manifest with this key (needs --trusted-key)."),
     ] = None,
-    trusted_key: Annotated[
-        list[Path] | None,
-        typer.Option(
-            "--trusted-key", help="Require the checkpoint be signed by this key (repeatable)."
-        ),
-    ] = None,
-    keystore: Annotated[
-        str | None,
-        typer.Option(help="Key store of an encrypted run (a directory or a kms:// URL)."),
-    ] = None,
-    run_id: Annotated[str | None, typer.Option(help="Require this run id.")] = None,
-    audit_log: Annotated[Path | None, typer.Option(help="Audit log to record in.")] = None,
-    ledger: Annotated[Path | None, typer.Option(help="Ledger of abandoned generations.")] = None,
+    trusted_key: TrustedKeys = None,
+    keystore: KeystoreOption = None,
+    run_id: RunIdOption = None,
+    audit_log: AuditLogOption = None,
+    ledger: LedgerOption = None,
     s3_endpoint_url: S3EndpointUrl = None,
 ) -> None:
     """Write the tensors of one state entry, and nothing else, as safetensors.
