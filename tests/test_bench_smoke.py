@@ -28,6 +28,9 @@ def test_the_save_restore_benchmark_runs(tmp_path: Path):
         "bench.save_restore", "--size-gb", "0.01", "--reps", "1", "--dir", work, "--out", results
     )
     assert "| ckptvault save |" in out and "| ckptvault restore (verified) |" in out
+    assert "| safetensors load_file+load_state_dict |" in out
+    assert "| ckptvault async stall, first save after prepare() |" in out
+    assert "Targets, judged on best runs:" in out and "x (target at" in out
 
 
 def test_the_multirank_benchmark_runs(tmp_path: Path):

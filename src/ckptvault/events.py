@@ -164,9 +164,7 @@ class ReplicasDisagree:
         )
 
 
-Event = (
-    Published | Restored | Refused | Marked | Unmarked | Deleted | Replicated | ReplicasDisagree
-)
+Event = Published | Restored | Refused | Marked | Unmarked | Deleted | Replicated | ReplicasDisagree
 Subscriber = Callable[[Event], None]
 
 

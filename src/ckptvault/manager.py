@@ -132,6 +132,21 @@ class CheckpointManager:
         blocking = not self.config.async_save if blocking is None else blocking
         return self._scheduler.submit(step, captured, blocking, started, recorded)
 
+    def prepare(self, state: Mapping[str, Any], wait: bool = False) -> None:
+        """Get asynchronous saves' staging buffers ready for ``state`` (what a save
+        of it would copy) on a background thread; returns at once.
+
+        Without it the first async save allocates its buffers and faults them in
+        inside the stall; after it, even the first stall is one memory copy. Call it
+        once the state has the layout it will be saved with (after the first
+        optimizer step, which creates Adam's moments; again if the layout changes);
+        a save that comes before it finishes waits for it. Costs the staging memory
+        ``max_in_flight`` saves would hold anyway. ``wait=True`` returns only once the
+        buffers are ready.
+        """
+        self._check_open()
+        self._scheduler.prepare(self._capture(state).tensors, wait)
+
     def wait(self) -> None:
         """Wait for every save in flight; raise the first background error not yet raised."""
         self._scheduler.drain()

@@ -18,6 +18,8 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from ckptvault.io.staging import StagingPool
 from ckptvault.saving.generation_writer import WrittenGeneration
 from ckptvault.saving.handles import SaveHandle, SaveStats
@@ -70,6 +72,14 @@ class SaveScheduler:
         handle = SaveHandle(step, future, stall)
         self._in_flight.append(handle)
         return handle
+
+    def prepare(self, tensors: dict[str, torch.Tensor], wait: bool = False) -> None:
+        """Allocate and fault in the staging buffers for ``tensors`` in the background
+        (``wait``: before returning)."""
+        self._staging.prepare(tensors)
+        if wait:
+            self._staging.finish_preparing()
+        self.stats.staging_allocations = self._staging.allocations
 
     def _run(self, step: int, captured: CapturedState, metrics: Metrics) -> GenerationInfo:
         """One save, inline or on the worker thread, counted in ``stats``."""
@@ -130,6 +140,7 @@ class SaveScheduler:
     def close(self) -> None:
         """Wait for saves in flight, stop the worker, then raise an unreported error."""
         try:
+            self._staging.finish_preparing(cancel=True)
             self.drain()
             self.raise_background_error()
         finally:
