@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         SkippedGeneration,
     )
     from ckptvault.saving.handles import SaveHandle, SaveStats
+    from ckptvault.saving.preemption import Preempted
     from ckptvault.state.ranks import PerRank
     from ckptvault.state.rng import RNGState
     from ckptvault.storage.listing import GenerationInfo
@@ -38,12 +39,14 @@ _LAZY = {
     "SkippedGeneration": "ckptvault.manager",
     "RNGState": "ckptvault.state.rng",
     "PerRank": "ckptvault.state.ranks",
+    "Preempted": "ckptvault.saving.preemption",
 }
 
 __all__ = [
     "CheckpointManager",
     "GenerationInfo",
     "PerRank",
+    "Preempted",
     "RNGState",
     "RestoreInfo",
     "Retention",

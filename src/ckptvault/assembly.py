@@ -27,6 +27,7 @@ from ckptvault.lifecycle.tiers import attach_retention
 from ckptvault.restoring.restorer import Restorer
 from ckptvault.run_context import RunContext
 from ckptvault.saving.generation_writer import GenerationWriter, WriteSettings
+from ckptvault.saving.preemption import DEFAULT_DEADLINE_S, PreemptionWatch
 from ckptvault.saving.scheduler import SaveScheduler
 from ckptvault.state.contract import build_contract, code_revision, encode_contract_fields
 from ckptvault.storage import S3Options, StoreLocation, open_store
@@ -63,6 +64,8 @@ class ManagerOptions(TypedDict, total=False):
     replicate_to: StoreLocation | None
     retention: Retention | None
     replica_retention: Retention | None
+    save_on_signal: Iterable[int] | None
+    preemption_deadline_s: float
 
 
 @dataclass
@@ -77,6 +80,7 @@ class ManagerParts:
     writer: GenerationWriter
     scheduler: SaveScheduler
     restorer: Restorer
+    preemption: PreemptionWatch | None = None
 
 
 def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
@@ -131,7 +135,20 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
         writer,
         scheduler,
         restorer,
+        _preemption(options),
     )
+
+
+def _preemption(options: ManagerOptions) -> PreemptionWatch | None:
+    """The signal watch of ``save_on_signal`` (installed last: nothing after it can
+    fail and leave handlers behind)."""
+    signals = options.get("save_on_signal")
+    deadline = options.get("preemption_deadline_s", DEFAULT_DEADLINE_S)
+    if signals is None:
+        if "preemption_deadline_s" in options:
+            raise UsageError("preemption_deadline_s needs save_on_signal=(signal.SIGTERM,)")
+        return None
+    return PreemptionWatch(signals, deadline)
 
 
 def _replica_policy(options: ManagerOptions) -> str:

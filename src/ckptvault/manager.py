@@ -87,6 +87,11 @@ class CheckpointManager:
             A generation is never deleted locally before its copy reached the replica.
         replica_retention: the replica tier's own policy (needs ``replicate_to``),
             applied there after each copy; ``retention`` then applies locally only.
+        save_on_signal: signals that announce preemption, e.g. ``(signal.SIGTERM,)``:
+            the next ``save()`` (or a check of ``preempted``) takes a final synchronous
+            save and raises :class:`~ckptvault.Preempted` (exit code 75: restart).
+        preemption_deadline_s: seconds from the signal to the end of that final save
+            (default 120); a save the deadline cuts short is not published.
     """
 
     def __init__(self, directory: StoreLocation, **options: Unpack[ManagerOptions]) -> None:
@@ -97,6 +102,7 @@ class CheckpointManager:
         self.replicator, self.retention = parts.replicator, parts.retention
         self._writer, self._scheduler = parts.writer, parts.scheduler
         self._restorer = parts.restorer
+        self._preemption = parts.preemption
         self._closed = False
 
     @property
@@ -123,14 +129,25 @@ class CheckpointManager:
         step = validate_step(step)
         recorded = validate_metrics(metrics)
         self._check_open()
+        if self.preempted:
+            raise self._final_save(step, state, recorded)
         self._scheduler.raise_background_error()
-        started = time.perf_counter()
+        blocking = not self.config.async_save if blocking is None else blocking
+        return self._submit(step, state, blocking, time.perf_counter(), recorded)
+
+    def _submit(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        blocking: bool,
+        started: float,
+        metrics: dict[str, int | float] | None,
+    ) -> SaveHandle:
         self.trust.ensure_key_usable(self.run_id)  # KeyDestroyedError after crypto-erase
         captured = self._capture(state)  # unsupported values fail here, before any I/O
         if self.coordinator.is_coordinator:  # one writer per job: the coordinator
             self.store.acquire_writer()
-        blocking = not self.config.async_save if blocking is None else blocking
-        return self._scheduler.submit(step, captured, blocking, started, recorded)
+        return self._scheduler.submit(step, captured, blocking, started, metrics)
 
     def prepare(self, state: Mapping[str, Any], wait: bool = False) -> None:
         """Get asynchronous saves' staging buffers ready for ``state`` (what a save
@@ -146,6 +163,31 @@ class CheckpointManager:
         """
         self._check_open()
         self._scheduler.prepare(self._capture(state).tensors, wait)
+
+    @property
+    def preempted(self) -> bool:
+        """Whether a ``save_on_signal`` signal arrived (on any rank: the ranks agree,
+        with one small collective per check). The next ``save()`` is the final one."""
+        if self._preemption is None:
+            return False
+        requested = self._preemption.requested
+        if self.coordinator.world_size > 1:
+            requested = any(self.coordinator.all_gather(requested))
+        return requested
+
+    def _final_save(
+        self, step: int, state: Mapping[str, Any], metrics: dict[str, int | float] | None
+    ) -> BaseException:
+        assert self._preemption is not None
+        try:
+            self._scheduler.raise_background_error()
+        except Exception as exc:  # already lost: say so, but still save what is here now
+            logger.error("a background save failed before the preemption: %s", exc)
+        return self._preemption.final_save(
+            step,
+            self._scheduler.drain,
+            lambda: self._submit(step, state, True, time.perf_counter(), metrics),
+        )
 
     def wait(self) -> None:
         """Wait for every save in flight; raise the first background error not yet raised."""
@@ -204,6 +246,8 @@ class CheckpointManager:
         try:
             self._scheduler.close()
         finally:
+            if self._preemption is not None:
+                self._preemption.close()
             if self.replicator is not None:
                 self.replicator.close()  # waits for copies in flight
             self.store.release_writer()
