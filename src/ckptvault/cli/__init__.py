@@ -20,6 +20,7 @@ from ckptvault.cli.export import export, verify_export
 from ckptvault.cli.gc import gc
 from ckptvault.cli.inspect import inspect
 from ckptvault.cli.ls import ls
+from ckptvault.cli.supervise import supervise
 from ckptvault.cli.verify import verify
 from ckptvault.errors import CheckpointError
 
@@ -39,6 +40,7 @@ app.command("export")(export)
 app.command("verify-export")(verify_export)
 app.command("consolidate")(consolidate)
 app.command("gc")(gc)
+app.command("supervise")(supervise)
 app.add_typer(keys.app, name="keys")
 app.add_typer(audit.app, name="audit")
 
