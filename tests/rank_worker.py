@@ -243,8 +243,22 @@ def restore_diverging_manifest(store: str, out: dict[str, Any]) -> None:
     restore(store, out)
 
 
+def preempt_one_rank(store: str, out: dict[str, Any]) -> None:
+    """Only rank 1 gets the scheduler's signal; both ranks must stop at the same save."""
+    with manager(store, save_on_signal=(signal.SIGUSR1,)) as mgr:
+        try:
+            for step in range(1, 10):
+                if step == 3 and RANK == 1:
+                    signal.raise_signal(signal.SIGUSR1)
+                mgr.save(step, state_of(step))
+        except cv.Preempted as exc:
+            out["preempted_step"] = exc.step
+            out["code"] = exc.code
+
+
 SCENARIOS = {
     "save": save,
+    "preempt_one_rank": preempt_one_rank,
     "save_async": lambda store, out: save(store, out, async_save=True),
     "restore": restore,
     "fail_in_write": fail_in_write,

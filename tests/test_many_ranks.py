@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import ckptvault as cv
+
 from conftest import run_cli
 from multirank import launch
 
@@ -204,3 +206,13 @@ def test_ranks_that_read_different_manifests_fall_back_together(two_rank_store, 
         assert after["step"] == 1 and after["meta"] == {"tokens_seen": 1000}
         ((step, reason),) = after["skipped"]
         assert step == 2 and "different manifest bytes" in reason
+
+
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_final_save(tmp_path):
+    store = tmp_path / "store"
+    codes, reports = launch("preempt_one_rank", store, 2, tmp_path / "out")
+    assert codes == [0, 0]
+    assert [r["preempted_step"] for r in reports] == [3, 3]
+    assert [r["code"] for r in reports] == [75, 75]
+    with cv.CheckpointManager(store, run_id="job") as mgr:
+        assert [g.step for g in mgr.generations()] == [3, 2, 1]

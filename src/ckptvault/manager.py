@@ -60,6 +60,8 @@ class CheckpointManager:
             per-user state directory. Giving it, or ``trusted_keys``, turns on the floor.
         audit_log: the hash-chained audit log (default beside the ledger); written
             whenever any trust feature is on.
+        catalog: the SQLite catalog of generations, save and restore timings and
+            failures (default beside the ledger; ``False``: off). See ``ckptvault catalog``.
         max_fallback: how many newer generations that fail verification restore may
             skip before it raises ``RollbackError`` (``None``: any; 2 is recommended).
         async_save: make ``save`` asynchronous by default (copy, return, write in the
@@ -171,8 +173,10 @@ class CheckpointManager:
         if self._preemption is None:
             return False
         requested = self._preemption.requested
-        if self.coordinator.world_size > 1:
-            requested = any(self.coordinator.all_gather(requested))
+        if self.coordinator.world_size > 1 and any(self.coordinator.all_gather(requested)):
+            if not requested:
+                self._preemption.requested_elsewhere()
+            return True
         return requested
 
     def _final_save(

@@ -72,7 +72,7 @@ class PreemptionWatch:
             )
         self.deadline_s = float(deadline_s)
         self._event = threading.Event()
-        self._received: tuple[signal.Signals, float] | None = None
+        self._received: tuple[str, float] | None = None  # signal name, monotonic time
         self._previous: dict[signal.Signals, _Handler] = {}
         for sig in chosen:
             self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -80,7 +80,14 @@ class PreemptionWatch:
     def _on_signal(self, number: int, frame: FrameType | None) -> None:
         # Only record: the loop is somewhere inside a step, its state inconsistent.
         if self._received is None:
-            self._received = (signal.Signals(number), time.monotonic())
+            self._received = (signal.Signals(number).name, time.monotonic())
+        self._event.set()
+
+    def requested_elsewhere(self) -> None:
+        """Another rank of the job got the signal: this one stops with it, and its
+        deadline counts from now (the ranks' clocks are not comparable)."""
+        if self._received is None:
+            self._received = ("a signal to another rank", time.monotonic())
         self._event.set()
 
     @property
@@ -89,7 +96,7 @@ class PreemptionWatch:
 
     @property
     def signal_name(self) -> str:
-        return self._received[0].name if self._received else "none"
+        return self._received[0] if self._received else "none"
 
     def remaining(self) -> float:
         """Seconds left until the deadline (the full deadline before any signal)."""
