@@ -15,11 +15,13 @@ import typer
 
 from ckptvault.cli import audit, keys
 from ckptvault.cli._common import safe_text
+from ckptvault.cli.catalog import catalog
 from ckptvault.cli.consolidate import consolidate
 from ckptvault.cli.export import export, verify_export
 from ckptvault.cli.gc import gc
 from ckptvault.cli.inspect import inspect
 from ckptvault.cli.ls import ls
+from ckptvault.cli.plan import plan
 from ckptvault.cli.supervise import supervise
 from ckptvault.cli.verify import verify
 from ckptvault.errors import CheckpointError
@@ -35,11 +37,13 @@ app = typer.Typer(
 )
 app.command("ls")(ls)
 app.command("inspect")(inspect)
+app.command("catalog")(catalog)
 app.command("verify")(verify)
 app.command("export")(export)
 app.command("verify-export")(verify_export)
 app.command("consolidate")(consolidate)
 app.command("gc")(gc)
+app.command("plan")(plan)
 app.command("supervise")(supervise)
 app.add_typer(keys.app, name="keys")
 app.add_typer(audit.app, name="audit")
