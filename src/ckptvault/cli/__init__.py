@@ -15,7 +15,6 @@ import typer
 
 from ckptvault.cli import audit, keys
 from ckptvault.cli._common import safe_text
-from ckptvault.cli.catalog import catalog
 from ckptvault.cli.consolidate import consolidate
 from ckptvault.cli.export import export, verify_export
 from ckptvault.cli.gc import gc
@@ -37,7 +36,6 @@ app = typer.Typer(
 )
 app.command("ls")(ls)
 app.command("inspect")(inspect)
-app.command("catalog")(catalog)
 app.command("verify")(verify)
 app.command("export")(export)
 app.command("verify-export")(verify_export)
