@@ -50,7 +50,7 @@ def plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
 
 
 def exact_optimum(c: float, m: float, r: float = 0.0) -> float:
-    """The interval that minimizes Daly's full model, by golden-section search."""
+    """The minimum of Daly's full model, by golden-section search."""
     low, high = 1e-3 * math.sqrt(c * m), 10 * math.sqrt(c * m) + m
     ratio = (math.sqrt(5) - 1) / 2
     for _ in range(200):
@@ -298,6 +298,8 @@ def test_plot_without_matplotlib_says_what_to_install(tmp_path: Path):
         (["--params", "7B", "--recipe", "mixed-adam", "--keep", "3", "--max-in-flight", "0"],
          "--max-in-flight"),
         (["--params", "70e9"], "--recipe"),
+        (["--params", "1e308", "--recipe", "mixed-adam"], "too large"),
+        (["--save-seconds", "10", "--mtbf-hours", "4", "--step-seconds", "5e-324"], "step time"),
         (["--params", "lots", "--recipe", "mixed-adam"], "--params"),
         (["--params", "7B", "--recipe", "adam-ish"], "unknown --recipe"),
         (["--recipe", "mixed-adam"], "--params"),

@@ -135,7 +135,10 @@ def seconds_to_steps(seconds: float, step_seconds: float) -> float:
 def interval_steps(interval_seconds: float, step_seconds: float) -> int:
     """The interval as a whole number of steps to pass to ``save()``: the nearest,
     and at least one (a step slower than the interval means save every step)."""
-    return max(1, round(seconds_to_steps(interval_seconds, step_seconds)))
+    steps = seconds_to_steps(interval_seconds, step_seconds)
+    if not math.isfinite(steps):
+        raise UsageError(f"the step time {step_seconds!r} s is too small to count steps with")
+    return max(1, round(steps))
 
 
 def job_mtbf_seconds(nodes: int, node_mtbf_years: float) -> float:

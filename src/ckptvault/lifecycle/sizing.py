@@ -82,7 +82,10 @@ def checkpoint_bytes(params: int, per_param: float) -> int:
             f"a checkpoint size needs parameters >= 1 and bytes per parameter > 0, "
             f"got {params!r} and {per_param!r}"
         )
-    return math.ceil(params * per_param)
+    size = params * per_param
+    if not math.isfinite(size):
+        raise UsageError(f"{params} parameters × {per_param} bytes is too large to size")
+    return math.ceil(size)
 
 
 def required_write_bytes_per_s(size_bytes: int, stall_seconds: float) -> float:
