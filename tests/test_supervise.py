@@ -112,13 +112,10 @@ def test_decide_cancellation_and_stop_file_never_restart() -> None:
     assert (spawn.action, spawn.exit_code) == (Action.STOP, NOT_FOUND)
 
 
-def test_policy_rejects_nonsense() -> None:
+@pytest.mark.parametrize("bad", [{"max_restarts": -1}, {"backoff_s": ()}, {"backoff_s": (1, -2)}])
+def test_policy_rejects_nonsense(bad: dict) -> None:
     with pytest.raises(UsageError):
-        Policy(max_restarts=-1)
-    with pytest.raises(UsageError):
-        Policy(backoff_s=())
-    with pytest.raises(UsageError):
-        Policy(backoff_s=(1, -2))
+        Policy(**bad)
 
 
 # -- restarts -----------------------------------------------------------------------
@@ -187,11 +184,21 @@ def test_death_by_sigkill_is_a_failure(tmp_path: Path) -> None:
 
 def test_a_command_that_does_not_exist_is_not_retried(tmp_path: Path) -> None:
     result = supervise(*FAST, "--", str(tmp_path / "no-such-program"))
-    assert result.returncode == NOT_FOUND
-    assert result.stderr.count("start:") == 1
+    assert (result.returncode, result.stderr.count("start:")) == (NOT_FOUND, 1)
 
 
 # -- cancellation and stop file -----------------------------------------------------
+
+
+def started_supervisor(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
+    """The supervisor in the background, once its job has written ``ready``."""
+    command = [sys.executable, "-m", "ckptvault", "supervise", *args]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "ready").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "the job never started"
+        time.sleep(0.05)
+    return proc
 
 
 def test_sigterm_is_forwarded_and_never_restarts(tmp_path: Path) -> None:
@@ -208,15 +215,7 @@ def test_sigterm_is_forwarded_and_never_restarts(tmp_path: Path) -> None:
         """,
     )
     log = tmp_path / "log.jsonl"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ckptvault", "supervise", *FAST, "--log", str(log), "--", *cmd],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 30
-    while not (tmp_path / "ready").exists():
-        assert time.monotonic() < deadline and proc.poll() is None, "the job never started"
-        time.sleep(0.05)
+    proc = started_supervisor(tmp_path, *FAST, "--log", str(log), "--", *cmd)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 143, stderr
@@ -235,15 +234,7 @@ def test_a_job_that_ignores_the_signal_is_killed_after_the_grace_period(tmp_path
         time.sleep(60)
         """,
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ckptvault", "supervise", "--grace-seconds", "0.5", "--", *cmd],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 30
-    while not (tmp_path / "ready").exists():
-        assert time.monotonic() < deadline and proc.poll() is None, "the job never started"
-        time.sleep(0.05)
+    proc = started_supervisor(tmp_path, "--grace-seconds", "0.5", "--", *cmd)
     began = time.monotonic()
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=30)
@@ -279,8 +270,7 @@ def test_preflight_with_too_little_space_never_starts_the_job(tmp_path: Path) ->
     result = supervise(
         *FAST, "--store", str(store), "--min-free-bytes", "1000000T", "--log", str(log), "--", *cmd
     )
-    assert result.returncode == NO_SPACE
-    assert starts(tmp_path) == 0
+    assert (result.returncode, starts(tmp_path)) == (NO_SPACE, 0)
     assert "--min-free-bytes asks for" in result.stderr
     assert "giving up after 3 failed attempts" in result.stderr
     assert [a["kind"] for a in log_records(log)] == ["refused"] * 3
@@ -376,15 +366,8 @@ def test_a_required_done_record_that_is_missing_or_stale_fails(tmp_path: Path) -
     assert "without writing a DONE record" in result.stderr
 
     # A record left by an earlier run (another supervise id) is not this run's.
-    write_done_record(
-        done,
-        run_id="r",
-        step=1,
-        generation_id="g",
-        manifest_digest="a" * 64,
-        config_digest="b" * 64,
-        tokens=5,
-    )
+    digests = {"manifest_digest": "a" * 64, "config_digest": "b" * 64}
+    write_done_record(done, run_id="r", step=1, generation_id="g", tokens=5, **digests)
     result = supervise("--done-file", str(done), "--expect-tokens", "5", "--", *cmd)
     assert result.returncode == DONE_MISMATCH
     assert "stale" in result.stderr
@@ -392,14 +375,8 @@ def test_a_required_done_record_that_is_missing_or_stale_fails(tmp_path: Path) -
 
 def test_done_record_library_round_trip(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.delenv(DONE_FILE_ENV, raising=False)
-    fields = dict(
-        run_id="r",
-        step=3,
-        generation_id="g",
-        manifest_digest="a" * 64,
-        config_digest="b" * 64,
-        tokens=10,
-    )
+    fields = dict(run_id="r", step=3, generation_id="g", tokens=10)
+    fields.update(manifest_digest="a" * 64, config_digest="b" * 64)
     assert write_done_record(**fields) is None  # not supervised: nothing to write
     target = tmp_path / "done.json"
     monkeypatch.setenv(DONE_FILE_ENV, str(target))
@@ -419,6 +396,5 @@ def test_child_sees_the_done_file_path(tmp_path: Path) -> None:
     seen = tmp_path / "seen"
     cmd = child_script(tmp_path, f"Path({str(seen)!r}).write_text(os.environ[{DONE_FILE_ENV!r}])")
     result = supervise("--", *cmd)
-    assert result.returncode == 0, result.stderr
-    path = Path(seen.read_text())
-    assert path.name == "DONE.json" and not path.parent.exists()  # a per-run temp dir
+    path = Path(seen.read_text())  # in a per-run temporary directory, removed after
+    assert (result.returncode, path.name, path.parent.exists()) == (0, "DONE.json", False)

@@ -67,66 +67,78 @@ def _done_path(given: Path | None) -> Iterator[Path]:
         yield Path(directory) / "DONE.json"
 
 
+Command = Annotated[
+    list[str] | None,
+    typer.Argument(help="The training command and its arguments, after --.", metavar="CMD"),
+]
+MaxRestarts = Annotated[
+    int,
+    typer.Option(
+        help="Failed attempts retried: at most 1 + N attempts in all (default 2: 3 "
+        "attempts). Preemptions (exit 75) do not count."
+    ),
+]
+Backoff = Annotated[
+    str, typer.Option(help="Seconds to wait after failure 1, 2, ...; the last value repeats.")
+]
+MaxPreemptions = Annotated[
+    int, typer.Option(help="Restarts after exit 75 (preempted) allowed before giving up.")
+]
+GraceSeconds = Annotated[
+    float, typer.Option(help="After SIGTERM/SIGINT, how long the job may take before SIGKILL.")
+]
+StopFile = Annotated[
+    Path | None, typer.Option(help="While this file exists the job is not started (again).")
+]
+StoreOption = Annotated[
+    str | None,
+    typer.Option("--store", help="The job's store: free-space preflight, DONE generation check."),
+]
+MinFreeBytes = Annotated[
+    str | None,
+    typer.Option(help="Do not start unless the store has this much free (10G, 500M)."),
+]
+LogFile = Annotated[
+    Path | None, typer.Option(help="Append one JSON object per attempt to this file.")
+]
+DoneFile = Annotated[
+    Path | None,
+    typer.Option(help="Where the job writes its DONE record (then it must write one)."),
+]
+ConfigFile = Annotated[
+    Path | None, typer.Option(help="The DONE record's config digest must be this file's.")
+]
+ExpectTokens = Annotated[
+    int | None, typer.Option(help="The DONE record's token count must be this.")
+]
+
+
 def supervise(
-    command: Annotated[
-        list[str] | None,
-        typer.Argument(help="The training command and its arguments, after --.", metavar="CMD"),
-    ] = None,
-    max_restarts: Annotated[
-        int,
-        typer.Option(
-            help="Failed attempts retried: at most 1 + N attempts in all (default 2: 3 "
-            "attempts). Preemptions (exit 75) do not count."
-        ),
-    ] = 2,
-    backoff: Annotated[
-        str,
-        typer.Option(help="Seconds to wait after failure 1, 2, ...; the last value repeats."),
-    ] = "10,20,40",
-    max_preemptions: Annotated[
-        int, typer.Option(help="Restarts after exit 75 (preempted) allowed before giving up.")
-    ] = 100,
-    grace_seconds: Annotated[
-        float,
-        typer.Option(help="After SIGTERM/SIGINT, how long the job may take before SIGKILL."),
-    ] = 30.0,
-    stop_file: Annotated[
-        Path | None,
-        typer.Option(help="While this file exists the job is not started (again)."),
-    ] = None,
-    store: Annotated[
-        str | None,
-        typer.Option(help="The job's store: free-space preflight, DONE generation check."),
-    ] = None,
-    min_free_bytes: Annotated[
-        str | None,
-        typer.Option(help="Do not start unless the store has this much free (10G, 500M)."),
-    ] = None,
-    log: Annotated[
-        Path | None, typer.Option(help="Append one JSON object per attempt to this file.")
-    ] = None,
-    done_file: Annotated[
-        Path | None,
-        typer.Option(help="Where the job writes its DONE record (then it must write one)."),
-    ] = None,
-    config: Annotated[
-        Path | None, typer.Option(help="The DONE record's config digest must be this file's.")
-    ] = None,
-    expect_tokens: Annotated[
-        int | None, typer.Option(help="The DONE record's token count must be this.")
-    ] = None,
+    command: Command = None,
+    max_restarts: MaxRestarts = 2,
+    backoff: Backoff = "10,20,40",
+    max_preemptions: MaxPreemptions = 100,
+    grace_seconds: GraceSeconds = 30.0,
+    stop_file: StopFile = None,
+    store: StoreOption = None,
+    min_free_bytes: MinFreeBytes = None,
+    log: LogFile = None,
+    done_file: DoneFile = None,
+    config: ConfigFile = None,
+    expect_tokens: ExpectTokens = None,
     s3_endpoint_url: S3EndpointUrl = None,
 ) -> int:
     """Run CMD; restart it after a failure (bounded, with backoff); check its DONE record.
 
-    Attempts: at most 1 + --max-restarts (default 3). Exit 75 (preempted) restarts at
-    once without using the budget; 78 (permanent) stops at once.
+    Attempts: at most 1 + --max-restarts (default 3). Exit 75 (preempted)
+    restarts at once without using the budget; 78 (permanent) stops at once.
 
-    Exit status: 0 success (DONE record verified when there is one);
-    the job's last code when it failed permanently, was stopped by --stop-file, or
-    failed too often (128+N when signal N killed it); 130/143 when the supervisor
-    got SIGINT/SIGTERM; 65 DONE record missing or wrong; 74 not enough free space;
-    75 too many preemptions; 126/127 CMD not executable/not found; 2 usage error.
+    Exit status: 0 success (DONE record verified when there is one); the
+    job's last code when it failed permanently, was stopped by --stop-file,
+    or failed too often (128+N when signal N killed it); 130/143 when the
+    supervisor got SIGINT/SIGTERM; 65 DONE record missing or wrong; 74 not
+    enough free space; 75 too many preemptions; 126/127 CMD not executable
+    or not found; 2 usage error.
     """
     policy = Policy(
         max_restarts=max_restarts,
