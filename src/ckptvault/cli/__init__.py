@@ -16,6 +16,7 @@ import typer
 from ckptvault.cli import audit, keys
 from ckptvault.cli._common import safe_text
 from ckptvault.cli.consolidate import consolidate
+from ckptvault.cli.doctor import doctor
 from ckptvault.cli.export import export, verify_export
 from ckptvault.cli.gc import gc
 from ckptvault.cli.inspect import inspect
@@ -41,6 +42,7 @@ app.command("export")(export)
 app.command("verify-export")(verify_export)
 app.command("consolidate")(consolidate)
 app.command("gc")(gc)
+app.command("doctor")(doctor)
 app.command("plan")(plan)
 app.command("supervise")(supervise)
 app.add_typer(keys.app, name="keys")

@@ -175,6 +175,8 @@ class Ledger:
     @contextlib.contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Owner-only from the start (sqlite3 would create it with the umask's mode).
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
         connection = sqlite3.connect(self.path, timeout=60, isolation_level=None)
         try:
             connection.execute("PRAGMA synchronous=FULL")

@@ -1,0 +1,61 @@
+"""``ckptvault doctor STORE [--json]``: the deployment's security and durability
+posture, and what to fix. Exit status 1 when a check fails (0 with warnings only,
+unless ``--strict``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ckptvault.cli._common import (
+    STORE_HELP,
+    S3EndpointUrl,
+    open_store,
+    out,
+    print_json,
+    safe_markup,
+)
+from ckptvault.ops.doctor import FAIL, WARN, Places, diagnose
+
+_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
+
+
+def doctor(
+    directory: Annotated[str, typer.Argument(help=STORE_HELP)],
+    ledger: Annotated[
+        Path | None, typer.Option(help="The rollback ledger (default: the per-user one).")
+    ] = None,
+    audit_log: Annotated[
+        Path | None, typer.Option(help="The audit log (default: beside the ledger).")
+    ] = None,
+    keystore: Annotated[
+        str | None, typer.Option(help="The key store directory or kms:// URL, when encrypted.")
+    ] = None,
+    signing_key: Annotated[
+        Path | None, typer.Option(help="The Ed25519 private key that signs manifests.")
+    ] = None,
+    strict: Annotated[bool, typer.Option(help="Exit 1 on warnings too.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list on stdout.")] = False,
+    s3_endpoint_url: S3EndpointUrl = None,
+) -> None:
+    """Check where the store, ledger, audit log, catalog and keys live, who can write
+    them and, for S3, the bucket's protections and the credentials; say what to fix."""
+    store = open_store(directory, s3_endpoint_url)
+    places = Places(ledger, audit_log, keystore, signing_key)
+    findings = diagnose(store, places)
+    if as_json:
+        print_json([f.to_json() for f in findings])
+    else:
+        table = Table(box=None, pad_edge=False)
+        for column in ("check", "status", "detail", "fix"):
+            table.add_column(column, overflow="fold")
+        for f in findings:
+            status = f"[{_STYLE[f.status]}]{f.status}[/]"
+            table.add_row(f.check, status, safe_markup(f.detail), safe_markup(f.fix or ""))
+        out.print(table)
+    bad = {FAIL, WARN} if strict else {FAIL}
+    if any(f.status in bad for f in findings):
+        raise typer.Exit(1)
