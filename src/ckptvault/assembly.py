@@ -20,6 +20,7 @@ from ckptvault.coordinator import Coordinator, SingleProcess
 from ckptvault.errors import UsageError
 from ckptvault.events import EventBus
 from ckptvault.io.writer import default_threads
+from ckptvault.lifecycle.catalog_recorder import CatalogOption, subscribe_catalog
 from ckptvault.lifecycle.keeper import RetentionKeeper
 from ckptvault.lifecycle.replication import Replicator
 from ckptvault.lifecycle.retention import Retention
@@ -47,6 +48,7 @@ class ManagerOptions(TypedDict, total=False):
     keystore: str | os.PathLike[str] | KeyStore | None
     ledger: str | os.PathLike[str] | None
     audit_log: str | os.PathLike[str] | None
+    catalog: CatalogOption
     max_fallback: int | None
     async_save: bool
     max_in_flight: int
@@ -100,6 +102,7 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
     trust.check_outside(store)
     coordinator = options.get("coordinator") or _default_coordinator(options)
     events = EventBus(trust.subscribers())
+    subscribe_catalog(events, store, coordinator, options.get("catalog"), options.get("ledger"))
     replicator = Replicator.attach(
         store, replicate_to, events, trust, config.run_id, s3 if _is_s3(replicate_to) else None
     )
@@ -115,7 +118,9 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
             config.threads, config.chunk_size, config.segment_size, _replica_policy(options)
         ),
     )
-    scheduler = SaveScheduler(writer.write, writer.announce, config.max_in_flight, config.if_busy)
+    scheduler = SaveScheduler(
+        writer.write, writer.announce, config.max_in_flight, config.if_busy, writer.announce_failure
+    )
     restorer = Restorer(
         run,
         config.threads,

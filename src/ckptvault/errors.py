@@ -104,6 +104,11 @@ class AuditError(CheckpointError):
     """The audit log cannot be read or appended to (damaged, unwritable)."""
 
 
+class CatalogError(CheckpointError):
+    """The catalog (the SQLite record of saves and restores) cannot be opened, read or
+    written (unwritable, damaged, or written by a newer ckptvault)."""
+
+
 class ContractMismatch(CheckpointError):
     """The run contract (config, dataset identity, ...) differs from the stored one."""
 

@@ -6,7 +6,12 @@ another tier (replicated). Subscribers turn events into their own records: the
 rollback ledger raises its floor, the audit log appends an entry, retention plans
 and applies itself after a publish (a replica tier's after a copy); the catalog,
 metrics and replication subscribe the same way. A new feature is a new subscriber,
-not a new branch in the manager.
+not a new branch in the manager. Saves that fail are told too (``SaveFailed``).
+
+Timings ride on the events: ``Published`` and ``Restored`` carry the wall seconds of
+each stage (``stages``: ``stage``, ``write``, ``fsync``, ``publish`` for a save;
+``discovery``, ``verification``, ``read``, ``apply`` for a restore), measured with
+``time.perf_counter`` around each phase; a stage a path does not have is absent.
 
 Subscribers run in the order they subscribed. An exception from one stops the rest
 and propagates to whoever emitted the event: the event has *already happened*, so
@@ -15,8 +20,9 @@ a subscriber's error message should say so (``event.summary``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -29,13 +35,41 @@ class Published:
     generation_id: str
     location: str
     bytes: int
-    seconds: float
+    seconds: float  # writing through publishing (the writer's own time)
     signer: str | None = None
     kek_id: str | None = None
+    # How long save() blocked the caller: the whole save when synchronous; capture,
+    # backpressure and the staging copy when asynchronous.
+    stall_seconds: float = 0.0
+    # From save() being called to the publish, queueing behind earlier saves included;
+    # every stage below fits in it.
+    total_seconds: float = 0.0
+    stages: Mapping[str, float] = field(default_factory=dict)
+    metrics: Mapping[str, int | float] | None = None  # as given to save(metrics=...)
+    contract: Mapping[str, Any] | None = None  # the manifest's contract section
 
     @property
     def summary(self) -> str:
         return f"generation {self.generation_id} (step {self.step}) was published"
+
+
+@dataclass(frozen=True)
+class SaveFailed:
+    """A save raised after it was accepted (while writing or publishing): nothing of
+    it was published. Errors ``save()`` raises before any I/O (an unsupported value in
+    the state, a bad step) are the caller's to fix and are not events."""
+
+    run_id: str
+    store: str
+    step: int
+    error: str  # the exception's class name
+    reason: str  # its first line
+    stall_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    @property
+    def summary(self) -> str:
+        return f"the save of step {self.step} to {self.store} failed ({self.error})"
 
 
 @dataclass(frozen=True)
@@ -59,6 +93,8 @@ class Restored:
     generation_id: str
     skipped: Sequence[tuple[str, int, str]] = ()  # (generation id, step, reason), newer ones
     rollback: RollbackApplied | None = None
+    seconds: float = 0.0  # from restore() being called to the state applied
+    stages: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def summary(self) -> str:
@@ -74,6 +110,8 @@ class Refused:
     error: str  # the exception's class name
     reason: str  # its first line
     rejected: Sequence[tuple[str, int, str]] = field(default_factory=tuple)
+    seconds: float = 0.0  # from restore() being called to the refusal
+    stages: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def summary(self) -> str:
@@ -164,7 +202,17 @@ class ReplicasDisagree:
         )
 
 
-Event = Published | Restored | Refused | Marked | Unmarked | Deleted | Replicated | ReplicasDisagree
+Event = (
+    Published
+    | SaveFailed
+    | Restored
+    | Refused
+    | Marked
+    | Unmarked
+    | Deleted
+    | Replicated
+    | ReplicasDisagree
+)
 Subscriber = Callable[[Event], None]
 
 

@@ -15,6 +15,7 @@ import typer
 
 from ckptvault.cli import audit, keys
 from ckptvault.cli._common import safe_text
+from ckptvault.cli.catalog import catalog
 from ckptvault.cli.consolidate import consolidate
 from ckptvault.cli.doctor import doctor
 from ckptvault.cli.export import export, verify_export
@@ -37,6 +38,7 @@ app = typer.Typer(
 )
 app.command("ls")(ls)
 app.command("inspect")(inspect)
+app.command("catalog")(catalog)
 app.command("verify")(verify)
 app.command("export")(export)
 app.command("verify-export")(verify_export)

@@ -26,6 +26,7 @@ from ckptvault.io.state_file import encrypted_state_reference, read_state_file
 from ckptvault.state.capture import decode_tree
 from ckptvault.state.ranks import tree_for_rank
 from ckptvault.storage.base import GenerationRef, Store
+from ckptvault.timing import StageClock
 from ckptvault.trust.checks import CheckedGeneration, TrustPolicy, check_structure
 from ckptvault.trust.envelope import binding
 from ckptvault.trust.keystore import KeyStore
@@ -65,22 +66,27 @@ def load_verified(
     require_encryption: bool = False,
     rank: int = 0,
     world_size: int = 1,
+    clock: StageClock | None = None,
 ) -> LoadedGeneration:
     """Verify ``ref`` completely and decode it, as rank ``rank`` of ``world_size``
     sees it (the job's entries, and the rank's own when the world size is the one
-    that saved it).
+    that saved it). ``clock`` counts the checks before any tensor byte under
+    ``verification`` and reading, hashing and decoding the bytes under ``read``.
 
     Raises :class:`GenerationRejected` for anything wrong with the generation (the
     caller tries the next one) and :class:`KeyDestroyedError` after crypto-erase.
     """
-    prepared = prepare_load(store, ref, policy, keystore, require_encryption)
+    clock = clock or StageClock()
+    with clock.stage("verification"):
+        prepared = prepare_load(store, ref, policy, keystore, require_encryption)
     manifest = prepared.checked.manifest
-    try:
-        tensors = read_tensors(store, ref, manifest, threads, data_keys=prepared.data_keys)
-    except (CheckpointError, OSError) as exc:
-        raise rejection(ref, exc) from exc
-    tree = prepared.tree
-    saved, reset = decode_for_rank(ref, manifest, tree, tensors, rank, world_size)
+    with clock.stage("read"):
+        try:
+            tensors = read_tensors(store, ref, manifest, threads, data_keys=prepared.data_keys)
+        except (CheckpointError, OSError) as exc:
+            raise rejection(ref, exc) from exc
+        tree = prepared.tree
+        saved, reset = decode_for_rank(ref, manifest, tree, tensors, rank, world_size)
     return LoadedGeneration(ref, manifest, saved, prepared.checked.signer, reset)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -124,6 +125,9 @@ class VaultStorageWriter(StorageWriter):
         self.wrapped_keys: dict[str, tuple[str, bytes]] = {}
         self.own_files: list[str] = []  # written by this rank (file_records: every rank's)
         self.reused_plan = False
+        # Seconds each file's commit (fsync; an upload's completion) took: files are
+        # written in parallel, so the longest is what making them durable cost the save.
+        self.commit_seconds: dict[str, float] = {}
 
     # -- DCP protocol ------------------------------------------------------------------
 
@@ -132,6 +136,7 @@ class VaultStorageWriter(StorageWriter):
         self.file_records = {}
         self.wrapped_keys = {}
         self.own_files = []
+        self.commit_seconds = {}
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         # The rank given at construction (the coordinator's) names the files; DCP's
@@ -211,7 +216,9 @@ class VaultStorageWriter(StorageWriter):
         except BaseException:
             sink.abort()
             raise
+        begun = time.perf_counter()
         sink.commit()
+        self.commit_seconds[name] = time.perf_counter() - begun
         return _results(name, items, header, digester.finish(), wrapped_key)
 
     def _open_output(

@@ -4,14 +4,14 @@ The selector picks candidates newest first; :func:`load_verified` checks each on
 completely (signature, run, floor, files, every digest, decryption) into private
 buffers; the first that passes is matched against the live objects (contract,
 keys, shapes) and only then applied, RNG last. A restore that raises leaves the
-caller's state untouched; every outcome is told to the event subscribers. While a
-candidate is read, a reader lease on it keeps garbage collection from deleting it.
+caller's state untouched; every outcome is told to the event subscribers, with the
+seconds spent in discovery, verification, read and apply. While a candidate is read,
+a reader lease on it keeps garbage collection from deleting it.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -28,6 +28,7 @@ from ckptvault.state.apply import plan_restore
 from ckptvault.state.contract import compare_contracts
 from ckptvault.state.ranks import capture_ranked, leave_per_rank_alone
 from ckptvault.storage.base import GenerationRef, Store
+from ckptvault.timing import StageClock
 from ckptvault.trust.checks import TrustPolicy
 from ckptvault.trust.ledger import rollback_cutoff
 
@@ -111,11 +112,14 @@ class Restorer:
         allow_rollback_to: int | None = None,
     ) -> RestoreInfo | None:
         """See :meth:`ckptvault.CheckpointManager.restore`."""
+        clock = StageClock()
         try:
-            return self._restore(state, step, strict, allow_contract_change, allow_rollback_to)
+            return self._restore(
+                state, step, strict, allow_contract_change, allow_rollback_to, clock
+            )
         except CheckpointError as exc:
             if not isinstance(exc, AuditError):
-                self._report_refusal(exc)
+                self._report_refusal(exc, clock)
             raise
 
     def _restore(
@@ -125,10 +129,10 @@ class Restorer:
         strict: bool,
         allow_contract_change: bool,
         allow_rollback_to: int | None,
+        clock: StageClock,
     ) -> RestoreInfo | None:
-        started = time.perf_counter()
         self.trust.ensure_key_usable(self.run_id)  # crypto-erased runs are gone for good
-        chosen = self._choose_anywhere(state, step, allow_rollback_to)
+        chosen = self._choose_anywhere(state, step, allow_rollback_to, clock)
         if chosen is None:
             return None
         store, selection, ref, loaded = chosen
@@ -137,23 +141,24 @@ class Restorer:
         world = self.coordinator.world_size
         loaded.reset += leave_per_rank_alone(state, loaded.saved, saved_world, world)
         plan, mismatch = None, None
-        try:
-            if self.contract_fields is not None and not allow_contract_change:
-                compare_contracts(loaded.manifest.contract, self.contract_fields, where)
-            plan = plan_restore(state, loaded.saved, loaded.reset)
-            if strict and not plan.clean:
-                raise plan.mismatch_error(where)
-        except CheckpointError as exc:
-            mismatch = exc
-        if self.collective is not None:
-            self.collective.agree_to_apply(mismatch)  # every rank applies, or none
-        elif mismatch is not None:
-            raise mismatch
-        assert plan is not None
-        plan.apply(where)
+        with clock.stage("apply"):  # matching the live objects, then applying
+            try:
+                if self.contract_fields is not None and not allow_contract_change:
+                    compare_contracts(loaded.manifest.contract, self.contract_fields, where)
+                plan = plan_restore(state, loaded.saved, loaded.reset)
+                if strict and not plan.clean:
+                    raise plan.mismatch_error(where)
+            except CheckpointError as exc:
+                mismatch = exc
+            if self.collective is not None:
+                self.collective.agree_to_apply(mismatch)  # every rank applies, or none
+            elif mismatch is not None:
+                raise mismatch
+            assert plan is not None
+            plan.apply(where)
         _warn_fallback(ref, selection.skipped)
         if self.coordinator.is_coordinator:
-            self._report_restored(store, ref, selection)
+            self._report_restored(store, ref, selection, clock)
         if store is not self.store and self.on_remote_restore is not None:
             self.on_remote_restore(store, ref)  # bring it back to the local tier
         return RestoreInfo(
@@ -165,19 +170,23 @@ class Restorer:
             unexpected=plan.unexpected,
             mismatched=plan.mismatched,
             bytes=loaded.manifest.total_bytes,
-            seconds=time.perf_counter() - started,
+            seconds=clock.elapsed(),
             signer=loaded.signer,
             reset=loaded.reset,
         )
 
     def _choose_anywhere(
-        self, state: MutableMapping[str, Any], step: int | None, allow_rollback_to: int | None
+        self,
+        state: MutableMapping[str, Any],
+        step: int | None,
+        allow_rollback_to: int | None,
+        clock: StageClock,
     ) -> tuple[Store, Selection, GenerationRef, LoadedGeneration] | None:
         """:meth:`_choose` alone, or with every rank of the job: rank 0 chooses and
         the others load what it names (:mod:`ckptvault.distributed.restore`)."""
         collective = self.collective
         if collective is None:
-            return self._choose(step, allow_rollback_to)
+            return self._choose(step, allow_rollback_to, clock)
         collective.live = capture_ranked(state, self.coordinator.rank).tensors
         collective.param_hints = optimizer_param_hints(state)
         if not self.coordinator.is_coordinator:
@@ -189,7 +198,7 @@ class Restorer:
             done = Selection([ref], [ref], policy, skipped=[SkippedGeneration(*s) for s in skipped])
             return store, done, ref, loaded
         try:
-            chosen = self._choose(step, allow_rollback_to)
+            chosen = self._choose(step, allow_rollback_to, clock)
         except BaseException as exc:
             collective.finish(None, exc)
             raise
@@ -198,7 +207,7 @@ class Restorer:
         return chosen
 
     def _choose(
-        self, step: int | None, allow_rollback_to: int | None
+        self, step: int | None, allow_rollback_to: int | None, clock: StageClock
     ) -> tuple[Store, Selection, GenerationRef, LoadedGeneration] | None:
         """The newest generation that verifies in any tier, trying the local copy of
         each generation before a remote one; None when every tier is empty. When a
@@ -208,9 +217,9 @@ class Restorer:
         first_error: NoValidCheckpoint | None = None
         for selector in self.selectors:
             try:
-                selections.append(
-                    (selector.store, selector.select(step, rollback_to=allow_rollback_to))
-                )
+                with clock.stage("discovery"):
+                    selection = selector.select(step, rollback_to=allow_rollback_to)
+                selections.append((selector.store, selection))
             except NoValidCheckpoint as exc:
                 first_error = first_error or exc
         tiers = [(store, selection) for store, selection in selections if selection.candidates]
@@ -221,15 +230,18 @@ class Restorer:
         merged, store_of = _merge_tiers(tiers)
 
         def load(ref: GenerationRef, policy: TrustPolicy) -> LoadedGeneration:
-            return self._load(store_of[ref.location], ref, policy)
+            return self._load(store_of[ref.location], ref, policy, clock)
 
         ref, loaded = self.selectors[0].first_verified(merged, load, self.max_fallback)
         return store_of[ref.location], merged, ref, loaded
 
-    def _load(self, store: Store, ref: GenerationRef, policy: TrustPolicy) -> LoadedGeneration:
+    def _load(
+        self, store: Store, ref: GenerationRef, policy: TrustPolicy, clock: StageClock
+    ) -> LoadedGeneration:
         with reading_lease(store, ref):  # released on errors too
             if self.collective is not None:
-                return self.collective.load(store, ref, policy)
+                with clock.stage("read"):  # many ranks: verification is counted in read
+                    return self.collective.load(store, ref, policy)
             return load_verified(
                 store,
                 ref,
@@ -237,9 +249,12 @@ class Restorer:
                 self.trust.keystore,
                 self.threads,
                 require_encryption=self.trust.keystore is not None,
+                clock=clock,
             )
 
-    def _report_restored(self, store: Store, ref: GenerationRef, selection: Selection) -> None:
+    def _report_restored(
+        self, store: Store, ref: GenerationRef, selection: Selection, clock: StageClock
+    ) -> None:
         rollback = None
         if selection.rollback_to is not None and self.trust.ledger is not None:
             # Only a ledger can lower a floor and abandon generations; without one the
@@ -261,10 +276,12 @@ class Restorer:
                     generation_id=ref.generation_id,
                     skipped=list(selection.skipped),
                     rollback=rollback,
+                    seconds=clock.elapsed(),
+                    stages=clock.snapshot(),
                 )
             )
 
-    def _report_refusal(self, exc: CheckpointError) -> None:
+    def _report_refusal(self, exc: CheckpointError, clock: StageClock) -> None:
         if not self.coordinator.is_coordinator:
             return
         event = Refused(
@@ -273,6 +290,8 @@ class Restorer:
             error=type(exc).__name__,
             reason=str(exc).splitlines()[0][:2000] if str(exc) else type(exc).__name__,
             rejected=list(getattr(exc, "rejected", [])),
+            seconds=clock.elapsed(),
+            stages=clock.snapshot(),
         )
         try:
             self.events.emit(event)

@@ -10,14 +10,15 @@ generations are untouched.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptvault._version import __version__
 from ckptvault.errors import KeyUnavailableError
-from ckptvault.events import Published, ReplicasDisagree
+from ckptvault.events import Published, ReplicasDisagree, SaveFailed
 from ckptvault.format.container import CIPHER
 from ckptvault.format.layout import (
     encrypted_state_file_name,
@@ -36,6 +37,8 @@ from ckptvault.storage.base import StagingArea
 from ckptvault.storage.listing import GenerationInfo
 from ckptvault.trust.envelope import FileEncryption
 from ckptvault.trust.manifest_auth import seal_manifest
+
+logger = logging.getLogger("ckptvault")
 
 # Manifest, headers and state JSON, estimated generously: a base plus some per tensor.
 MANIFEST_ALLOWANCE = 64 * 1024
@@ -58,6 +61,12 @@ class WrittenGeneration:
     kek_id: str | None = None  # the run key that wraps its file keys, when encrypted
     # Many ranks: replicated tensors whose replicas differed (ckptvault.distributed.replicas).
     replica_mismatches: tuple[Any, ...] = ()
+    # Seconds per stage ("write", "fsync", "publish"; the scheduler adds "stage"), and
+    # what the scheduler knows of the whole save (see ckptvault.events.Published).
+    stages: dict[str, float] = field(default_factory=dict)
+    stall_seconds: float = 0.0
+    total_seconds: float = 0.0
+    metrics: dict[str, int | float] | None = None
 
 
 class GenerationWriter:
@@ -100,17 +109,28 @@ class GenerationWriter:
             state = self.write_state(staging, generation_id, captured, tensors)
             manifest = self.build_manifest(step, generation_id, state, tensors, metrics)
             manifest_bytes = manifest.to_bytes()
-            ref = staging.publish(step, manifest_bytes, self.trust.sign_manifest(manifest_bytes))
+            signature = self.trust.sign_manifest(manifest_bytes)
+            publishing = time.perf_counter()
+            ref = staging.publish(step, manifest_bytes, signature)
         except BaseException:
             staging.abort()
             raise
         self.parent = generation_id
-        seconds = time.perf_counter() - started
+        published = time.perf_counter()
         info = GenerationInfo(
             step, generation_id, ref.location, manifest.total_bytes, manifest.created_at
         )
         kek_id = manifest.encryption.kek_id if manifest.encryption else None
-        return WrittenGeneration(info, seconds, tensors.reused_plan, kek_id)
+        # Files are made durable in parallel: the slowest commit is what fsync cost.
+        fsync = min(max(tensors.commit_seconds.values(), default=0.0), publishing - started)
+        stages = {
+            "write": publishing - started - fsync,
+            "fsync": fsync,
+            "publish": published - publishing,
+        }
+        return WrittenGeneration(
+            info, published - started, tensors.reused_plan, kek_id, stages=stages
+        )
 
     def announce(self, written: WrittenGeneration) -> None:
         """Tell the subscribers a generation was published (once per job: the
@@ -130,6 +150,11 @@ class GenerationWriter:
                 seconds=written.seconds,
                 signer=self.trust.signer_id,
                 kek_id=written.kek_id,
+                stall_seconds=written.stall_seconds,
+                total_seconds=written.total_seconds,
+                stages=written.stages,
+                metrics=written.metrics,
+                contract=self.contract,
             )
         )
         if written.replica_mismatches:
@@ -142,6 +167,29 @@ class GenerationWriter:
                     slots=[d.to_json() for d in written.replica_mismatches],
                 )
             )
+
+    def announce_failure(
+        self, step: int, error: BaseException, stall_seconds: float, total_seconds: float
+    ) -> None:
+        """Tell the subscribers a save failed after it was accepted (the coordinator's
+        view: once per job). The save's own error matters more than its record: a
+        subscriber's failure is logged, never raised over it."""
+        if not self.coordinator.is_coordinator:
+            return
+        reason = str(error).splitlines()[0][:2000] if str(error) else type(error).__name__
+        event = SaveFailed(
+            run_id=self.run_id,
+            store=self.store.location,
+            step=step,
+            error=type(error).__name__,
+            reason=reason,
+            stall_seconds=stall_seconds,
+            total_seconds=total_seconds,
+        )
+        try:
+            self.events.emit(event)
+        except Exception as failure:
+            logger.error("%s, and recording the failure failed too: %s", event.summary, failure)
 
     def close(self) -> None:
         forget_cached_plans(self._plan_cache_key)

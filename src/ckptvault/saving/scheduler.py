@@ -17,6 +17,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
@@ -29,14 +30,22 @@ from ckptvault.storage.listing import GenerationInfo
 Metrics = dict[str, int | float] | None  # validated, for the manifest
 WriteFunction = Callable[[int, CapturedState, Metrics], WrittenGeneration]
 AnnounceFunction = Callable[[WrittenGeneration], None]
+# (step, error, stall seconds, total seconds) of a save that failed after it was accepted
+FailureFunction = Callable[[int, BaseException, float, float], None]
 
 
 class SaveScheduler:
     def __init__(
-        self, write: WriteFunction, announce: AnnounceFunction, max_in_flight: int, if_busy: str
+        self,
+        write: WriteFunction,
+        announce: AnnounceFunction,
+        max_in_flight: int,
+        if_busy: str,
+        announce_failure: FailureFunction | None = None,
     ) -> None:
         self._write = write
         self._announce = announce
+        self._announce_failure = announce_failure
         self.max_in_flight = max_in_flight
         self.if_busy = if_busy
         self.stats = SaveStats()
@@ -57,18 +66,21 @@ class SaveScheduler:
         self.stats.saves_started += 1
         if blocking:
             self.drain()  # generations publish in the order they were asked for
-            info = self._run(step, captured, metrics)
+            info = self._run(step, captured, metrics, started)
             seconds = time.perf_counter() - started
             self.stats.last_stall_seconds = self.stats.last_save_seconds = seconds
             return SaveHandle.completed(info, seconds)
         if not self._make_room(step):
             return SaveHandle(step, None, time.perf_counter() - started, skipped=True)
+        copying = time.perf_counter()
         tensors = self._staging.next_slot().stage(captured.tensors)
         staged = CapturedState(captured.tree, tensors, captured.rank_tree)
+        copied = time.perf_counter()
         self.stats.staging_allocations = self._staging.allocations
         stall = time.perf_counter() - started
         self.stats.last_stall_seconds = stall
-        future = self._executor().submit(self._run, step, staged, metrics)
+        timing = (stall, copied - copying)
+        future = self._executor().submit(self._run, step, staged, metrics, started, timing)
         handle = SaveHandle(step, future, stall)
         self._in_flight.append(handle)
         return handle
@@ -81,13 +93,33 @@ class SaveScheduler:
             self._staging.finish_preparing()
         self.stats.staging_allocations = self._staging.allocations
 
-    def _run(self, step: int, captured: CapturedState, metrics: Metrics) -> GenerationInfo:
-        """One save, inline or on the worker thread, counted in ``stats``."""
+    def _run(
+        self,
+        step: int,
+        captured: CapturedState,
+        metrics: Metrics,
+        started: float,
+        staged: tuple[float, float] | None = None,
+    ) -> GenerationInfo:
+        """One save, inline or on the worker thread, counted in ``stats`` and told to
+        the subscribers; ``staged``: an asynchronous save's (stall, copy) seconds."""
         try:
             written = self._write(step, captured, metrics)
-        except BaseException:
+        except BaseException as exc:
             self.stats.saves_failed += 1
+            total = time.perf_counter() - started
+            if self._announce_failure is not None and isinstance(exc, Exception):
+                self._announce_failure(step, exc, staged[0] if staged else total, total)
             raise
+        total = time.perf_counter() - started
+        stages = dict(written.stages) if staged is None else {"stage": staged[1], **written.stages}
+        written = replace(
+            written,
+            stall_seconds=total if staged is None else staged[0],
+            total_seconds=total,
+            stages=stages,
+            metrics=metrics,
+        )
         self.stats.saves_completed += 1
         self.stats.bytes_written += written.info.bytes
         self.stats.plans_reused += int(written.reused_plan)

@@ -1,0 +1,137 @@
+"""``ckptvault catalog``: recent saves (with stage timings), restores and failures.
+
+Reads the catalog the manager writes (:mod:`ckptvault.lifecycle.catalog`): by
+default the one beside the default ledger; ``--ledger PATH`` the one beside that
+ledger; ``--catalog PATH`` that file. ``--json`` prints one object with the lists
+``saves``, ``restores``, ``failures`` and ``generations``.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ckptvault.cli._common import human_bytes, out, print_json, safe_markup
+from ckptvault.errors import UsageError
+from ckptvault.lifecycle.catalog import (
+    Catalog,
+    FailureRecord,
+    RestoreRecord,
+    SaveRecord,
+    default_catalog_path,
+    store_key,
+)
+from ckptvault.trust.ledger import default_ledger_path
+
+SAVE_STAGES = ("stage", "write", "fsync", "publish")
+RESTORE_STAGES = ("discovery", "verification", "read", "apply")
+
+
+def catalog(
+    ledger: Annotated[
+        Path | None, typer.Option("--ledger", help="Read the catalog beside this ledger.")
+    ] = None,
+    catalog_path: Annotated[
+        Path | None, typer.Option("--catalog", help="Read this catalog file.")
+    ] = None,
+    store: Annotated[
+        str | None, typer.Option("--store", help="Only this store (path or URL).")
+    ] = None,
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Only this run.")] = None,
+    limit: Annotated[int, typer.Option("--limit", min=1, help="Rows per list.")] = 20,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False,
+) -> None:
+    """Show recent saves (with stage timings), restores and failures from the catalog."""
+    if ledger is not None and catalog_path is not None:
+        raise UsageError("give --ledger or --catalog, not both")
+    path = catalog_path or default_catalog_path(ledger or default_ledger_path())
+    if not path.is_file():
+        raise UsageError(
+            f"no catalog at {path}: a CheckpointManager writes it (catalog= option) once it "
+            "saved or restored; give --catalog PATH, or --ledger PATH for the one beside a ledger"
+        )
+    key = store_key(store) if store is not None else None
+    with Catalog(path) as book:
+        saves = book.recent_saves(key, run_id, limit)
+        restores = book.recent_restores(key, run_id, limit)
+        failures = book.failures(key, run_id, limit)
+        generations = book.generations(key, run_id)[:limit]
+    if as_json:
+        print_json(
+            {
+                "catalog": str(path),
+                "saves": [r.to_json() for r in saves],
+                "restores": [r.to_json() for r in restores],
+                "failures": [r.to_json() for r in failures],
+                "generations": [r.to_json() for r in generations],
+            }
+        )
+        return
+    out.print(f"catalog {safe_markup(path)}")
+    _print_saves(saves)
+    _print_restores(restores)
+    _print_failures(failures)
+
+
+def _when(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, timezone.utc).strftime("%m-%d %H:%M:%S")
+
+
+def _seconds(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
+def _table(title: str, columns: list[str], numeric: set[str]) -> Table:
+    table = Table(title=title, title_justify="left", box=None, pad_edge=False)
+    for column in columns:
+        table.add_column(column, justify="right" if column in numeric else "left", overflow="fold")
+    return table
+
+
+def _print_saves(saves: list[SaveRecord]) -> None:
+    if not saves:
+        out.print("no saves recorded")
+        return
+    stage_columns = [f"{name} s" for name in SAVE_STAGES]
+    columns = ["UTC", "run", "step", "size", "total s", "stall s", *stage_columns]
+    table = _table("saves", [*columns, "outcome"], {"step", "size", *columns[4:]})
+    for r in saves:
+        stages = [_seconds(r.stages.get(name)) for name in SAVE_STAGES]
+        outcome = "ok" if r.ok else f"FAILED {r.error}"
+        row = [_when(r.finished_at), r.run_id, str(r.step), human_bytes(r.bytes)]
+        row += [_seconds(r.seconds), _seconds(r.stall_seconds), *stages, outcome]
+        table.add_row(*(safe_markup(cell) for cell in row))  # run ids and errors: escaped
+    out.print(table)
+
+
+def _print_restores(restores: list[RestoreRecord]) -> None:
+    if not restores:
+        out.print("no restores recorded")
+        return
+    stage_columns = [f"{name} s" for name in RESTORE_STAGES]
+    columns = ["UTC", "run", "step", "total s", *stage_columns, "skipped"]
+    table = _table("restores", [*columns, "outcome"], {"step", "skipped", *columns[3:]})
+    for r in restores:
+        stages = [_seconds(r.stages.get(name)) for name in RESTORE_STAGES]
+        step = "" if r.step is None else str(r.step)
+        outcome = "ok" if r.ok else f"REFUSED {r.error}"
+        row = [_when(r.finished_at), r.run_id, step, _seconds(r.seconds), *stages]
+        row += [str(r.skipped), outcome]
+        table.add_row(*(safe_markup(cell) for cell in row))
+    out.print(table)
+
+
+def _print_failures(failures: list[FailureRecord]) -> None:
+    if not failures:
+        out.print("no failures recorded")
+        return
+    table = _table("failures", ["UTC", "kind", "run", "step", "error"], {"step"})
+    for r in failures:
+        step = "" if r.step is None else str(r.step)
+        row = [_when(r.finished_at), r.kind, r.run_id, step, f"{r.error}: {r.reason}"]
+        table.add_row(*(safe_markup(cell) for cell in row))
+    out.print(table)

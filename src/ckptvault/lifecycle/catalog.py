@@ -1,0 +1,345 @@
+"""The catalog: what a run's checkpoints cost and where they are, in one SQLite file.
+
+It records every published generation (step, id, tiers, bytes, contract, metrics,
+published and validated times), every save with its duration split into stages
+(``stage``, ``write``, ``fsync``, ``publish``) and how long it blocked training,
+every restore split into ``discovery``, ``verification``, ``read`` and ``apply``, and
+the failures: saves that failed after they were accepted, restores that were refused.
+The cadence planner, ``status`` and drills read it; ``ckptvault catalog`` shows it.
+
+It is written by an event subscriber (:mod:`ckptvault.lifecycle.catalog_recorder`),
+never by the save or restore path itself, and lives in the control-plane state
+directory beside the rollback ledger (:func:`default_catalog_path`), never in the
+store. Several processes may write it at once (the trainer, ``ckptvault``
+commands); each event is one short transaction (:mod:`.catalog_db`: WAL, a busy
+timeout, a private file, a schema version).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from blake3 import blake3
+
+from ckptvault.events import (
+    Deleted,
+    Event,
+    Published,
+    Refused,
+    Replicated,
+    Restored,
+    SaveFailed,
+)
+from ckptvault.format.canonical import dumps_canonical
+from ckptvault.lifecycle.catalog_db import CatalogFile
+from ckptvault.lifecycle.catalog_schema import (
+    FailureRecord,
+    GenerationRecord,
+    RestoreRecord,
+    SaveRecord,
+    dumps,
+    error_text,
+    loads_object,
+)
+
+__all__ = [
+    "Catalog",
+    "FailureRecord",
+    "GenerationRecord",
+    "RestoreRecord",
+    "SaveRecord",
+    "default_catalog_path",
+    "store_key",
+]
+
+CATALOG_NAME = "catalog.sqlite3"
+
+
+def default_catalog_path(ledger_path: Path) -> Path:
+    """The catalog beside the rollback ledger: ``<ledger's directory>/catalog.sqlite3``."""
+    return Path(os.path.abspath(os.fspath(ledger_path))).parent / CATALOG_NAME
+
+
+def store_key(location: str | os.PathLike[str]) -> str:
+    """A store as the catalog names it (the manager's ``store.location``): a local
+    path or ``file://`` URL made absolute, an ``s3://`` URL in its canonical form. For
+    the ``store=`` filters of the readers, given what a user typed."""
+    text = os.fspath(location)
+    if text.startswith("s3://"):
+        from ckptvault.storage.s3_options import parse_s3_url
+
+        return parse_s3_url(text).url
+    if text.startswith("file://"):
+        text = unquote(urlsplit(text).path)
+    return os.path.abspath(text)
+
+
+def _epoch(when: float | datetime) -> float:
+    return when.timestamp() if isinstance(when, datetime) else float(when)
+
+
+class Catalog(CatalogFile):
+    """An open catalog file (created with its tables when missing): the events it
+    records, and the records read back. Raises
+    :class:`~ckptvault.errors.CatalogError` when it cannot be opened, read or written.
+    Use it as a context manager, or call :meth:`close`; threads may share one.
+    """
+
+    def __enter__(self) -> Catalog:
+        return self
+
+    # -- writing: one event, one transaction -------------------------------------------
+
+    def record(self, event: Event, when: float | None = None) -> None:
+        """Record what ``event`` says happened (at ``when``, Unix time; default now).
+        Events the catalog does not keep (marks, replica disagreements) are ignored."""
+        at = time.time() if when is None else when
+        if isinstance(event, Published):
+            self._published(event, at)
+        elif isinstance(event, SaveFailed):
+            with self.transaction() as db:
+                db.execute(_INSERT_SAVE, _save_row(event, at))
+        elif isinstance(event, (Restored, Refused)):
+            with self.transaction() as db:
+                db.execute(_INSERT_RESTORE, _restore_row(event, at))
+        elif isinstance(event, Replicated):
+            with self.transaction() as db:  # a copy of a generation the catalog knows
+                db.execute(
+                    "INSERT OR REPLACE INTO tiers (generation_id, tier, location, recorded_at) "
+                    "SELECT ?, ?, ?, ? WHERE EXISTS "
+                    "(SELECT 1 FROM generations WHERE generation_id = ?)",
+                    (event.generation_id, event.target, event.location, at, event.generation_id),
+                )
+        elif isinstance(event, Deleted):
+            self._deleted(event)
+
+    def _published(self, event: Published, at: float) -> None:
+        contract, digest = None, None
+        if event.contract is not None:
+            raw = dumps_canonical(dict(event.contract))
+            contract, digest = raw.decode("utf-8"), blake3(raw).hexdigest()
+        metrics = dumps(dict(event.metrics)) if event.metrics else None
+        with self.transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO generations (generation_id, run_id, store, step, "
+                "location, bytes, contract_digest, contract, metrics, published_at, "
+                "validated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, (SELECT validated_at "
+                "FROM generations WHERE generation_id = ?))",
+                (
+                    event.generation_id,
+                    event.run_id,
+                    event.store,
+                    event.step,
+                    event.location,
+                    event.bytes,
+                    digest,
+                    contract,
+                    metrics,
+                    at,
+                    event.generation_id,
+                ),
+            )
+            db.execute(
+                "INSERT OR REPLACE INTO tiers (generation_id, tier, location, recorded_at) "
+                "VALUES (?, ?, ?, ?)",
+                (event.generation_id, event.store, event.location, at),
+            )
+            db.execute(_INSERT_SAVE, _save_row(event, at))
+
+    def _deleted(self, event: Deleted) -> None:
+        """A deletion from the store a generation was published to ends its record
+        (retention there also decides for the tiers it covers); one from another tier
+        only drops that tier."""
+        with self.transaction() as db:
+            db.execute(
+                "DELETE FROM tiers WHERE generation_id = ? AND tier = ?",
+                (event.generation_id, event.store),
+            )
+            home = db.execute(
+                "SELECT store FROM generations WHERE generation_id = ?", (event.generation_id,)
+            ).fetchone()
+            if home is not None and home[0] == event.store:
+                db.execute("DELETE FROM tiers WHERE generation_id = ?", (event.generation_id,))
+                db.execute(
+                    "DELETE FROM generations WHERE generation_id = ?", (event.generation_id,)
+                )
+
+    def mark_validated(self, generation_id: str, when: float | datetime) -> bool:
+        """Record that ``generation_id`` was loaded and checked successfully at
+        ``when`` (Unix time or an aware datetime); False when the catalog does not
+        know the generation (then nothing is recorded)."""
+        with self.transaction() as db:
+            cursor = db.execute(
+                "UPDATE generations SET validated_at = ? WHERE generation_id = ?",
+                (_epoch(when), generation_id),
+            )
+            return cursor.rowcount > 0
+
+    # -- reading ---------------------------------------------------------------------
+
+    @staticmethod
+    def _where(store: str | None, run_id: str | None, prefix: str = "") -> tuple[str, list[Any]]:
+        clauses, parameters = [], []
+        for column, value in (("store", store), ("run_id", run_id)):
+            if value is not None:
+                clauses.append(f"{prefix}{column} = ?")
+                parameters.append(value)
+        return (" WHERE " + " AND ".join(clauses) if clauses else ""), parameters
+
+    def recent_saves(
+        self, store: str | None = None, run_id: str | None = None, limit: int = 50
+    ) -> list[SaveRecord]:
+        """The newest ``limit`` saves (failed ones too, ``ok=False``), newest first;
+        ``store`` is a store location as the manager names it (an absolute path or URL)."""
+        where, parameters = self._where(store, run_id)
+        rows = self.query(
+            "SELECT run_id, store, step, generation_id, bytes, seconds, stall_seconds, "
+            f"stages, finished_at, ok, error_type, error FROM saves{where} "
+            "ORDER BY finished_at DESC, id DESC LIMIT ?",
+            [*parameters, max(0, limit)],
+        )
+        return [
+            SaveRecord(
+                run_id=r[0],
+                store=r[1],
+                step=int(r[2]),
+                generation_id=r[3],
+                bytes=int(r[4]),
+                seconds=float(r[5]),
+                stall_seconds=float(r[6]),
+                stages={k: float(v) for k, v in loads_object(r[7]).items()},
+                finished_at=float(r[8]),
+                ok=bool(r[9]),
+                error=error_text(r[10], r[11]),
+            )
+            for r in rows
+        ]
+
+    def recent_restores(
+        self, store: str | None = None, run_id: str | None = None, limit: int = 50
+    ) -> list[RestoreRecord]:
+        """The newest ``limit`` restores (refused ones too, ``ok=False``), newest first."""
+        where, parameters = self._where(store, run_id)
+        rows = self.query(
+            "SELECT run_id, store, step, generation_id, seconds, stages, skipped, "
+            f"finished_at, ok, error_type, error FROM restores{where} "
+            "ORDER BY finished_at DESC, id DESC LIMIT ?",
+            [*parameters, max(0, limit)],
+        )
+        return [
+            RestoreRecord(
+                run_id=r[0],
+                store=r[1],
+                step=None if r[2] is None else int(r[2]),
+                generation_id=r[3],
+                seconds=float(r[4]),
+                stages={k: float(v) for k, v in loads_object(r[5]).items()},
+                skipped=int(r[6]),
+                finished_at=float(r[7]),
+                ok=bool(r[8]),
+                error=error_text(r[9], r[10]),
+            )
+            for r in rows
+        ]
+
+    def generations(
+        self, store: str | None = None, run_id: str | None = None
+    ) -> list[GenerationRecord]:
+        """Generations published and not deleted since, newest step first."""
+        where, parameters = self._where(store, run_id, "g.")
+        rows = self.query(
+            "SELECT g.run_id, g.store, g.step, g.generation_id, g.location, g.bytes, "
+            "g.contract_digest, g.contract, g.metrics, g.published_at, g.validated_at, t.tier "
+            f"FROM generations g LEFT JOIN tiers t ON t.generation_id = g.generation_id{where} "
+            "ORDER BY g.step DESC, g.generation_id DESC, t.tier != g.store, t.recorded_at",
+            parameters,
+        )
+        tiers: dict[str, list[str]] = {}
+        firsts = []
+        for row in rows:  # one row per tier: the home store's first
+            if row[3] not in tiers:
+                tiers[row[3]] = []
+                firsts.append(row)
+            if row[11] is not None:
+                tiers[row[3]].append(row[11])
+        return [
+            GenerationRecord(
+                run_id=r[0],
+                store=r[1],
+                step=int(r[2]),
+                generation_id=r[3],
+                location=r[4],
+                tiers=tuple(tiers[r[3]]),
+                bytes=int(r[5]),
+                contract_digest=r[6],
+                contract=loads_object(r[7]) if r[7] else None,
+                metrics=loads_object(r[8]),
+                published_at=float(r[9]),
+                validated_at=None if r[10] is None else float(r[10]),
+            )
+            for r in firsts
+        ]
+
+    def failures(
+        self, store: str | None = None, run_id: str | None = None, limit: int = 50
+    ) -> list[FailureRecord]:
+        """The newest ``limit`` failed saves and refused restores together, newest first."""
+        where, parameters = self._where(store, run_id)
+        rows = self.query(
+            "SELECT * FROM ("
+            "SELECT 'save', run_id, store, step, error_type, error, seconds, finished_at, id "
+            f"FROM saves{where}{' AND' if where else ' WHERE'} ok = 0 UNION ALL "
+            "SELECT 'restore', run_id, store, step, error_type, error, seconds, finished_at, id "
+            f"FROM restores{where}{' AND' if where else ' WHERE'} ok = 0) "
+            "ORDER BY finished_at DESC, id DESC LIMIT ?",
+            [*parameters, *parameters, max(0, limit)],
+        )
+        return [
+            FailureRecord(
+                kind=r[0],
+                run_id=r[1],
+                store=r[2],
+                step=None if r[3] is None else int(r[3]),
+                error=r[4] or "",
+                reason=r[5] or "",
+                seconds=float(r[6]),
+                finished_at=float(r[7]),
+            )
+            for r in rows
+        ]
+
+
+_INSERT_SAVE = (
+    "INSERT INTO saves (run_id, store, step, generation_id, bytes, seconds, stall_seconds, "
+    "stages, finished_at, ok, error_type, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_INSERT_RESTORE = (
+    "INSERT INTO restores (run_id, store, step, generation_id, seconds, stages, skipped, "
+    "finished_at, ok, error_type, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+def _save_row(event: Published | SaveFailed, at: float) -> tuple[Any, ...]:
+    """The values of ``_INSERT_SAVE``."""
+    run = (event.run_id, event.store, event.step)
+    seconds = (event.total_seconds, event.stall_seconds)
+    if isinstance(event, SaveFailed):
+        return (*run, None, 0, *seconds, "{}", at, 0, event.error, event.reason)
+    stages = dumps(dict(event.stages))
+    return (*run, event.generation_id, event.bytes, *seconds, stages, at, 1, None, None)
+
+
+def _restore_row(event: Restored | Refused, at: float) -> tuple[Any, ...]:
+    """The values of ``_INSERT_RESTORE``."""
+    stages = dumps(dict(event.stages))
+    run = (event.run_id, event.store)
+    if isinstance(event, Refused):
+        failure = (event.error, event.reason)
+        return (*run, None, None, event.seconds, stages, len(event.rejected), at, 0, *failure)
+    chosen = (event.step, event.generation_id)
+    return (*run, *chosen, event.seconds, stages, len(event.skipped), at, 1, None, None)
