@@ -6,7 +6,9 @@
   ``Published`` subscriber), ``marks`` and ``leases`` (store records), ``metrics``,
   ``locks`` (Object Lock: what publish locks, what retention must keep);
 - ``replication``: copies to a second tier; ``tiers``: one retention policy for
-  every tier, or one per tier.
+  every tier, or one per tier;
+- ``catalog``: the SQLite record of generations, save and restore timings by stage and
+  failures (``catalog_schema``, ``catalog_db``; ``catalog_recorder`` is its subscriber).
 
-Cadence, catalog and metrics export come with later issues.
+Cadence and metrics export come with later issues.
 """
