@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, make_training_state, only_tensor_file, run_cli, train_steps, writable
 
 import ckptvault as cv
 from ckptvault.errors import CatalogError, KeyUnavailableError, NoValidCheckpoint, UsageError
 from ckptvault.lifecycle.catalog import Catalog, SaveRecord, default_catalog_path
 from ckptvault.lifecycle.catalog_schema import SCHEMA_VERSION
 from ckptvault.trust.keystore import LocalKeyStore
+from conftest import REPO, make_training_state, only_tensor_file, run_cli, train_steps, writable
 
 SAVE_STAGES = {"write", "fsync", "publish"}
 RESTORE_STAGES = {"discovery", "verification", "read", "apply"}
@@ -304,3 +304,25 @@ def test_cli_prints_the_catalog(store: Path, tmp_path: Path, catalog_path: Path)
     assert "saves" in table.stdout and "fsync s" in table.stdout and "restores" in table.stdout
     missing = run_cli("catalog", "--catalog", str(tmp_path / "none.sqlite3"))
     assert missing.returncode == 2 and "no catalog at" in missing.stderr
+
+
+def test_only_the_coordinator_of_a_job_records(tmp_path: Path, catalog_path: Path):
+    """Every rank of a job shares the state directory; the job's saves and restores
+    are recorded once each, by rank 0."""
+    from multirank import launch
+
+    store = tmp_path / "store"
+    codes, _ = launch("save", store, 2, tmp_path / "save")
+    assert codes == [0, 0]
+    codes, _ = launch("restore", store, 2, tmp_path / "restore")
+    assert codes == [0, 0]
+    with Catalog(catalog_path) as catalog:
+        saves = catalog.recent_saves()
+        (restore,) = catalog.recent_restores()
+        generations = catalog.generations()
+    assert sorted(s.step for s in saves) == [1, 2] and all(s.ok for s in saves)
+    for save in saves:
+        assert set(save.stages) == SAVE_STAGES
+        assert sum(save.stages.values()) <= save.seconds + 1e-6
+    assert [g.step for g in generations] == [2, 1]
+    assert restore.ok and restore.step == 2 and restore.run_id == "job"

@@ -38,6 +38,7 @@ from ckptvault.saving.generation_writer import (
     MANIFEST_ALLOWANCE,
     METADATA_PER_TENSOR,
     WrittenGeneration,
+    save_stages,
 )
 from ckptvault.state.capture import CapturedState
 from ckptvault.state.ranks import compose
@@ -70,11 +71,14 @@ class CollectiveSave:
             gathered = self._gather(captured, tensors)
             mismatches = self._check_replicas(gathered, step)
             state = {"global": captured.tree, "ranks": gathered}
+            publishing = time.perf_counter()
             outcome = self._publish(area, step, generation_id, state, tensors, metrics)
         except BaseException:
             if area is not None:
                 area.abort()
             raise
+        # This rank's view: its own files' fsync; "publish" includes agreeing on it.
+        stages = save_stages(started, publishing, time.perf_counter(), tensors.commit_seconds)
         if not self.coordinator.is_coordinator:
             area.release()  # rank 0 published it; the files are the generation's now
         info = GenerationInfo(
@@ -87,6 +91,7 @@ class CollectiveSave:
             tensors.reused_plan,
             outcome.get("kek_id"),
             tuple(mismatches),
+            stages=stages,
         )
 
     # -- phases --------------------------------------------------------------------------

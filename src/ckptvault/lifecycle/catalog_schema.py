@@ -88,7 +88,8 @@ class SaveRecord(Record):
     behind earlier saves included; ``stall_seconds``: how long ``save()`` blocked the
     caller; ``stages``: wall seconds of ``stage`` (asynchronous saves' copy),
     ``write``, ``fsync`` and ``publish``, never adding up to more than ``seconds``
-    (a multi-rank save reports ``stage`` only). ``finished_at``: Unix time.
+    (a multi-rank save: rank 0's view; its ``publish`` includes agreeing with the other
+    ranks). ``finished_at``: Unix time.
     """
 
     run_id: str

@@ -121,13 +121,7 @@ class GenerationWriter:
             step, generation_id, ref.location, manifest.total_bytes, manifest.created_at
         )
         kek_id = manifest.encryption.kek_id if manifest.encryption else None
-        # Files are made durable in parallel: the slowest commit is what fsync cost.
-        fsync = min(max(tensors.commit_seconds.values(), default=0.0), publishing - started)
-        stages = {
-            "write": publishing - started - fsync,
-            "fsync": fsync,
-            "publish": published - publishing,
-        }
+        stages = save_stages(started, publishing, published, tensors.commit_seconds)
         return WrittenGeneration(
             info, published - started, tensors.reused_plan, kek_id, stages=stages
         )
@@ -273,6 +267,21 @@ class GenerationWriter:
             metrics=metrics,
         )
         return manifest if mac_key is None else seal_manifest(manifest, mac_key)
+
+
+def save_stages(
+    started: float, publishing: float, published: float, commit_seconds: dict[str, float]
+) -> dict[str, float]:
+    """A save's ``write``, ``fsync`` and ``publish`` seconds from the ``perf_counter``
+    readings at its start, before publishing and after, and each file's commit time.
+    Files are made durable in parallel, so the slowest commit is what fsync cost; it
+    is part of the time before publishing, which ``write`` is the rest of."""
+    fsync = min(max(commit_seconds.values(), default=0.0), publishing - started)
+    return {
+        "write": publishing - started - fsync,
+        "fsync": fsync,
+        "publish": published - publishing,
+    }
 
 
 def encryption_section(
