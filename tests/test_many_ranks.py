@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import ckptvault as cv
-
 from conftest import run_cli
 from multirank import launch
 

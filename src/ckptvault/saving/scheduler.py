@@ -154,10 +154,12 @@ class SaveScheduler:
                 raise
         return True
 
-    def drain(self) -> None:
-        """Wait for every save in flight (errors stay with their handles)."""
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for every save in flight (errors stay with their handles), at most
+        ``timeout`` seconds; False when some are still running."""
         futures = [h.future for h in self._in_flight if h.future is not None]
-        concurrent.futures.wait(futures)
+        _, running = concurrent.futures.wait(futures, timeout=timeout)
+        return not running
 
     def raise_background_error(self) -> None:
         """Raise the first background error not raised before; forget finished saves."""
