@@ -109,6 +109,11 @@ class CatalogError(CheckpointError):
     written (unwritable, damaged, or written by a newer ckptvault)."""
 
 
+class ValidationError(CheckpointError):
+    """A generation verified and loaded, but the user's check of the loaded state
+    failed (``mgr.validate`` / ``ckptvault validate``)."""
+
+
 class ContractMismatch(CheckpointError):
     """The run contract (config, dataset identity, ...) differs from the stored one."""
 

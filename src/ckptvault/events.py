@@ -202,9 +202,30 @@ class ReplicasDisagree:
         )
 
 
+@dataclass(frozen=True)
+class Validated:
+    """A generation was loaded into freshly built objects and checked (``ok``), or
+    could not be (``error``, ``reason``): ``mgr.validate`` / ``ckptvault validate``."""
+
+    run_id: str
+    store: str
+    step: int
+    generation_id: str | None  # None when nothing could be loaded
+    ok: bool
+    seconds: float
+    error: str | None = None  # the exception's class name
+    reason: str | None = None  # its first line
+
+    @property
+    def summary(self) -> str:
+        outcome = "validated" if self.ok else f"failed validation ({self.error})"
+        return f"step {self.step} of {self.store} {outcome}"
+
+
 Event = (
     Published
     | SaveFailed
+    | Validated
     | Restored
     | Refused
     | Marked

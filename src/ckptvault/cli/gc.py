@@ -39,6 +39,8 @@ from ckptvault.events import EventBus, Unmarked
 from ckptvault.format.layout import format_timestamp
 from ckptvault.lifecycle import marks
 from ckptvault.lifecycle.apply import AppliedPlan
+from ckptvault.lifecycle.catalog import validated_generations
+from ckptvault.lifecycle.catalog_recorder import resolve_catalog_path
 from ckptvault.lifecycle.collector import GarbageCollector
 from ckptvault.lifecycle.plan import Decision, RetentionPlan
 from ckptvault.lifecycle.retention import DEFAULT_DELETE_DELAY, Retention, format_seconds
@@ -217,6 +219,9 @@ def _collect(
     )
     newest = collector.verify_newest(now)
     run = run_id or (newest.manifest.run_id if newest and newest.manifest else None)
+    # The newest validated generation is never pruned (the catalog beside the ledger).
+    catalog = resolve_catalog_path(None, trust.ledger.path if trust.ledger else None)
+    collector.validated = lambda: validated_generations(catalog, run)
     floor: RestoreFloor | None = trust.floor(run) if run is not None else None
     plan = collector.plan(now=now, floor=floor)
     applied = None if dry_run else collector.apply(plan)

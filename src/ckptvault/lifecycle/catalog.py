@@ -17,6 +17,7 @@ timeout, a private file, a schema version).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from datetime import datetime
@@ -26,6 +27,7 @@ from urllib.parse import unquote, urlsplit
 
 from blake3 import blake3
 
+from ckptvault.errors import CheckpointError
 from ckptvault.events import (
     Deleted,
     Event,
@@ -34,6 +36,7 @@ from ckptvault.events import (
     Replicated,
     Restored,
     SaveFailed,
+    Validated,
 )
 from ckptvault.format.canonical import dumps_canonical
 from ckptvault.lifecycle.catalog_db import CatalogFile
@@ -60,9 +63,31 @@ __all__ = [
 CATALOG_NAME = "catalog.sqlite3"
 
 
+logger = logging.getLogger("ckptvault")
+
+
 def default_catalog_path(ledger_path: Path) -> Path:
     """The catalog beside the rollback ledger: ``<ledger's directory>/catalog.sqlite3``."""
     return Path(os.path.abspath(os.fspath(ledger_path))).parent / CATALOG_NAME
+
+
+def validated_generations(path: Path | None, run_id: str | None) -> frozenset[str]:
+    """The generation ids of ``run_id`` (any run: None) the catalog at ``path`` has
+    seen validated; empty when there is no catalog or it cannot be read (retention
+    then simply has no validated generation to spare)."""
+    if path is None or not path.is_file():
+        return frozenset()
+    try:
+        with Catalog(path) as catalog:
+            where, parameters = ("WHERE run_id = ? AND", [run_id]) if run_id else ("WHERE", [])
+            rows = catalog.query(
+                f"SELECT generation_id FROM generations {where} validated_at IS NOT NULL",
+                parameters,
+            )
+    except CheckpointError as exc:
+        logger.warning("cannot read validated generations from %s: %s", path, exc)
+        return frozenset()
+    return frozenset(str(row[0]) for row in rows)
 
 
 def store_key(location: str | os.PathLike[str]) -> str:
@@ -117,6 +142,29 @@ class Catalog(CatalogFile):
                 )
         elif isinstance(event, Deleted):
             self._deleted(event)
+        elif isinstance(event, Validated):
+            self._validated(event, at)
+
+    def _validated(self, event: Validated, at: float) -> None:
+        """A validation: its row; a success also stamps the generation (recorded now
+        if the catalog had not seen it published, e.g. by another process)."""
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO validations (run_id, store, step, generation_id, seconds, "
+                "finished_at, ok, error_type, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (event.run_id, event.store, event.step, event.generation_id, event.seconds, at,
+                 int(event.ok), event.error, event.reason),
+            )  # fmt: skip
+            if event.ok and event.generation_id is not None:
+                db.execute(
+                    "INSERT OR IGNORE INTO generations (generation_id, run_id, store, step, "
+                    "location, bytes, published_at) VALUES (?, ?, ?, ?, ?, 0, ?)",
+                    (event.generation_id, event.run_id, event.store, event.step, event.store, at),
+                )
+                db.execute(
+                    "UPDATE generations SET validated_at = ? WHERE generation_id = ?",
+                    (at, event.generation_id),
+                )
 
     def _published(self, event: Published, at: float) -> None:
         contract, digest = None, None
@@ -288,16 +336,19 @@ class Catalog(CatalogFile):
     def failures(
         self, store: str | None = None, run_id: str | None = None, limit: int = 50
     ) -> list[FailureRecord]:
-        """The newest ``limit`` failed saves and refused restores together, newest first."""
+        """The newest ``limit`` failed saves, refused restores and failed validations
+        together, newest first (``kind``: save, restore, validation)."""
         where, parameters = self._where(store, run_id)
         rows = self.query(
             "SELECT * FROM ("
             "SELECT 'save', run_id, store, step, error_type, error, seconds, finished_at, id "
             f"FROM saves{where}{' AND' if where else ' WHERE'} ok = 0 UNION ALL "
             "SELECT 'restore', run_id, store, step, error_type, error, seconds, finished_at, id "
-            f"FROM restores{where}{' AND' if where else ' WHERE'} ok = 0) "
+            f"FROM restores{where}{' AND' if where else ' WHERE'} ok = 0 UNION ALL "
+            "SELECT 'validation', run_id, store, step, error_type, error, seconds, "
+            f"finished_at, id FROM validations{where}{' AND' if where else ' WHERE'} ok = 0) "
             "ORDER BY finished_at DESC, id DESC LIMIT ?",
-            [*parameters, *parameters, max(0, limit)],
+            [*parameters, *parameters, *parameters, max(0, limit)],
         )
         return [
             FailureRecord(

@@ -29,6 +29,7 @@ from ckptvault.events import (
     Replicated,
     Restored,
     SaveFailed,
+    Validated,
 )
 from ckptvault.lifecycle.catalog import Catalog, default_catalog_path
 from ckptvault.storage.base import Store
@@ -36,7 +37,7 @@ from ckptvault.trust.ledger import default_ledger_path
 
 logger = logging.getLogger("ckptvault")
 
-RECORDED = (Published, SaveFailed, Restored, Refused, Replicated, Deleted)
+RECORDED = (Published, SaveFailed, Restored, Refused, Replicated, Deleted, Validated)
 CatalogOption = str | os.PathLike[str] | bool | None
 
 

@@ -69,6 +69,19 @@ TABLES = (
         error TEXT
     )""",
     "CREATE INDEX IF NOT EXISTS restores_by_time ON restores (finished_at)",
+    # Added after version 1 shipped: CREATE IF NOT EXISTS brings older files along.
+    """CREATE TABLE IF NOT EXISTS validations (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        run_id TEXT NOT NULL,
+        store TEXT NOT NULL,
+        step INTEGER NOT NULL,
+        generation_id TEXT,
+        seconds REAL NOT NULL,
+        finished_at REAL NOT NULL,
+        ok INTEGER NOT NULL,
+        error_type TEXT,
+        error TEXT
+    )""",
 )
 
 
@@ -154,7 +167,8 @@ class GenerationRecord(Record):
 
 @dataclass(frozen=True)
 class FailureRecord(Record):
-    """A failed save (``kind="save"``) or a refused restore (``kind="restore"``)."""
+    """A failed save (``kind="save"``), a refused restore (``"restore"``) or a failed
+    validation (``"validation"``)."""
 
     kind: str
     run_id: str

@@ -20,7 +20,7 @@ longer lists are finished in their own tier only (:class:`~ckptvault.lifecycle.p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from datetime import datetime, timezone
 
 from ckptvault.errors import CheckpointError
@@ -75,6 +75,9 @@ class GarbageCollector:
         self._sound: set[GenerationName] = set()  # passed the structure checks
         self._rejected: dict[GenerationName, str] = {}  # failed them: the problem codes
         self._wants_metrics = any(isinstance(rule, KeepBest) for rule in self.rules)
+        # Generation ids a validation loaded and checked (from the catalog, when the
+        # manager or ``ckptvault gc`` has one): the newest of them is never pruned.
+        self.validated: Callable[[], Collection[str]] = lambda: ()
 
     # -- verification ------------------------------------------------------------------
 
@@ -156,6 +159,7 @@ class GarbageCollector:
         marks = read_marks(self.store, now, listed)
         pins = set().union(*(read_pins(store, listed) for store in self.pin_stores))
         leases = read_leases(self.store, now, listed)
+        validated = frozenset(self.validated())
         facts = [
             GenerationFacts(
                 name=ref.name,
@@ -166,6 +170,7 @@ class GarbageCollector:
                 lease_expiries=tuple(leases.get(ref.name, ())),
                 verified=self.known.get(ref.name),
                 rejected=self._rejected.get(ref.name) or transient.get(ref.name),
+                validated=ref.generation_id in validated,
             )
             for ref in refs
         ]

@@ -33,6 +33,7 @@ REJECTED = (
     "a rule would keep it were it sound"
 )
 REDATED = "its mark's time was unreadable or in the future: marked again now"
+NEWEST_VALIDATED = "the newest validated generation (loaded into fresh objects and checked)"
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class GenerationFacts:
     lease_expiries: tuple[datetime, ...] = ()
     verified: bool | None = None  # True: known to verify; False: known not to; None: unknown
     rejected: str | None = None  # why it fails the structure checks, when it does
+    validated: bool = False  # loaded and checked by a validation (the catalog says so)
 
     @property
     def step(self) -> int:

@@ -20,6 +20,8 @@ Never deleted or marked, whatever the rules say:
   all is marked or deleted (:attr:`RetentionPlan.needs_verification` names the
   generation whose verification would settle it);
 - pinned generations and the restore floor's generation (these also lose a mark);
+- the newest validated generation (loaded into fresh objects and checked: seed 001's
+  "a checkpoint that has never been loaded is not a checkpoint yet"; it loses a mark);
 - generations in flight and generations a reader holds an unexpired lease on
   (their deletion waits; a mark stays);
 - a generation that fails the structure checks (its manifest does not name it, is
@@ -59,6 +61,7 @@ from ckptvault.lifecycle.decisions import (
     MARK,
     MARKED,
     NEWER_THAN_VERIFIED,
+    NEWEST_VALIDATED,
     NEWEST_VERIFIED,
     NO_RULES,
     PINNED,
@@ -137,6 +140,9 @@ def plan_retention(
     candidates = [g for g in eligible if g.mark is None]  # what a restore may take
     newest, fallback, blocked, needs = _safety_net(candidates)
     _keep_safety_net(verdicts, candidates, newest, fallback)
+    validated = next((g for g in eligible if g.validated and g.rejected is None), None)
+    if validated is not None:  # the one generation known to load and work: never pruned
+        verdicts[validated.name].keep.insert(0, NEWEST_VALIDATED)
     for g in gens:
         _hold(verdicts[g.name], g, floor, ids_in_flight, blocked, now, g.name in spared)
     decisions = [_decide(g, verdicts[g.name], g.name in abandoned, delete_delay, now) for g in gens]
