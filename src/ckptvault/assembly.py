@@ -22,6 +22,7 @@ from ckptvault.events import EventBus
 from ckptvault.io.writer import default_threads
 from ckptvault.lifecycle.catalog_recorder import CatalogOption, subscribe_catalog
 from ckptvault.lifecycle.keeper import RetentionKeeper
+from ckptvault.lifecycle.prometheus import ManagerMetrics, subscribe_metrics
 from ckptvault.lifecycle.replication import Replicator
 from ckptvault.lifecycle.retention import Retention
 from ckptvault.lifecycle.tiers import attach_retention
@@ -68,6 +69,9 @@ class ManagerOptions(TypedDict, total=False):
     replica_retention: Retention | None
     save_on_signal: Iterable[int] | None
     preemption_deadline_s: float
+    metrics: bool | None
+    metrics_port: int | None
+    metrics_addr: str | None
 
 
 @dataclass
@@ -83,6 +87,7 @@ class ManagerParts:
     scheduler: SaveScheduler
     restorer: Restorer
     preemption: PreemptionWatch | None = None
+    metrics: ManagerMetrics | None = None
 
 
 def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
@@ -102,7 +107,9 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
     trust.check_outside(store)
     coordinator = options.get("coordinator") or _default_coordinator(options)
     events = EventBus(trust.subscribers())
-    subscribe_catalog(events, store, coordinator, options.get("catalog"), options.get("ledger"))
+    recorder = subscribe_catalog(
+        events, store, coordinator, options.get("catalog"), options.get("ledger")
+    )
     replicator = Replicator.attach(
         store, replicate_to, events, trust, config.run_id, s3 if _is_s3(replicate_to) else None
     )
@@ -129,6 +136,17 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
         remote_tiers=tiers,
         on_remote_restore=replicator.fetch if replicator else None,
     )
+    metrics = subscribe_metrics(  # serves last but one: a taken port fails the manager
+        events,
+        config.run_id,
+        store,
+        enabled=options.get("metrics"),
+        port=options.get("metrics_port"),
+        addr=options.get("metrics_addr"),
+        is_coordinator=coordinator.is_coordinator,
+        replicator=replicator,
+        catalog_path=recorder.path if recorder is not None else None,
+    )
     return ManagerParts(
         store,
         config,
@@ -141,6 +159,7 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
         scheduler,
         restorer,
         _preemption(options),
+        metrics=metrics,
     )
 
 

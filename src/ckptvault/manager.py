@@ -94,6 +94,12 @@ class CheckpointManager:
             save and raises :class:`~ckptvault.Preempted` (exit code 75: restart).
         preemption_deadline_s: seconds from the signal to the end of that final save
             (default 120); a save the deadline cuts short is not published.
+        metrics: Prometheus metrics of this manager's saves, restores, failures, storage
+            and replication (:mod:`ckptvault.lifecycle.prometheus`) in a registry of its
+            own, ``mgr.metrics_registry``; default on when prometheus-client is installed
+            (``pip install 'ckptvault[metrics]'``), ``False``: off.
+        metrics_port, metrics_addr: serve them at ``http://ADDR:PORT/metrics`` (default
+            address 127.0.0.1; port 0: any free one, ``mgr.metrics.port`` says which).
     """
 
     def __init__(self, directory: StoreLocation, **options: Unpack[ManagerOptions]) -> None:
@@ -105,6 +111,8 @@ class CheckpointManager:
         self._writer, self._scheduler = parts.writer, parts.scheduler
         self._restorer = parts.restorer
         self._preemption = parts.preemption
+        self.metrics = parts.metrics  # None when off; .registry, .port
+        self.metrics_registry = parts.metrics.registry if parts.metrics is not None else None
         self._closed = False
 
     @property
@@ -252,6 +260,8 @@ class CheckpointManager:
         finally:
             if self._preemption is not None:
                 self._preemption.close()
+            if self.metrics is not None:
+                self.metrics.close()  # stops serving; the registry stays readable
             if self.replicator is not None:
                 self.replicator.close()  # waits for copies in flight
             self.store.release_writer()

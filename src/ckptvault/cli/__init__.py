@@ -23,6 +23,7 @@ from ckptvault.cli.gc import gc
 from ckptvault.cli.inspect import inspect
 from ckptvault.cli.ls import ls
 from ckptvault.cli.plan import plan
+from ckptvault.cli.status import status
 from ckptvault.cli.supervise import supervise
 from ckptvault.cli.verify import verify
 from ckptvault.errors import CheckpointError
@@ -46,6 +47,7 @@ app.command("consolidate")(consolidate)
 app.command("gc")(gc)
 app.command("doctor")(doctor)
 app.command("plan")(plan)
+app.command("status")(status)
 app.command("supervise")(supervise)
 app.add_typer(keys.app, name="keys")
 app.add_typer(audit.app, name="audit")

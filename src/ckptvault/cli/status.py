@@ -1,0 +1,223 @@
+"""``ckptvault status STORE``: is this store's checkpointing healthy?
+
+Reads the store's listing and the catalog (:mod:`ckptvault.lifecycle.health`): the
+last good checkpoint's age, recent save latency, the failure rate, storage use, the
+replication lag and the newest validation, with a warning for every alert threshold
+crossed. ``--json`` prints the report as one object; ``--prometheus`` prints the
+Prometheus text format (for node_exporter's textfile collector, say).
+
+Exit status: 0 healthy, 1 when there is at least one warning, 2 for a usage error or
+an unreadable store or catalog.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ckptvault.cli._common import (
+    STORE_HELP,
+    S3EndpointUrl,
+    err,
+    human_bytes,
+    open_store,
+    out,
+    print_json,
+    safe_markup,
+)
+from ckptvault.errors import UsageError
+from ckptvault.lifecycle.catalog import default_catalog_path
+from ckptvault.lifecycle.health import HealthReport, check_health
+from ckptvault.lifecycle.prometheus import import_prometheus
+from ckptvault.trust.ledger import default_ledger_path
+
+
+def status(
+    directory: Annotated[str, typer.Argument(help=STORE_HELP)],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False,
+    prometheus: Annotated[
+        bool, typer.Option("--prometheus", help="Print the Prometheus text format.")
+    ] = False,
+    ledger: Annotated[
+        Path | None, typer.Option("--ledger", help="Read the catalog beside this ledger.")
+    ] = None,
+    catalog_path: Annotated[
+        Path | None, typer.Option("--catalog", help="Read this catalog file.")
+    ] = None,
+    cadence_seconds: Annotated[
+        float | None,
+        typer.Option(
+            "--cadence-seconds",
+            min=0.001,
+            help="The intended seconds between checkpoints (default: the median interval "
+            "between recent successful saves).",
+        ),
+    ] = None,
+    s3_endpoint_url: S3EndpointUrl = None,
+) -> None:
+    """Show the store's health: last good checkpoint age, save latency, failure rate,
+    storage use, replication lag; warn at every alert threshold (exit status 1)."""
+    if as_json and prometheus:
+        raise UsageError("give --json or --prometheus, not both")
+    path = _catalog(ledger, catalog_path)
+    store = open_store(directory, s3_endpoint_url)
+    report = check_health(store, path, cadence_seconds)
+    if as_json:
+        print_json(report.to_json())
+    elif prometheus:
+        sys.stdout.write(exposition(report).decode("utf-8"))
+        sys.stdout.flush()
+    else:
+        _print(report)
+    if report.warnings:
+        raise typer.Exit(1)
+
+
+def _catalog(ledger: Path | None, catalog_path: Path | None) -> Path | None:
+    """The catalog to read; None when the default one does not exist (a store
+    without a catalog still has a listing). One given explicitly must exist."""
+    if ledger is not None and catalog_path is not None:
+        raise UsageError("give --ledger or --catalog, not both")
+    path = catalog_path or default_catalog_path(ledger or default_ledger_path())
+    if path.is_file():
+        return path
+    if catalog_path is not None or ledger is not None:
+        raise UsageError(
+            f"no catalog at {path}: give the catalog the manager writes (catalog= option; "
+            "default beside the ledger), or leave --catalog/--ledger out"
+        )
+    return None
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.1f} s"
+
+
+def _ago(seconds: float | None) -> str:
+    return "never" if seconds is None else f"{_age(seconds)} ago"
+
+
+def _last_good(report: HealthReport) -> str:
+    if report.last_good_step is None:
+        return "none"
+    return f"step {report.last_good_step}, {_ago(report.last_good_age_s)}"
+
+
+def _print(report: HealthReport) -> None:
+    rate = report.success_rate
+    fs = report.filesystem
+    lines = [
+        ("store", report.store),
+        ("catalog", report.catalog or "none (only the store's listing was read)"),
+        ("generations", str(report.generations)),
+        ("last good", _last_good(report)),
+        ("last validated", _ago(report.last_validated_age_s)),
+        ("cadence", f"{_age(report.cadence_s)} ({report.cadence_source or 'unknown'})"),
+        (
+            "save total p50/p99",
+            f"{_age(report.save_total_s.p50)} / {_age(report.save_total_s.p99)}",
+        ),
+        (
+            "save stall p50/p99",
+            f"{_age(report.save_stall_s.p50)} / {_age(report.save_stall_s.p99)}",
+        ),
+        (
+            "save success",
+            "-" if rate is None else f"{rate:.1%} of the last {report.recent_saves}",
+        ),
+        ("replication lag", _age(report.replication_lag_s)),
+    ]
+    lines += [(f"storage {tier}", human_bytes(n)) for tier, n in report.storage_bytes.items()]
+    if fs is not None:
+        lines.append(
+            ("filesystem used", f"{fs.used_fraction:.1%} of {human_bytes(fs.total_bytes)}")
+        )
+    for label, value in lines:
+        out.print(f"{label:<20} {safe_markup(value)}")
+    for warning in report.warnings:
+        err.print(f"[yellow]warning[/] {warning.alert}: {safe_markup(warning.message)}")
+    if report.healthy:
+        out.print("[green]healthy[/]")
+
+
+def exposition(report: HealthReport) -> bytes:
+    """The report in the Prometheus text format: the manager's gauge names where the
+    meaning is the same (``ckptvault_last_good_checkpoint_age_seconds``, ...), and
+    ``ckptvault_recent_save_*_seconds{quantile=...}`` for the percentiles."""
+    pc = import_prometheus("ckptvault status --prometheus")
+    registry = pc.CollectorRegistry()
+    run = report.run_id or ""
+
+    def gauge(name: str, doc: str, value: float | None, **labels: str) -> None:
+        if value is None:
+            return
+        names = ["run_id", *labels]
+        metric: Any = _gauges.get(name)
+        if metric is None:
+            metric = _gauges[name] = pc.Gauge(name, doc, names, registry=registry)
+        metric.labels(run, *labels.values()).set(value)
+
+    _gauges: dict[str, Any] = {}
+    gauge(
+        "ckptvault_last_good_checkpoint_age_seconds",
+        "Age of the newest generation.",
+        report.last_good_age_s,
+    )
+    gauge(
+        "ckptvault_last_validated_checkpoint_age_seconds",
+        "Age of the newest validation.",
+        report.last_validated_age_s,
+    )
+    gauge(
+        "ckptvault_checkpoint_interval_seconds",
+        "The cadence status judged the age by.",
+        report.cadence_s,
+    )
+    gauge(
+        "ckptvault_replication_lag_seconds",
+        "How long the replica has been behind.",
+        report.replication_lag_s,
+    )
+    gauge(
+        "ckptvault_generations",
+        "Generations restore would consider.",
+        report.generations,
+        tier="local",
+    )
+    gauge(
+        "ckptvault_recent_save_success_ratio",
+        "Successful share of the recent saves.",
+        report.success_rate,
+    )
+    for name, latency in (("duration", report.save_total_s), ("blocking", report.save_stall_s)):
+        for quantile, value in (("0.5", latency.p50), ("0.99", latency.p99)):
+            gauge(
+                f"ckptvault_recent_save_{name}_seconds",
+                f"Recent saves' {name}, percentiles.",
+                value,
+                quantile=quantile,
+            )
+    replicas = [n for tier, n in report.storage_bytes.items() if tier != report.store]
+    for tier, used in (("local", report.storage_bytes.get(report.store)), ("replica", replicas)):
+        total = sum(used) if isinstance(used, list) else used
+        if used != []:
+            gauge(
+                "ckptvault_storage_used_bytes", "Bytes of generations per tier.", total, tier=tier
+            )
+    if report.filesystem is not None:
+        gauge(
+            "ckptvault_storage_filesystem_used_ratio",
+            "Used fraction of the filesystem.",
+            report.filesystem.used_fraction,
+            tier="local",
+        )
+    gauge("ckptvault_status_warnings", "Alert thresholds crossed.", len(report.warnings))
+    return bytes(pc.generate_latest(registry))
