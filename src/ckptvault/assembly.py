@@ -20,12 +20,18 @@ from ckptvault.coordinator import Coordinator, SingleProcess
 from ckptvault.errors import UsageError
 from ckptvault.events import EventBus
 from ckptvault.io.writer import default_threads
-from ckptvault.lifecycle.catalog_recorder import CatalogOption, subscribe_catalog
+from ckptvault.lifecycle.catalog import validated_generations
+from ckptvault.lifecycle.catalog_recorder import (
+    CatalogOption,
+    resolve_catalog_path,
+    subscribe_catalog,
+)
 from ckptvault.lifecycle.keeper import RetentionKeeper
 from ckptvault.lifecycle.prometheus import ManagerMetrics, subscribe_metrics
 from ckptvault.lifecycle.replication import Replicator
 from ckptvault.lifecycle.retention import Retention
 from ckptvault.lifecycle.tiers import attach_retention
+from ckptvault.lifecycle.validation import Factory, SampledValidation, Validator
 from ckptvault.restoring.restorer import Restorer
 from ckptvault.run_context import RunContext
 from ckptvault.saving.generation_writer import GenerationWriter, WriteSettings
@@ -72,6 +78,8 @@ class ManagerOptions(TypedDict, total=False):
     metrics: bool | None
     metrics_port: int | None
     metrics_addr: str | None
+    validate_every: int | None
+    validate_with: Factory | str | None
 
 
 @dataclass
@@ -87,6 +95,8 @@ class ManagerParts:
     scheduler: SaveScheduler
     restorer: Restorer
     preemption: PreemptionWatch | None = None
+    validator: Validator | None = None
+    sampled_validation: SampledValidation | None = None
     metrics: ManagerMetrics | None = None
 
 
@@ -118,6 +128,9 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
     retention = attach_retention(  # None without a local policy
         run, options.get("retention"), options.get("replica_retention"), replicator
     )
+    catalog_path = resolve_catalog_path(options.get("catalog"), options.get("ledger"))
+    if retention is not None:  # the newest validated generation is never pruned
+        retention.collector.validated = lambda: validated_generations(catalog_path, config.run_id)
     writer = GenerationWriter(
         run,
         build_contract(config.contract, code_revision()),
@@ -128,6 +141,7 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
     scheduler = SaveScheduler(
         writer.write, writer.announce, config.max_in_flight, config.if_busy, writer.announce_failure
     )
+    validator = Validator(run, config.threads)
     restorer = Restorer(
         run,
         config.threads,
@@ -159,8 +173,26 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
         scheduler,
         restorer,
         _preemption(options),
+        validator,
+        _sampled_validation(options, validator, events, coordinator),
         metrics=metrics,
     )
+
+
+def _sampled_validation(
+    options: ManagerOptions, validator: Validator, events: EventBus, coordinator: Coordinator
+) -> SampledValidation | None:
+    """The background validation of one generation in ``validate_every``."""
+    every, factory = options.get("validate_every"), options.get("validate_with")
+    if every is None and factory is None:
+        return None
+    if every is None or factory is None:
+        raise UsageError("validate_every=K and validate_with=factory go together")
+    if not coordinator.is_coordinator:
+        return None  # one rank validates for the job
+    sampled = SampledValidation(validator, every, factory)
+    events.subscribe(sampled)
+    return sampled
 
 
 def _preemption(options: ManagerOptions) -> PreemptionWatch | None:

@@ -22,6 +22,7 @@ from ckptvault.config import validate_step
 from ckptvault.errors import UsageError
 from ckptvault.lifecycle import marks
 from ckptvault.lifecycle.metrics import validate_metrics
+from ckptvault.lifecycle.validation import Factory, ValidationResult
 from ckptvault.restoring.restorer import RestoreInfo
 from ckptvault.restoring.selector import SkippedGeneration
 from ckptvault.saving.handles import SaveHandle, SaveStats
@@ -100,6 +101,9 @@ class CheckpointManager:
             (``pip install 'ckptvault[metrics]'``), ``False``: off.
         metrics_port, metrics_addr: serve them at ``http://ADDR:PORT/metrics`` (default
             address 127.0.0.1; port 0: any free one, ``mgr.metrics.port`` says which).
+        validate_every, validate_with: validate one published generation in K on a
+            background thread: load it into objects ``validate_with()`` builds (a
+            factory, or ``"module:function"``) and run their check (see ``validate``).
     """
 
     def __init__(self, directory: StoreLocation, **options: Unpack[ManagerOptions]) -> None:
@@ -113,6 +117,7 @@ class CheckpointManager:
         self._preemption = parts.preemption
         self.metrics = parts.metrics  # None when off; .registry, .port
         self.metrics_registry = parts.metrics.registry if parts.metrics is not None else None
+        self._validator, self._sampled_validation = parts.validator, parts.sampled_validation
         self._closed = False
 
     @property
@@ -234,6 +239,15 @@ class CheckpointManager:
             self._writer.parent = info.generation_id
         return info
 
+    def validate(self, factory: Factory, step: int | None = None) -> ValidationResult:
+        """Load the newest generation (of ``step``) into objects ``factory()`` builds
+        and run their check (:mod:`ckptvault.lifecycle.validation`); the catalog
+        records the outcome, and retention keeps the newest validated generation.
+        Never touches the live state, the rollback floor or the next save's parent."""
+        self._check_open()
+        assert self._validator is not None
+        return self._validator.validate(None if step is None else validate_step(step), factory)
+
     def generations(self, include_marked: bool = False) -> list[GenerationInfo]:
         """Published generations, newest first (not verified; see ``ckptvault verify``);
         those marked for deletion only with ``include_marked``."""
@@ -262,6 +276,8 @@ class CheckpointManager:
                 self._preemption.close()
             if self.metrics is not None:
                 self.metrics.close()  # stops serving; the registry stays readable
+            if self._sampled_validation is not None:
+                self._sampled_validation.close()
             if self.replicator is not None:
                 self.replicator.close()  # waits for copies in flight
             self.store.release_writer()

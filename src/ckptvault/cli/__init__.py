@@ -25,6 +25,7 @@ from ckptvault.cli.ls import ls
 from ckptvault.cli.plan import plan
 from ckptvault.cli.status import status
 from ckptvault.cli.supervise import supervise
+from ckptvault.cli.validate import validate
 from ckptvault.cli.verify import verify
 from ckptvault.errors import CheckpointError
 
@@ -41,6 +42,7 @@ app.command("ls")(ls)
 app.command("inspect")(inspect)
 app.command("catalog")(catalog)
 app.command("verify")(verify)
+app.command("validate")(validate)
 app.command("export")(export)
 app.command("verify-export")(verify_export)
 app.command("consolidate")(consolidate)
