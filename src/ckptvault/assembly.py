@@ -225,8 +225,9 @@ def _default_coordinator(options: ManagerOptions) -> Coordinator:
     return default_coordinator(timeout) or SingleProcess()
 
 
-def _is_s3(location: StoreLocation | None) -> bool:
-    return location is not None and os.fspath(location).startswith("s3://")
+def _is_s3(location: StoreLocation | Store | None) -> bool:
+    # A store object (open_store takes one: a wrapper, say) is already open.
+    return isinstance(location, (str, os.PathLike)) and os.fspath(location).startswith("s3://")
 
 
 def _s3_options(options: ManagerOptions) -> S3Options | None:

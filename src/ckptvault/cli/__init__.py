@@ -18,6 +18,7 @@ from ckptvault.cli._common import safe_text
 from ckptvault.cli.catalog import catalog
 from ckptvault.cli.consolidate import consolidate
 from ckptvault.cli.doctor import doctor
+from ckptvault.cli.drill import drill
 from ckptvault.cli.export import export, verify_export
 from ckptvault.cli.gc import gc
 from ckptvault.cli.inspect import inspect
@@ -48,6 +49,7 @@ app.command("verify-export")(verify_export)
 app.command("consolidate")(consolidate)
 app.command("gc")(gc)
 app.command("doctor")(doctor)
+app.command("drill")(drill)
 app.command("plan")(plan)
 app.command("status")(status)
 app.command("supervise")(supervise)
