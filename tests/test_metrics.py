@@ -217,3 +217,20 @@ def test_replication_lag_and_the_replica_tier(store: Path, tmp_path: Path):
     assert value(caught_up, "ckptvault_replications_total", run_id="r") == 2
     local = value(caught_up, "ckptvault_storage_used_bytes", run_id="r", tier="local")
     assert value(caught_up, "ckptvault_storage_used_bytes", run_id="r", tier="replica") == local
+
+
+def test_validations_are_counted_and_age(store: Path):
+    def build():
+        model = torch.nn.Linear(4, 2)
+        return {"model": model}, lambda state: bool(
+            torch.isfinite(state["model"](torch.ones(1, 4))).all()
+        )
+
+    with cv.CheckpointManager(store, run_id="r", catalog=False) as mgr:
+        assert "ckptvault_last_validated_checkpoint_age_seconds" not in scrape(mgr)
+        mgr.save(1, {"model": torch.nn.Linear(4, 2)})
+        assert mgr.validate(build).ok
+        samples = scrape(mgr)
+    assert value(samples, "ckptvault_validations_total", run_id="r") == 1
+    assert value(samples, "ckptvault_validation_failures_total", run_id="r") == 0
+    assert 0 <= value(samples, "ckptvault_last_validated_checkpoint_age_seconds", run_id="r") < 60

@@ -8,7 +8,8 @@
 - ``replication``: copies to a second tier; ``tiers``: one retention policy for
   every tier, or one per tier;
 - ``catalog``: the SQLite record of generations, save and restore timings by stage and
-  failures (``catalog_schema``, ``catalog_db``; ``catalog_recorder`` is its subscriber).
-
-Cadence and metrics export come with later issues.
+  failures (``catalog_schema``, ``catalog_db``; ``catalog_recorder`` is its subscriber);
+- ``prometheus``: the manager's Prometheus metrics (an event subscriber);
+  ``health``: what ``ckptvault status`` reports and warns about; ``usage``: storage
+  use and replication lag read from a store's listing (shared by both).
 """

@@ -33,7 +33,16 @@ from types import ModuleType
 from typing import Any
 
 from ckptvault.errors import CheckpointError, UsageError
-from ckptvault.events import Deleted, Event, Published, Refused, Replicated, Restored, SaveFailed
+from ckptvault.events import (
+    Deleted,
+    Event,
+    Published,
+    Refused,
+    Replicated,
+    Restored,
+    SaveFailed,
+    Validated,
+)
 from ckptvault.lifecycle.catalog import Catalog, store_key
 from ckptvault.lifecycle.health import median_interval
 from ckptvault.lifecycle.usage import StoreUsage, created_epoch, store_usage
@@ -82,6 +91,7 @@ class ManagerMetrics:
         self._lag, self._catalog_path = replication_lag, catalog_path
         self._lock = threading.Lock()
         self._started = time.time()
+        self._validated: float | None = None  # this process's newest successful validation
         self._publishes: deque[float] = deque(maxlen=CADENCE_SAMPLES)
         self._usage: dict[str, tuple[float, StoreUsage]] = {}
         self._server: Any = None
@@ -121,6 +131,10 @@ class ManagerMetrics:
             "ckptvault_replications", "Generations copied, verified, to the replica tier."
         )
         self._deletions = counter("ckptvault_deletions", "Generations deleted by retention.")
+        self._validations = counter("ckptvault_validations", "Generations loaded and checked.")
+        self._validation_failures = counter(
+            "ckptvault_validation_failures", "Validations that failed (load or check)."
+        )
 
     def _seed_from_store(self) -> None:
         """A restarted job's last good checkpoint is the newest one already there."""
@@ -151,6 +165,10 @@ class ManagerMetrics:
             self._replications.inc()
             with self._lock:
                 self._usage.pop("replica", None)
+        elif isinstance(event, Validated):
+            (self._validations if event.ok else self._validation_failures).inc()
+            with self._lock:
+                self._validated = time.time() if event.ok else self._validated
         elif isinstance(event, Deleted):
             self._deletions.inc()
             with self._lock:
@@ -196,16 +214,20 @@ class ManagerMetrics:
         return listed
 
     def last_validated_age(self, now: float) -> float | None:
-        """Seconds since the newest validation the catalog recorded for this store."""
+        """Seconds since the newest successful validation: this process's, or one the
+        catalog recorded for this store (``ckptvault validate``, an earlier process)."""
+        with self._lock:
+            seen = self._validated
         if self._catalog_path is None or not self._catalog_path.is_file():
-            return None
+            return None if seen is None else max(0.0, now - seen)
         try:
             with Catalog(self._catalog_path) as book:
                 records = book.generations(store_key(self.store.location), self.run_id)
         except (OSError, CheckpointError) as exc:
             logger.debug("metrics: could not read the catalog %s: %s", self._catalog_path, exc)
-            return None
+            records = []
         validated = [r.validated_at for r in records if r.validated_at is not None]
+        validated += [] if seen is None else [seen]
         return max(0.0, now - max(validated)) if validated else None
 
     # -- serving ---------------------------------------------------------------------
