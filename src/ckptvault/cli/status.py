@@ -148,76 +148,54 @@ def _print(report: HealthReport) -> None:
         out.print("[green]healthy[/]")
 
 
+# One row per sample: name, help, value (None: left out), extra labels.
+_Row = tuple[str, str, float | None, dict[str, str]]
+
+
+def _rows(report: HealthReport) -> list[_Row]:
+    fs, tiers = report.filesystem, report.storage_bytes
+    replicas = [n for tier, n in tiers.items() if tier != report.store]
+    rows: list[_Row] = [
+        ("ckptvault_last_good_checkpoint_age_seconds", "Age of the newest generation.",
+         report.last_good_age_s, {}),
+        ("ckptvault_last_validated_checkpoint_age_seconds", "Age of the newest validation.",
+         report.last_validated_age_s, {}),
+        ("ckptvault_checkpoint_interval_seconds", "The cadence status judged the age by.",
+         report.cadence_s, {}),
+        ("ckptvault_replication_lag_seconds", "How long the replica has been behind.",
+         report.replication_lag_s, {}),
+        ("ckptvault_generations", "Generations restore would consider.",
+         report.generations, {"tier": "local"}),
+        ("ckptvault_recent_save_success_ratio", "Successful share of the recent saves.",
+         report.success_rate, {}),
+        ("ckptvault_storage_used_bytes", "Bytes of generations per tier.",
+         tiers.get(report.store), {"tier": "local"}),
+        ("ckptvault_storage_used_bytes", "Bytes of generations per tier.",
+         sum(replicas) if replicas else None, {"tier": "replica"}),
+        ("ckptvault_storage_filesystem_used_ratio", "Used fraction of the filesystem.",
+         None if fs is None else fs.used_fraction, {"tier": "local"}),
+        ("ckptvault_status_warnings", "Alert thresholds crossed.", len(report.warnings), {}),
+    ]  # fmt: skip
+    for kind, latency in (("duration", report.save_total_s), ("blocking", report.save_stall_s)):
+        for quantile, value in (("0.5", latency.p50), ("0.99", latency.p99)):
+            name = f"ckptvault_recent_save_{kind}_seconds"
+            rows.append(
+                (name, f"Recent saves' {kind}, percentiles.", value, {"quantile": quantile})
+            )
+    return rows
+
+
 def exposition(report: HealthReport) -> bytes:
     """The report in the Prometheus text format: the manager's gauge names where the
     meaning is the same (``ckptvault_last_good_checkpoint_age_seconds``, ...), and
     ``ckptvault_recent_save_*_seconds{quantile=...}`` for the percentiles."""
     pc = import_prometheus("ckptvault status --prometheus")
     registry = pc.CollectorRegistry()
-    run = report.run_id or ""
-
-    def gauge(name: str, doc: str, value: float | None, **labels: str) -> None:
+    gauges: dict[str, Any] = {}
+    for name, doc, value, labels in _rows(report):
         if value is None:
-            return
-        names = ["run_id", *labels]
-        metric: Any = _gauges.get(name)
-        if metric is None:
-            metric = _gauges[name] = pc.Gauge(name, doc, names, registry=registry)
-        metric.labels(run, *labels.values()).set(value)
-
-    _gauges: dict[str, Any] = {}
-    gauge(
-        "ckptvault_last_good_checkpoint_age_seconds",
-        "Age of the newest generation.",
-        report.last_good_age_s,
-    )
-    gauge(
-        "ckptvault_last_validated_checkpoint_age_seconds",
-        "Age of the newest validation.",
-        report.last_validated_age_s,
-    )
-    gauge(
-        "ckptvault_checkpoint_interval_seconds",
-        "The cadence status judged the age by.",
-        report.cadence_s,
-    )
-    gauge(
-        "ckptvault_replication_lag_seconds",
-        "How long the replica has been behind.",
-        report.replication_lag_s,
-    )
-    gauge(
-        "ckptvault_generations",
-        "Generations restore would consider.",
-        report.generations,
-        tier="local",
-    )
-    gauge(
-        "ckptvault_recent_save_success_ratio",
-        "Successful share of the recent saves.",
-        report.success_rate,
-    )
-    for name, latency in (("duration", report.save_total_s), ("blocking", report.save_stall_s)):
-        for quantile, value in (("0.5", latency.p50), ("0.99", latency.p99)):
-            gauge(
-                f"ckptvault_recent_save_{name}_seconds",
-                f"Recent saves' {name}, percentiles.",
-                value,
-                quantile=quantile,
-            )
-    replicas = [n for tier, n in report.storage_bytes.items() if tier != report.store]
-    for tier, used in (("local", report.storage_bytes.get(report.store)), ("replica", replicas)):
-        total = sum(used) if isinstance(used, list) else used
-        if used != []:
-            gauge(
-                "ckptvault_storage_used_bytes", "Bytes of generations per tier.", total, tier=tier
-            )
-    if report.filesystem is not None:
-        gauge(
-            "ckptvault_storage_filesystem_used_ratio",
-            "Used fraction of the filesystem.",
-            report.filesystem.used_fraction,
-            tier="local",
-        )
-    gauge("ckptvault_status_warnings", "Alert thresholds crossed.", len(report.warnings))
+            continue
+        if name not in gauges:
+            gauges[name] = pc.Gauge(name, doc, ["run_id", *labels], registry=registry)
+        gauges[name].labels(report.run_id or "", *labels.values()).set(value)
     return bytes(pc.generate_latest(registry))
