@@ -2,7 +2,7 @@
 restart measured from the failure to the first step of the resumed run.
 
 - sigkill-mid-save: a child process saves generations in a loop into the copy; it
-  is killed with SIGKILL a quarter of the way through a save (timed from the
+  is killed with SIGKILL early (a tenth of the way) through a save (timed from the
   duration of the one before). Restore must then take the newest *complete* generation without
   skipping anything: a save cut short never became visible (atomic publish).
 - supervised-restart: ``ckptvault supervise --max-restarts 1 --backoff 0`` runs a
@@ -28,7 +28,7 @@ from ckptvault.ops.drills.context import DrillContext
 Outcome = tuple[bool, str, dict[str, float]]
 WORKER = [sys.executable, "-m", "ckptvault.ops.drills.worker"]
 CHILD_TIMEOUT_S = 120.0
-KILL_AT = 0.25  # fraction of a save's duration: while its tensor files are written
+KILL_AT = 0.1  # fraction of a save's duration: early, while its tensor files are written
 
 
 def _worker_options(context: DrillContext, ledger: Path) -> list[str]:
@@ -44,7 +44,7 @@ def _worker_options(context: DrillContext, ledger: Path) -> list[str]:
 
 def _kill_mid_save(child: subprocess.Popen[str], stdout: IO[str]) -> tuple[list[int], int]:
     """Read the save loop's lines; once two saves were published, SIGKILL it a
-    quarter of the way through the next one (timed from the last save's duration).
+    tenth of the way through the next one (timed from the last save's duration).
     Returns every step reported published (read to the end) and the step being
     saved when killed."""
     published: list[int] = []
