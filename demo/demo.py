@@ -5,6 +5,8 @@
 3. Restart it: it resumes from the newest generation that verifies.
 4. Damage the newest generation; a restore falls back to the previous one and says why.
 5. Show that the interrupted-and-resumed run ends bit-identical to the reference.
+6. Run it under ``ckptvault supervise``, preempt and kill it: it still ends
+   bit-identical, and the catalog shows every attempt.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+from supervised import supervised_run
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE.parent / "demo-out"
@@ -149,7 +153,34 @@ def main() -> None:
     )
 
     console.print(
-        "6. what checkpointing costs the training loop: 600 steps, an async save every 50"
+        "6. under `ckptvault supervise`: preempted (SIGTERM), killed (SIGKILL), preempted again"
+    )
+    supervised = supervised_run(OUT, STEPS, SAVE_EVERY)
+    for name, step in supervised["sent"]:
+        console.print(f"   sent {name} at step {step}")
+    for attempt in supervised["attempts"]:
+        ended = (
+            f"exit {attempt['exit_code']}"
+            if attempt["exit_code"] is not None
+            else attempt["signal"]
+        )
+        console.print(f"   catalog: attempt {attempt['attempt']}: {ended} -> {attempt['decision']}")
+    supervised_identical = (
+        supervised["returncode"] == 0
+        and supervised["done"] is not None
+        and supervised["done"]["weights"] == reference_done["weights"]
+    )
+    console.print(
+        f"   supervisor exit {supervised['returncode']}; final weights against the reference: "
+        + (
+            "[bold green]bit-identical[/bold green]"
+            if supervised_identical
+            else "[bold red]DIFFER[/bold red]"
+        )
+    )
+
+    console.print(
+        "7. what checkpointing costs the training loop: 600 steps, an async save every 50"
     )
     common = ("--steps", "600", "--batch", "128")
     baselines, runs = [], []
@@ -213,6 +244,8 @@ def main() -> None:
     console.print(f"stores kept in {OUT} ({time.perf_counter() - started:.0f} s in all)")
     if (
         not identical
+        or not supervised_identical
+        or len(supervised["attempts"]) != len(supervised["sent"]) + 1
         or fallback["step"] is None
         or not fallback["skipped"]
         or verify.returncode == 0

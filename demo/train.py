@@ -1,6 +1,7 @@
 """The demo's training job: a small model trained with periodic checkpoints.
 
     python demo/train.py STORE --steps N --save-every K [--async-save] [--batch B] [--restore-only]
+                         [--preemptible]
 
 On start it restores the newest valid generation of STORE (if any) and continues
 from there. It prints one JSON event per line: ``restored``, ``step``, ``saved``,
@@ -14,6 +15,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import time
 
 # Bit-reproducible CPU kernels (see pin_threads): MKL's conditional numerical
@@ -25,6 +27,7 @@ import torch
 from blake3 import blake3
 
 import ckptvault as cv
+from ckptvault.ops.done import DONE_FILE_ENV, manifest_digest, write_done_record
 
 CONFIG = {"width": 512, "depth": 3, "dropout": 0.1, "lr": 3e-4, "batch": 64, "seed": 1234}
 
@@ -65,6 +68,22 @@ def weights_digest(model: torch.nn.Module) -> str:
     return hasher.hexdigest()
 
 
+def write_done(mgr: cv.CheckpointManager, state: dict) -> None:
+    """Under ``ckptvault supervise --done-file``: state what the job produced (its
+    final generation and the samples it consumed), for the supervisor to check."""
+    if not os.environ.get(DONE_FILE_ENV) or not mgr.generations():
+        return
+    final = mgr.generations()[0]
+    write_done_record(
+        run_id="demo",
+        step=final.step,
+        generation_id=final.generation_id,
+        manifest_digest=manifest_digest(mgr.store, final.generation_id),
+        config_digest=blake3(json.dumps(CONFIG, sort_keys=True).encode()).hexdigest(),
+        tokens=state["meta"]["samples_seen"],
+    )
+
+
 def pin_threads() -> None:
     """Make the CPU kernels bit-reproducible from one process to the next.
 
@@ -88,6 +107,8 @@ def main() -> None:
     parser.add_argument("--restore-only", action="store_true")
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--batch", type=int, default=CONFIG["batch"])
+    # SIGTERM (a scheduler's preemption) ends the job with a final save and exit 75.
+    parser.add_argument("--preemptible", action="store_true")
     args = parser.parse_args()
     CONFIG["batch"] = args.batch
 
@@ -99,10 +120,12 @@ def main() -> None:
         run_id="demo",
         contract={"config": CONFIG, "dataset": "synthetic-v1"},
         async_save=args.async_save,
+        save_on_signal=(signal.SIGTERM,) if args.preemptible else None,
     ) as mgr:
         info = mgr.restore(state)
         emit(
             "restored",
+            pid=os.getpid(),
             step=info.step if info else None,
             seconds=info.seconds if info else 0.0,
             skipped=[list(s) for s in info.skipped] if info else [],
@@ -123,9 +146,13 @@ def main() -> None:
             state["meta"]["next_step"] = step + 1
             state["meta"]["samples_seen"] += CONFIG["batch"]
             emit("step", step=step, loss=loss.item())
-            if args.save_every and (step + 1) % args.save_every == 0:
+            if (args.save_every and (step + 1) % args.save_every == 0) or mgr.preempted:
                 started = time.perf_counter()
-                handle = mgr.save(step, state)
+                try:
+                    handle = mgr.save(step, state)
+                except cv.Preempted as preempted:  # the final save is published: exit 75
+                    emit("preempted", step=preempted.step)
+                    raise
                 stalls.append(time.perf_counter() - started)
                 if not args.async_save:
                     saved = handle.result()
@@ -133,6 +160,7 @@ def main() -> None:
         waited = time.perf_counter()
         mgr.wait()  # the last background save is part of the loop's cost
         stalls.append(time.perf_counter() - waited)
+        write_done(mgr, state)
         emit(
             "done",
             step=state["meta"]["next_step"] - 1,

@@ -3,7 +3,8 @@
 Reads the catalog the manager writes (:mod:`ckptvault.lifecycle.catalog`): by
 default the one beside the default ledger; ``--ledger PATH`` the one beside that
 ledger; ``--catalog PATH`` that file. ``--json`` prints one object with the lists
-``saves``, ``restores``, ``failures`` and ``generations``.
+``saves``, ``restores``, ``failures``, ``generations`` and ``attempts`` (starts of
+jobs under ``ckptvault supervise``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ckptvault.lifecycle.catalog import (
     default_catalog_path,
     store_key,
 )
+from ckptvault.lifecycle.catalog_attempts import AttemptRecord, recent_attempts
 from ckptvault.trust.ledger import default_ledger_path
 
 SAVE_STAGES = ("stage", "write", "fsync", "publish")
@@ -60,6 +62,7 @@ def catalog(
         restores = book.recent_restores(key, run_id, limit)
         failures = book.failures(key, run_id, limit)
         generations = book.generations(key, run_id)[:limit]
+        attempts = recent_attempts(book, limit=limit)
     if as_json:
         print_json(
             {
@@ -68,6 +71,7 @@ def catalog(
                 "restores": [r.to_json() for r in restores],
                 "failures": [r.to_json() for r in failures],
                 "generations": [r.to_json() for r in generations],
+                "attempts": [r.to_json() for r in attempts],
             }
         )
         return
@@ -75,6 +79,7 @@ def catalog(
     _print_saves(saves)
     _print_restores(restores)
     _print_failures(failures)
+    _print_attempts(attempts)
 
 
 def _when(epoch: float) -> str:
@@ -133,5 +138,23 @@ def _print_failures(failures: list[FailureRecord]) -> None:
     for r in failures:
         step = "" if r.step is None else str(r.step)
         row = [_when(r.finished_at), r.kind, r.run_id, step, f"{r.error}: {r.reason}"]
+        table.add_row(*(safe_markup(cell) for cell in row))
+    out.print(table)
+
+
+def _print_attempts(attempts: list[AttemptRecord]) -> None:
+    """Starts of jobs under ``ckptvault supervise``, oldest first."""
+    if not attempts:
+        return
+    table = _table("supervised attempts", ["UTC", "run", "#", "ended", "decision"], {"#"})
+    for a in attempts:
+        ended = f"exit {a.exit_code}" if a.exit_code is not None else (a.signal or "not started")
+        row = [
+            _when(a.started_at),
+            a.supervise_id,
+            str(a.attempt),
+            ended,
+            f"{a.decision}: {a.reason}",
+        ]
         table.add_row(*(safe_markup(cell) for cell in row))
     out.print(table)

@@ -19,10 +19,14 @@ import typer
 
 from ckptvault.cli._common import S3EndpointUrl
 from ckptvault.errors import UsageError
+from ckptvault.lifecycle.catalog import default_catalog_path
+from ckptvault.lifecycle.catalog_attempts import attempt_recorder
 from ckptvault.ops.done import DoneExpectation, file_digest
-from ckptvault.ops.supervise import Policy, Supervisor, free_space_preflight
+from ckptvault.ops.preflight import free_space_preflight
+from ckptvault.ops.supervise import Policy, Supervisor
 from ckptvault.storage import S3Options, open_store
 from ckptvault.storage.base import Store
+from ckptvault.trust.ledger import default_ledger_path
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -111,6 +115,11 @@ ConfigFile = Annotated[
 ExpectTokens = Annotated[
     int | None, typer.Option(help="The DONE record's token count must be this.")
 ]
+CatalogFile = Annotated[
+    Path | None,
+    typer.Option(help="Record every attempt in this catalog (default: the per-user one)."),
+]
+NoCatalog = Annotated[bool, typer.Option("--no-catalog", help="Record attempts nowhere.")]
 
 
 def supervise(
@@ -126,6 +135,8 @@ def supervise(
     done_file: DoneFile = None,
     config: ConfigFile = None,
     expect_tokens: ExpectTokens = None,
+    catalog: CatalogFile = None,
+    no_catalog: NoCatalog = False,
     s3_endpoint_url: S3EndpointUrl = None,
 ) -> int:
     """Run CMD; restart it after a failure (bounded, with backoff); check its DONE record.
@@ -149,6 +160,9 @@ def supervise(
     if min_free_bytes is not None and store is None:
         raise UsageError("--min-free-bytes needs --store: the store whose free space to check")
     supervisor = Supervisor(list(command or []), policy, stop_file=stop_file, log_path=log)
+    if not no_catalog:  # the catalog shows every attempt beside the job's own saves
+        path = catalog or default_catalog_path(default_ledger_path())
+        supervisor.record = attempt_recorder(path, supervisor.emit)
     if store is not None and min_free_bytes is not None:
         local = local_store_path(store)
         if local is None:

@@ -70,6 +70,20 @@ TABLES = (
     )""",
     "CREATE INDEX IF NOT EXISTS restores_by_time ON restores (finished_at)",
     # Added after version 1 shipped: CREATE IF NOT EXISTS brings older files along.
+    """CREATE TABLE IF NOT EXISTS attempts (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        supervise_id TEXT NOT NULL,
+        attempt INTEGER NOT NULL,
+        command TEXT NOT NULL,
+        pid INTEGER,
+        started_at REAL NOT NULL,
+        ended_at REAL NOT NULL,
+        exit_code INTEGER,
+        signal TEXT,
+        decision TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        reason TEXT NOT NULL
+    )""",
     """CREATE TABLE IF NOT EXISTS validations (
         id INTEGER PRIMARY KEY AUTOINCREMENT,
         run_id TEXT NOT NULL,

@@ -232,6 +232,8 @@ class Supervisor:
         default=lambda line: print(f"ckptvault supervise: {line}", file=sys.stderr, flush=True)
     )
     supervise_id: str = field(default_factory=lambda: secrets.token_hex(8))
+    # Also told every attempt and the exit (e.g. the catalog: ``catalog_attempts``).
+    record: Callable[[dict[str, Any]], None] | None = None
 
     def run(self) -> int:
         """Supervise until success, a stop, give-up or cancellation; the exit status."""
@@ -362,39 +364,12 @@ class Supervisor:
         return code
 
     def _log(self, record: dict[str, Any]) -> None:
+        record = {"supervise_id": self.supervise_id, **record}
+        if self.record is not None:
+            self.record({**record, "command": shlex.join(self.command)})
         if self.log_path is None:
             return
-        record = {"supervise_id": self.supervise_id, **record}
         # One line per write in append mode: a reader never sees half a record, and
         # runs that share a log file interleave whole lines.
         with open(self.log_path, "a", encoding="utf-8") as log:
             log.write(json.dumps(record, sort_keys=True) + "\n")
-
-
-def free_bytes(path: Path) -> int:
-    """Bytes an unprivileged writer may still use on the filesystem holding ``path``
-    (the nearest existing ancestor when the store does not exist yet)."""
-    probe = path.absolute()
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    stats = os.statvfs(probe)
-    return stats.f_bavail * stats.f_frsize
-
-
-def free_space_preflight(path: Path, min_free_bytes: int) -> Callable[[], str | None]:
-    """A preflight that refuses a start while ``path``'s filesystem has less than
-    ``min_free_bytes`` free."""
-
-    def check() -> str | None:
-        try:
-            available = free_bytes(path)
-        except OSError as exc:
-            return f"cannot check free space at {path}: {exc}"
-        if available < min_free_bytes:
-            return (
-                f"only {available} bytes free at {path}, --min-free-bytes asks for "
-                f"{min_free_bytes}: free space (retention, gc) or lower the minimum"
-            )
-        return None
-
-    return check
