@@ -31,6 +31,7 @@ from ckptvault.lifecycle.cadence import (
     require_non_negative,
     require_positive,
 )
+from ckptvault.lifecycle.measured import measure_checkpoint
 from ckptvault.lifecycle.sizing import (
     RECIPES,
     bytes_per_param,
@@ -39,7 +40,6 @@ from ckptvault.lifecycle.sizing import (
     parse_keep,
 )
 from ckptvault.storage.base import Store
-from ckptvault.storage.listing import list_generation_infos
 
 _MTBF_HINT = "give --mtbf-hours, or --nodes with --node-mtbf-years"
 _SIZE_HINT = "give --params with --recipe or --bytes-per-param, or --from STORE"
@@ -196,13 +196,8 @@ def _size(
                 "and --bytes-per-param (or leave out --from to size it from parameters)"
             )
         store = open_store(from_store, s3_endpoint_url)
-        infos = list_generation_infos(store)
-        if not infos:
-            raise UsageError(
-                f"store {store.location} holds no published generation to size; "
-                "size the checkpoint with --params and --recipe instead"
-            )
-        newest = infos[0]
+        # Not the listing's newest: a planted empty directory would size it at 0 bytes.
+        newest = measure_checkpoint(store)
         return _Size(newest.bytes, f"store, step {newest.step}", store=store)
     if params is None:
         if per_param is not None:

@@ -11,5 +11,8 @@
   failures (``catalog_schema``, ``catalog_db``; ``catalog_recorder`` is its subscriber);
 - ``prometheus``: the manager's Prometheus metrics (an event subscriber);
   ``health``: what ``ckptvault status`` reports and warns about; ``usage``: storage
-  use and replication lag read from a store's listing (shared by both).
+  use and replication lag read from a store's listing (shared by both);
+- ``cadence`` and ``sizing``: the checkpoint interval and storage planner (``ckptvault
+  plan``); ``measured``: a checkpoint's size, from a generation whose manifest and
+  files agree (``plan --from``).
 """

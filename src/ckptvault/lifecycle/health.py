@@ -25,6 +25,7 @@ checks them).
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import statistics
 import time
@@ -37,11 +38,15 @@ from ckptvault.lifecycle.catalog import Catalog, GenerationRecord, SaveRecord, s
 from ckptvault.lifecycle.usage import (
     FilesystemUse,
     created_epoch,
+    is_future_dated,
     replicated_ids,
     replication_lag,
     store_usage,
 )
 from ckptvault.storage.base import Store
+from ckptvault.storage.listing import GenerationInfo
+
+logger = logging.getLogger("ckptvault")
 
 AGE_OVER_CADENCE = 2.0
 STORAGE_USED_FRACTION = 0.85
@@ -186,15 +191,8 @@ def check_health(
             recorded = book.generations(key)
     report = HealthReport(store.location, str(catalog_path) if catalog_path else None, at)
     live = usage.live
-    by_id = {g.generation_id: g for g in recorded}
-    published = {
-        info.generation_id: (
-            by_id[info.generation_id].published_at
-            if info.generation_id in by_id
-            else created_epoch(info.generation_id)
-        )
-        for info in live
-    }
+    published = _published_times(live, recorded, at)
+    live = [info for info in live if info.generation_id in published]
     report.generations = len(live)
     if live:
         newest = max(live, key=lambda info: published[info.generation_id])
@@ -210,6 +208,29 @@ def check_health(
     report.replication_lag_s = replication_lag(published.items(), copied, at)
     report.warnings = thresholds(report)
     return report
+
+
+def _published_times(
+    live: Sequence[GenerationInfo], recorded: list[GenerationRecord], now: float
+) -> dict[str, float]:
+    """When each listed generation was published: the catalog's time, else the one in
+    its id. A generation dated in the future was not written by a save (it would
+    pass for a checkpoint made just now, for ever): it is left out, with a warning."""
+    by_id = {g.generation_id: g for g in recorded}
+    published = {}
+    for info in live:
+        record = by_id.get(info.generation_id)
+        at = record.published_at if record is not None else created_epoch(info.generation_id)
+        if is_future_dated(at, now):
+            logger.warning(
+                "%s is dated %s, in the future: not counted as a checkpoint (planted, or "
+                "written by a host whose clock is wrong; check it with ckptvault verify)",
+                info.path,
+                info.created_at,
+            )
+            continue
+        published[info.generation_id] = at
+    return published
 
 
 def _save_facts(

@@ -45,7 +45,7 @@ from ckptvault.events import (
 )
 from ckptvault.lifecycle.catalog import Catalog, store_key
 from ckptvault.lifecycle.health import median_interval
-from ckptvault.lifecycle.usage import StoreUsage, created_epoch, store_usage
+from ckptvault.lifecycle.usage import StoreUsage, created_epoch, is_future_dated, store_usage
 from ckptvault.storage.base import Store
 
 logger = logging.getLogger("ckptvault")
@@ -142,7 +142,12 @@ class ManagerMetrics:
             refs = self.store.list_generations()
         except (OSError, CheckpointError):
             return
-        times = sorted(created_epoch(ref.generation_id) for ref in refs)
+        now = time.time()  # a generation dated in the future was not written by a save
+        times = sorted(
+            t
+            for t in map(created_epoch, (r.generation_id for r in refs))
+            if not is_future_dated(t, now)
+        )
         self._publishes.extend(times[-CADENCE_SAMPLES:])
 
     def __call__(self, event: Event) -> None:

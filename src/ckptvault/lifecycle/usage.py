@@ -94,6 +94,21 @@ def created_epoch(generation_id: str) -> float:
     return generation_id_time(generation_id).timestamp()
 
 
+# How far a generation id's time may run ahead of this clock (the writer's clock may
+# be a little ahead): further, and the id was made up, not written by a save.
+CLOCK_SKEW_S = 300.0
+
+
+def is_future_dated(published_at: float, now: float) -> bool:
+    """Whether ``published_at`` lies further in the future than clocks disagree by.
+
+    Anyone who can write the store can name a directory with a generation id from
+    the year 2099; taken as the newest publish it would keep the last good
+    checkpoint's age at zero, and ``status`` and the metrics healthy, for ever.
+    """
+    return published_at > now + CLOCK_SKEW_S
+
+
 def replicated_ids(store: Store) -> set[str]:
     """Ids of the generations the store's replica records say were copied to another
     tier, verified (:class:`~ckptvault.lifecycle.replication.Replicator` writes one

@@ -203,17 +203,28 @@ def check_private_file(
         return [Finding(check, status, detail)]
     findings = [Finding(check, OK, f"{path} is outside the store")]
     findings.append(_private(what, path, os.stat(path), secret))
-    parent = os.stat(path.parent)
-    if stat.S_IMODE(parent.st_mode) & (stat.S_IWGRP | stat.S_IWOTH):
-        findings.append(
-            Finding(
-                f"{what} directory",
-                FAIL,
-                f"{path.parent} is writable by others ({oct(stat.S_IMODE(parent.st_mode))}): "
-                f"they can replace the {what}",
-                f"chmod 700 {path.parent}",
+    findings += _directories(what, path)
+    return findings
+
+
+def _directories(what: str, path: Path) -> list[Finding]:
+    """The directory holding ``path`` and, when ``path`` is a symlink, the one holding
+    what it points at: whoever can write either can replace the file."""
+    real = Path(os.path.realpath(path))
+    findings = []
+    for directory in dict.fromkeys((path.absolute().parent, real.parent)):
+        mode = stat.S_IMODE(os.stat(directory).st_mode)
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            linked = "" if directory == path.absolute().parent else f" ({path} links there)"
+            findings.append(
+                Finding(
+                    f"{what} directory",
+                    FAIL,
+                    f"{directory}{linked} is writable by others ({oct(mode)}): they can "
+                    f"replace the {what}",
+                    f"chmod 700 {directory}, or keep the {what} in a private directory",
+                )
             )
-        )
     return findings
 
 

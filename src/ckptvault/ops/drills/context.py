@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptvault.errors import CheckpointError, FormatError, UsageError
+from ckptvault.errors import CheckpointError, FormatError, StorageFullError, UsageError
 from ckptvault.format.layout import MANIFEST_NAME
 from ckptvault.format.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from ckptvault.storage import S3Options, open_store
@@ -28,6 +28,8 @@ from ckptvault.storage.base import GenerationRef, Store
 
 Progress = Callable[[str], None]  # told what is being prepared, for a progress display
 COPY_BLOCK = 4 << 20
+SCRATCH_COPIES = 8  # the base copy, and one for each drill that damages a copy of it
+SCRATCH_HEADROOM = 64 << 20
 
 
 @dataclass
@@ -131,11 +133,13 @@ def context_from_store(
     manifest = _newest_manifest(source, refs)
     base = scratch / "base"
     base.mkdir(parents=True)
+    listed = [(ref, plain_entries(source, ref)) for ref in refs]
+    check_scratch_room(scratch, listed)
     copied = 0
-    for ref in refs:
+    for ref, entries in listed:
         if progress is not None:
             progress(f"copying step {ref.step}")
-        copied = max(copied, copy_generation(source, ref, base))
+        copied = max(copied, copy_generation(source, ref, base, entries))
     copy_keys = None
     if manifest.encryption is not None:
         copy_keys = _copy_keystore(keystore, source.location, scratch / "keys")
@@ -150,20 +154,59 @@ def context_from_store(
     )
 
 
-def copy_generation(source: Store, ref: GenerationRef, target_root: Path) -> int:
-    """Copy one generation's plain files into ``target_root`` (a local store);
-    entries the store reports unsafe (links, special files) are left out. Returns
-    the bytes copied."""
+def plain_entries(source: Store, ref: GenerationRef) -> dict[str, int]:
+    """The plain files of a generation and their listed sizes; entries the store
+    reports unsafe (links, special files) are left out."""
+    return {
+        name: entry.size
+        for name, entry in sorted(source.list_entries(ref).items())
+        if entry.unsafe is None
+    }
+
+
+def check_scratch_room(scratch: Path, listed: list[tuple[GenerationRef, dict[str, int]]]) -> None:
+    """Refuse, before copying anything, when the scratch directory cannot hold the base
+    copy and one copy per drill (:data:`SCRATCH_COPIES`).
+
+    The store's writer chooses its files: a sparse file listed at a terabyte, or a
+    million empty ones, must not fill the disk the drill runs on.
+    """
+    nbytes = sum(size for _ref, entries in listed for size in entries.values())
+    nfiles = sum(len(entries) + 1 for _ref, entries in listed)
+    info = os.statvfs(scratch)
+    free, inodes = info.f_bavail * info.f_frsize, info.f_favail
+    need = SCRATCH_COPIES * nbytes + SCRATCH_HEADROOM
+    if need > free or (info.f_files and SCRATCH_COPIES * nfiles > inodes):
+        biggest = max(listed, key=lambda pair: sum(pair[1].values()))
+        raise StorageFullError(
+            f"drilling {len(listed)} generation(s) needs {need} bytes and "
+            f"{SCRATCH_COPIES * nfiles} files in {scratch} ({SCRATCH_COPIES} copies of "
+            f"{nbytes} bytes in {nfiles} files), but it has {free} bytes and {inodes} files "
+            f"free; the largest, {biggest[0].location}, lists {sum(biggest[1].values())} bytes "
+            f"in {len(biggest[1])} files. Drill fewer generations (--generations), point TMPDIR "
+            "at a larger filesystem, or check the store for planted files (ckptvault verify)"
+        )
+
+
+def copy_generation(
+    source: Store, ref: GenerationRef, target_root: Path, entries: dict[str, int] | None = None
+) -> int:
+    """Copy one generation's plain files (``entries``: name -> listed size; default: the
+    store's listing) into ``target_root`` (a local store); each file is copied up to
+    its listed size, so a file that grows after the listing cannot fill the disk.
+    Returns the bytes copied."""
+    if entries is None:
+        entries = plain_entries(source, ref)
     target = target_root / ref.name.dirname
     target.mkdir()
     copied = 0
-    for name, entry in sorted(source.list_entries(ref).items()):
-        if entry.unsafe is not None:
-            continue
+    for name, size in entries.items():
         with source.open_file(ref, name) as stream, open(target / name, "xb") as out:
-            while block := stream.read(COPY_BLOCK):
+            left = size
+            while left > 0 and (block := stream.read(min(COPY_BLOCK, left))):
                 out.write(block)
-                copied += len(block)
+                left -= len(block)
+            copied += size - left
             out.flush()
             os.fsync(out.fileno())
     return copied
