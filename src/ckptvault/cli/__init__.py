@@ -1,7 +1,8 @@
 """The ``ckptvault`` command: one module per command group.
 
 Errors print a one-line reason on stderr, never a traceback: exit status 2 for a
-ckptvault or OS error and for usage errors, 3 for an unexpected internal error
+ckptvault or OS error, for usage errors and for errors of the AWS SDK (credentials,
+region, endpoint), 3 for an unexpected internal error
 (a bug: the message asks for a report); ``verify`` exits 1 when something it
 checked does not verify.
 """
@@ -84,6 +85,8 @@ def _main(argv: list[str] | None) -> int:
     except (CheckpointError, OSError) as exc:
         return _fail(_one_line(exc) or type(exc).__name__, 2)
     except Exception as exc:
+        if _is_cloud_error(exc):  # credentials, region, endpoint: the environment's, not a bug
+            return _fail(f"{type(exc).__name__}: {_one_line(exc)}", 2)
         # Usage errors from click (typer may vendor its own copy): show one line.
         exit_code = getattr(exc, "exit_code", None)
         if not isinstance(exit_code, int) or not callable(getattr(exc, "format_message", None)):
@@ -102,6 +105,12 @@ def _main(argv: list[str] | None) -> int:
         message = exc.format_message()  # type: ignore[attr-defined]  # checked callable above
         return _fail(f"{message} (see --help)", exit_code)
     return result if isinstance(result, int) else 0
+
+
+def _is_cloud_error(exc: BaseException) -> bool:
+    """An error of the AWS SDK (no region, no credentials, an unreachable endpoint, a
+    refused request) that reached the command without being translated."""
+    return type(exc).__module__.split(".")[0] in ("botocore", "boto3")
 
 
 def _one_line(exc: BaseException) -> str:

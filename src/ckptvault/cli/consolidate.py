@@ -9,13 +9,10 @@ time from every rank's files into ``OUT/model.safetensors``, or, past
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from ckptvault.cli._common import (
     STORE_HELP,
@@ -26,16 +23,19 @@ from ckptvault.cli._common import (
     RunIdOption,
     S3EndpointUrl,
     TrustedKeys,
-    err,
     human_bytes,
     out,
+    print_json,
     safe_markup,
 )
+from ckptvault.cli._progress import progress_bar
 from ckptvault.errors import UsageError
 from ckptvault.storage import S3Options
 from ckptvault.trust.keystore import open_keystore
 
-PROGRESS_THRESHOLD = 64 * 1024 * 1024  # show a bar only when the work is not instant
+if TYPE_CHECKING:
+    from ckptvault.ops.export import ConsolidateResult  # imports torch
+
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
 
@@ -52,31 +52,6 @@ def parse_size(text: str) -> int:
             "KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB (powers of 1024), e.g. 5GB"
         )
     return size
-
-
-@contextmanager
-def progress_bar(what: str) -> Iterator[Callable[[int, int], None]]:
-    """A ``progress(done, total)`` callback drawing a transient bar on stderr, on a
-    terminal and once the work is large enough to be worth one."""
-    with Progress(
-        TextColumn(what),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        console=err,
-        transient=True,
-        disable=not err.is_interactive,
-    ) as bar:
-        task = None
-
-        def update(done: int, total: int) -> None:
-            nonlocal task
-            if task is None and total >= PROGRESS_THRESHOLD:
-                task = bar.add_task(what, total=total)
-            if task is not None:
-                bar.update(task, completed=done, total=total)
-
-        yield update
 
 
 def consolidate(
@@ -97,6 +72,9 @@ def consolidate(
     run_id: RunIdOption = None,
     audit_log: AuditLogOption = None,
     ledger: LedgerOption = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print what was written as JSON on stdout.")
+    ] = False,
     s3_endpoint_url: S3EndpointUrl = None,
 ) -> None:
     """Write a checkpoint's weights as Hugging Face safetensors files, streamed:
@@ -104,7 +82,8 @@ def consolidate(
     from ckptvault.ops.export import consolidate_weights  # imports torch
 
     limit = parse_size(max_shard_size)
-    with progress_bar(f"consolidating {safe_markup(prefix or 'all tensors')}") as progress:
+    what = f"consolidating {safe_markup(prefix or 'all tensors')}"
+    with progress_bar(what, as_json=as_json) as progress:
         result = consolidate_weights(
             store,
             out_dir,
@@ -120,6 +99,9 @@ def consolidate(
             s3=S3Options.from_keywords(endpoint_url=s3_endpoint_url),
             progress=progress,
         )
+    if as_json:
+        print_json(_result_json(result, prefix))
+        return
     source, files = result.source, f"{len(result.files)} file(s)"
     out.print(
         f"consolidated {result.tensors} tensors ({human_bytes(result.bytes)}) under "
@@ -127,3 +109,19 @@ def consolidate(
         f" into {safe_markup(out_dir)}: {files}{' and an index' if result.index else ''}; "
         f"largest tensor {human_bytes(result.largest)}"
     )
+
+
+def _result_json(result: ConsolidateResult, prefix: str) -> dict[str, Any]:
+    """What ``--json`` prints: the source generation and every file written."""
+    source = result.source
+    return {
+        "run_id": source.run_id,
+        "step": source.step,
+        "generation_id": source.generation_id,
+        "prefix": prefix,
+        "tensors": result.tensors,
+        "bytes": result.bytes,
+        "largest_tensor_bytes": result.largest,
+        "files": [str(path) for path in result.files],
+        "index": str(result.index) if result.index else None,
+    }

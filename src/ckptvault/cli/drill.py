@@ -20,19 +20,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from ckptvault.cli._common import (
     STORE_HELP,
     KeystoreOption,
     S3EndpointUrl,
-    err,
     out,
     print_json,
     safe_markup,
 )
+from ckptvault.cli._progress import progress_bar
 from ckptvault.errors import UsageError
+from ckptvault.progress import Meter
 
 if TYPE_CHECKING:
     from ckptvault.ops.drills import DrillContext, DrillResult
@@ -63,16 +63,16 @@ def drill(
     chosen = choose_drills([n.strip() for n in only.split(",") if n.strip()] if only else None)
     with (
         tempfile.TemporaryDirectory(prefix="ckptvault-drill-") as scratch,
-        _progress(as_json) as progress,
+        progress_bar("preparing", "items", as_json=as_json) as bar,
     ):
-        task = progress.add_task("preparing", total=len(chosen))
+        finished = Meter(bar, len(chosen))  # drills run, of how many
         context = _context(Path(scratch), store, keystore, generations, s3_endpoint_url)
         with _expected_warnings_quiet():
             results = run_drills(
                 context,
                 chosen,
-                on_start=lambda d: progress.update(task, description=f"drill {d.name}"),
-                on_done=lambda _r: progress.advance(task),
+                on_start=lambda d: bar.describe(f"drill {safe_markup(d.name)}"),
+                on_done=lambda _r: finished(1),
             )
     if as_json:
         print_json([result.to_json() for result in results])
@@ -109,18 +109,6 @@ def _expected_warnings_quiet() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
-
-
-def _progress(quiet: bool) -> Progress:
-    """A bar on stderr; none with --json (stdout is data) or off a terminal."""
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        console=err,
-        transient=True,
-        disable=quiet or not err.is_terminal,
-    )
 
 
 def _print_table(results: list[DrillResult], source: str) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -18,11 +18,17 @@ from ckptvault.cli._common import (
     TrustedKeys,
     human_bytes,
     out,
+    print_json,
     safe_markup,
 )
-from ckptvault.cli.consolidate import progress_bar
+from ckptvault.cli._progress import progress_bar
 from ckptvault.storage import S3Options
 from ckptvault.trust.keystore import open_keystore
+
+if TYPE_CHECKING:
+    from ckptvault.ops.export import ExportResult  # imports torch
+
+AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
 
 
 def export(
@@ -40,6 +46,7 @@ def export(
     run_id: RunIdOption = None,
     audit_log: AuditLogOption = None,
     ledger: LedgerOption = None,
+    as_json: AsJson = False,
     s3_endpoint_url: S3EndpointUrl = None,
 ) -> None:
     """Write the tensors of one state entry, and nothing else, as safetensors.
@@ -51,7 +58,7 @@ def export(
     """
     from ckptvault.ops.export import export_weights  # imports torch
 
-    with progress_bar(f"exporting {safe_markup(repr(key))}") as progress:
+    with progress_bar(f"exporting {safe_markup(repr(key))}", as_json=as_json) as progress:
         result = export_weights(
             store,
             step,
@@ -67,6 +74,9 @@ def export(
             s3=S3Options.from_keywords(endpoint_url=s3_endpoint_url),
             progress=progress,
         )
+    if as_json:
+        print_json(_export_json(result, key))
+        return
     out.print(
         f"exported {result.tensors} tensors ({human_bytes(result.bytes)}) of "
         f"{safe_markup(repr(key))} from step {result.step} "
@@ -76,17 +86,45 @@ def export(
         out.print(f"signed export manifest: {safe_markup(result.manifest_path)}")
 
 
+def _export_json(result: ExportResult, key: str) -> dict[str, Any]:
+    """What ``export --json`` prints: the file written and the generation it came from."""
+    return {
+        "path": str(result.path),
+        "key": key,
+        "tensors": result.tensors,
+        "bytes": result.bytes,
+        "blake3": result.blake3,
+        "run_id": result.run_id,
+        "step": result.step,
+        "generation_id": result.generation_id,
+        "manifest_path": str(result.manifest_path) if result.manifest_path else None,
+    }
+
+
 def verify_export(
     file: Annotated[Path, typer.Argument(help="The exported safetensors file.")],
     trusted_key: Annotated[
         list[Path], typer.Option("--trusted-key", help="A trusted public key (repeatable).")
     ],
+    as_json: AsJson = False,
 ) -> None:
-    """Check an export's signed manifest and that the file matches it."""
+    """Check an export's signed manifest and that the file matches it (exit 2 when
+    it does not: the reason is printed)."""
     from ckptvault.ops.export_manifest import verify_export as check
 
     result = check(file, trusted_key)
     source = result.source
+    if as_json:
+        print_json(
+            {
+                "path": str(file),
+                "ok": True,
+                "signer": result.signer,
+                "blake3": result.blake3,
+                "source": source,
+            }
+        )
+        return
     out.print(
         f"[green]OK[/green] {safe_markup(file)} signed by {safe_markup(result.signer)}: run "
         f"{safe_markup(repr(source['run_id']))}, step {safe_markup(source['step'])}, "

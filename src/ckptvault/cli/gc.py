@@ -34,6 +34,7 @@ from ckptvault.cli._common import (
     print_json,
     safe_text,
 )
+from ckptvault.cli._progress import progress_bar
 from ckptvault.errors import StoreLockedError, UsageError
 from ckptvault.events import EventBus, Unmarked
 from ckptvault.format.layout import format_timestamp
@@ -138,7 +139,9 @@ def gc(
         return
     retention = _retention(rule_options, mode, delay)
     with _writer_lock(store, held=not dry_run):
-        report = _collect(store, retention, delay, stale_seconds, run_id, trust, events, dry_run)
+        report = _collect(
+            store, retention, delay, stale_seconds, run_id, trust, events, dry_run, as_json
+        )
     _finish(report, as_json)
 
 
@@ -207,7 +210,9 @@ def _collect(
     trust: TrustContext,
     events: EventBus,
     dry_run: bool,
+    as_json: bool,
 ) -> dict[str, Any]:
+    """Verify, plan and (unless ``dry_run``) apply, with bars on a terminal."""
     now = datetime.now(timezone.utc)
     collector = GarbageCollector(
         [store],
@@ -217,14 +222,18 @@ def _collect(
         run_id=run_id,
         emit=events.emit,
     )
-    newest = collector.verify_newest(now)
+    with progress_bar("verifying the newest generation", as_json=as_json) as bar:
+        newest = collector.verify_newest(now, bar)
     run = run_id or (newest.manifest.run_id if newest and newest.manifest else None)
     # The newest validated generation is never pruned (the catalog beside the ledger).
     catalog = resolve_catalog_path(None, trust.ledger.path if trust.ledger else None)
     collector.validated = lambda: validated_generations(catalog, run)
     floor: RestoreFloor | None = trust.floor(run) if run is not None else None
     plan = collector.plan(now=now, floor=floor)
-    applied = None if dry_run else collector.apply(plan)
+    applied = None
+    if not dry_run:
+        with progress_bar("applying retention", "items", as_json=as_json) as bar:
+            applied = collector.apply(plan, bar)
     staging = None if dry_run else store.remove_stale_staging(older_than=stale_seconds)
     return _report(store, retention, delay, stale_seconds, collector, plan, applied, staging)
 

@@ -22,6 +22,7 @@ import typer
 from rich.table import Table
 
 from ckptvault.cli._common import S3EndpointUrl, out, print_json, safe_markup
+from ckptvault.cli._progress import progress_bar
 from ckptvault.errors import UsageError
 from ckptvault.ops.rotation_report import FAILED, NOT_REACHED, RotationReport
 from ckptvault.storage import S3Options
@@ -40,9 +41,16 @@ def generate(
         Path, typer.Option("--private", help="Where to write the private key (0600).")
     ],
     public: Annotated[Path, typer.Option("--public", help="Where to write the public key.")],
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the key id and paths as JSON.")
+    ] = False,
 ) -> None:
     """Generate an Ed25519 signing key pair."""
-    out.print(f"generated key {generate_keypair(private, public)}")
+    key_id = generate_keypair(private, public)
+    if as_json:
+        print_json({"key_id": key_id, "private": str(private), "public": str(public)})
+        return
+    out.print(f"generated key {key_id}")
     out.print(f"  private: {private} (keep it on the trainer only)")
     out.print(f"  public:  {public} (give it to every verifier)")
 
@@ -72,6 +80,9 @@ def destroy(
     yes: Annotated[bool, typer.Option("--yes", help="Confirm: this cannot be undone.")] = False,
     audit_log: Annotated[Path | None, typer.Option(help="Audit log to record in.")] = None,
     ledger: Annotated[Path | None, typer.Option(help="Ledger holding the audit head.")] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the destroyed key as JSON.")
+    ] = False,
 ) -> None:
     """Destroy a run's key (crypto-erase) and leave a tombstone."""
     if not yes:
@@ -83,6 +94,9 @@ def destroy(
         keystore=open_keystore(keystore), audit_log=audit_log, ledger=ledger, always_audit=True
     )
     info = trust.destroy_run_key(run)
+    if as_json:
+        print_json(info.to_json())
+        return
     out.print(
         f"destroyed key {safe_markup(info.kek_id)} of run {safe_markup(repr(run))}; every "
         "generation of it is now unreadable"
@@ -148,18 +162,20 @@ def rotate(
     """
     from ckptvault.ops.rotate import rotate_run_key
 
-    report = rotate_run_key(
-        store,
-        run,
-        keystore,
-        signing_key=signing_key,
-        trusted_keys=trusted_key or None,
-        ledger=ledger,
-        audit_log=audit_log,
-        s3=S3Options.from_keywords(endpoint_url=s3_endpoint_url),
-        stop_after=stop_after,
-        abandon_unverified=abandon_unverified,
-    )
+    with progress_bar("re-wrapping generations", "items", as_json=as_json) as bar:
+        report = rotate_run_key(
+            store,
+            run,
+            keystore,
+            signing_key=signing_key,
+            trusted_keys=trusted_key or None,
+            ledger=ledger,
+            audit_log=audit_log,
+            s3=S3Options.from_keywords(endpoint_url=s3_endpoint_url),
+            stop_after=stop_after,
+            abandon_unverified=abandon_unverified,
+            progress=bar,
+        )
     if as_json:
         print_json(report.to_json())
     else:

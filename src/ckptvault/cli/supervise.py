@@ -150,6 +150,9 @@ def supervise(
     supervisor got SIGINT/SIGTERM; 65 DONE record missing or wrong; 74 not
     enough free space; 75 too many preemptions; 126/127 CMD not executable
     or not found; 2 usage error.
+
+    No --json: what it prints is the job's own output and one line per attempt on
+    stderr; --log FILE appends one JSON object per attempt for programs to read.
     """
     policy = Policy(
         max_restarts=max_restarts,

@@ -17,6 +17,7 @@ from ckptvault.cli._common import (
     LedgerOption,
     S3EndpointUrl,
     TrustedKeys,
+    open_store,
     out,
     print_json,
     safe_markup,
@@ -57,6 +58,8 @@ def validate(
     if every is not None and every < 1:
         raise UsageError(f"--every must be >= 1, got {every}")
     build = load_factory(factory)
+    # The manager would start an empty store here; validating one is a usage error.
+    open_store(store, s3_endpoint_url)
     with cv.CheckpointManager(
         store,
         run_id=run_id,

@@ -14,12 +14,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from ckptvault.cli._common import (
     STORE_HELP,
     S3EndpointUrl,
-    err,
     human_bytes,
     open_store,
     out,
@@ -28,7 +26,8 @@ from ckptvault.cli._common import (
     safe_text,
     select,
 )
-from ckptvault.errors import CheckpointError, UsageError
+from ckptvault.cli._progress import progress_bar
+from ckptvault.errors import UsageError
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import (
     UNVERIFIED_SIGNER,
@@ -38,8 +37,6 @@ from ckptvault.trust.checks import (
 )
 from ckptvault.trust.context import TrustContext
 from ckptvault.trust.signing import TrustedKeys
-
-PROGRESS_THRESHOLD = 64 * 1024 * 1024  # show a bar only when hashing is not instant
 
 
 def verify(
@@ -60,7 +57,8 @@ def verify(
     store = open_store(directory, s3_endpoint_url)
     trust = TrustContext(trusted=TrustedKeys.load(trusted_key) if trusted_key else None)
     policy = trust.policy(run_id, floor=None)
-    reports = [_verify_one(store, ref, policy) for ref in select(store, step, every, trust)]
+    chosen = select(store, step, every, trust)
+    reports = [_verify_one(store, ref, policy, as_json) for ref in chosen]
     if as_json:
         print_json([_report_json(report) for report in reports])
     else:
@@ -70,22 +68,11 @@ def verify(
         raise typer.Exit(1)
 
 
-def _verify_one(store: Store, ref: GenerationRef, policy: TrustPolicy) -> VerificationReport:
-    try:
-        total = sum(e.size for e in store.list_entries(ref).values() if e.unsafe is None)
-    except (OSError, CheckpointError):
-        total = 0  # verify_generation reports why the generation cannot be listed
-    with Progress(
-        TextColumn(f"verifying step {ref.step}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        console=err,
-        transient=True,
-        disable=total < PROGRESS_THRESHOLD or not err.is_interactive,
-    ) as progress:
-        task = progress.add_task("hash", total=total)
-        return verify_generation(store, ref, policy, lambda n: progress.advance(task, n))
+def _verify_one(
+    store: Store, ref: GenerationRef, policy: TrustPolicy, as_json: bool
+) -> VerificationReport:
+    with progress_bar(f"verifying step {ref.step}", as_json=as_json) as progress:
+        return verify_generation(store, ref, policy, progress=progress)
 
 
 def _report_json(report: VerificationReport) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from ckptvault.events import Deleted, Event, Marked, Unmarked
 from ckptvault.format.layout import GenerationName, format_timestamp
 from ckptvault.lifecycle.marks import put_mark, read_leases, remove_mark, stale_leases
 from ckptvault.lifecycle.plan import DELETE, MARK, UNMARK, Decision, RetentionPlan
+from ckptvault.progress import Meter, Progress
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.storage.records import LEASE
 from ckptvault.storage.retained import RetainedCopy, RetainingStore
@@ -91,28 +92,16 @@ class PlanApplier:
         self.emit = emit
         self.run_id = run_id
 
-    def apply(self, plan: RetentionPlan) -> AppliedPlan:
+    def apply(self, plan: RetentionPlan, progress: Progress | None = None) -> AppliedPlan:
+        """Carry out every mark, unmark and deletion of ``plan``; ``progress(done,
+        total)`` counts those decisions as each is done (failed ones too)."""
         result = AppliedPlan()
         listings: dict[int, dict[GenerationName, GenerationRef]] = {}
-        for decision in plan.decisions:
-            if decision.action not in (MARK, UNMARK, DELETE):
-                continue
+        work = [d for d in plan.decisions if d.action in (MARK, UNMARK, DELETE)]
+        meter = Meter(progress, len(work))
+        for decision in work:
             try:
-                if decision.action == MARK:
-                    self._mark(decision, plan.now)
-                    result.marked.append(decision)
-                elif decision.action == UNMARK:
-                    self._unmark(decision)
-                    result.unmarked.append(decision)
-                else:
-                    waiting, retained = self._delete(decision, plan.now, listings)
-                    if waiting:
-                        result.deferred.append((decision, waiting))
-                        continue
-                    if retained:
-                        result.retained.append((decision, retained))
-                    if decision.listed or not retained:
-                        result.deleted.append(decision)
+                self._apply_one(decision, plan.now, listings, result)
             except AuditError:
                 raise
             except (OSError, CheckpointError) as exc:
@@ -124,8 +113,33 @@ class PlanApplier:
                     exc,
                 )
                 result.failed.append((decision, str(exc)))
+            meter(1)  # outside the handlers: a failing callback is never a failed deletion
         self._drop_expired_leases()
         return result
+
+    def _apply_one(
+        self,
+        decision: Decision,
+        now: datetime,
+        listings: dict[int, dict[GenerationName, GenerationRef]],
+        result: AppliedPlan,
+    ) -> None:
+        """Mark, unmark or delete, and file the outcome under ``result``."""
+        if decision.action == MARK:
+            self._mark(decision, now)
+            result.marked.append(decision)
+        elif decision.action == UNMARK:
+            self._unmark(decision)
+            result.unmarked.append(decision)
+        else:
+            waiting, retained = self._delete(decision, now, listings)
+            if waiting:
+                result.deferred.append((decision, waiting))
+                return
+            if retained:
+                result.retained.append((decision, retained))
+            if decision.listed or not retained:
+                result.deleted.append(decision)
 
     def _tiers(self, decision: Decision) -> list[Store]:
         """The stores ``decision`` applies to: every one, or an orphan's own tier."""

@@ -31,6 +31,7 @@ from ckptvault.lifecycle.locks import keep_locked
 from ckptvault.lifecycle.marks import read_leases, read_marks, read_orphan_marks, read_pins
 from ckptvault.lifecycle.plan import GenerationFacts, OrphanMark, RetentionPlan, plan_retention
 from ckptvault.lifecycle.retention import KeepBest, RetentionRule
+from ckptvault.progress import Progress
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import (
     TrustPolicy,
@@ -81,9 +82,10 @@ class GarbageCollector:
 
     # -- verification ------------------------------------------------------------------
 
-    def verify(self, ref: GenerationRef) -> VerificationReport:
-        """Verify every byte of ``ref`` and remember the verdict."""
-        report = verify_generation(self.store, ref, self.policy)
+    def verify(self, ref: GenerationRef, progress: Progress | None = None) -> VerificationReport:
+        """Verify every byte of ``ref`` and remember the verdict; ``progress(done,
+        total)`` follows the bytes hashed (:func:`~ckptvault.trust.checks.verify_generation`)."""
+        report = verify_generation(self.store, ref, self.policy, progress=progress)
         self.known[ref.name] = report.ok
         if report.manifest is not None:
             self._sound.add(ref.name)
@@ -95,9 +97,12 @@ class GarbageCollector:
         self.reports.append(report)
         return report
 
-    def verify_newest(self, now: datetime | None = None) -> VerificationReport | None:
+    def verify_newest(
+        self, now: datetime | None = None, progress: Progress | None = None
+    ) -> VerificationReport | None:
         """Verify unmarked generations newest first until one verifies (``ckptvault gc``
-        does this before it deletes anything); None when none does."""
+        does this before it deletes anything); None when none does. ``progress`` is
+        given each verification's bytes in turn (``done`` starts at 0 for each)."""
         refs = self.store.list_generations()
         marks = read_marks(self.store, now or datetime.now(timezone.utc), [r.name for r in refs])
         for ref in refs:
@@ -105,7 +110,7 @@ class GarbageCollector:
                 continue
             if self.known.get(ref.name) is False or ref.name in self._rejected:
                 continue
-            report = self.verify(ref)
+            report = self.verify(ref, progress)
             if report.ok:
                 return report
         return None
@@ -144,8 +149,10 @@ class GarbageCollector:
                 return keep_locked(plan, self.applier.stores)  # Object Lock outranks the rules
             self.verify(refs[target])
 
-    def apply(self, plan: RetentionPlan) -> AppliedPlan:
-        return self.applier.apply(plan)
+    def apply(self, plan: RetentionPlan, progress: Progress | None = None) -> AppliedPlan:
+        """Apply ``plan`` to every store; ``progress`` counts its marks, unmarks and
+        deletions as each is done."""
+        return self.applier.apply(plan, progress)
 
     def _plan_once(
         self,

@@ -37,10 +37,12 @@ from ckptvault.errors import (
 )
 from ckptvault.events import Event, EventBus, Published, Replicated
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, GenerationName, utc_now
+from ckptvault.format.manifest import Manifest
 from ckptvault.io.load import check_authenticity
 from ckptvault.lifecycle.marks import read_marks
+from ckptvault.progress import Meter, Progress
 from ckptvault.storage import S3Options, StoreLocation, open_store
-from ckptvault.storage.base import GenerationRef, Store
+from ckptvault.storage.base import GenerationRef, StagingArea, Store
 from ckptvault.trust.checks import MAX_SIGNATURE_BYTES, TrustPolicy, check_structure
 from ckptvault.trust.context import TrustContext
 from ckptvault.trust.digests import ChunkVerifier, read_full
@@ -70,6 +72,7 @@ def copy_generation(
     target: Store,
     policy: TrustPolicy | None = None,
     keystore: KeyStore | None = None,
+    progress: Progress | None = None,
 ) -> GenerationRef:
     """Copy one published generation, verified, into ``target`` under the same name.
 
@@ -79,8 +82,10 @@ def copy_generation(
     made with the run's key; an encrypted generation is refused without one. Every
     byte is verified against its chunk digests as it is copied, and the target
     publishes the source's exact manifest and signature bytes last. Returns the
-    target's generation; an existing copy is left as it is. Raises
-    :class:`GenerationRejected` when the source does not verify.
+    target's generation; an existing copy is left as it is (and ``progress`` is not
+    called). ``progress(done, total)`` follows the bytes copied (see
+    :mod:`ckptvault.progress`). Raises :class:`GenerationRejected` when the source
+    does not verify.
     """
     checked = check_structure(source, ref, policy)
     check_authenticity(checked, keystore, require_encryption=keystore is not None)
@@ -106,24 +111,32 @@ def copy_generation(
     )
     staging = target.begin_generation(ref.generation_id)
     try:
-        buffer = memoryview(bytearray(min(COPY_BLOCK, manifest.chunk_size)))
-        for name, record in sorted(manifest.files.items()):
-            verifier = ChunkVerifier(record, manifest.chunk_size, name, whole_file=False)
-            sink = staging.create_file(name)
-            try:
-                with source.open_file(ref, name) as stream:
-                    while count := read_full(stream, buffer):
-                        verifier.update(buffer[:count])  # raises before a bad byte is written
-                        sink.write(buffer[:count])
-                verifier.finish()
-            except BaseException:
-                sink.abort()
-                raise
-            sink.commit()
+        _copy_files(source, ref, manifest, staging, Meter(progress, manifest.total_bytes))
         return staging.publish(ref.step, manifest_bytes, signature)
     except BaseException:
         staging.abort()
         raise
+
+
+def _copy_files(
+    source: Store, ref: GenerationRef, manifest: Manifest, staging: StagingArea, meter: Meter
+) -> None:
+    """Every file of ``ref`` into ``staging``, each block verified before it is written."""
+    buffer = memoryview(bytearray(min(COPY_BLOCK, manifest.chunk_size)))
+    for name, record in sorted(manifest.files.items()):
+        verifier = ChunkVerifier(record, manifest.chunk_size, name, whole_file=False)
+        sink = staging.create_file(name)
+        try:
+            with source.open_file(ref, name) as stream:
+                while count := read_full(stream, buffer):
+                    verifier.update(buffer[:count])  # raises before a bad byte is written
+                    sink.write(buffer[:count])
+                    meter(count)
+            verifier.finish()
+        except BaseException:
+            sink.abort()
+            raise
+        sink.commit()
 
 
 @dataclass(frozen=True)

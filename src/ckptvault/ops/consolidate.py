@@ -39,13 +39,13 @@ from ckptvault.format.tensorfile import (
 from ckptvault.io.dcp_metadata import dtype_from_name, dtype_name
 from ckptvault.io.load import prepare_load
 from ckptvault.io.verified_ranges import VerifiedRanges, bytes_of
+from ckptvault.progress import Meter, Progress  # here: (tensor bytes written, of how many)
 from ckptvault.restoring.selector import CandidateSelector
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import TrustPolicy
 from ckptvault.trust.context import TrustContext
 
 T = TypeVar("T")
-Progress = Callable[[int, int], None]  # (tensor bytes written so far, of how many)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SHARD_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")  # both layouts' files
@@ -110,15 +110,9 @@ def write_tensor_file(
 
 
 def meter(progress: Progress | None, tensors: Sequence[OutputTensor]) -> Callable[[int], None]:
-    """Per-tensor byte counts turned into ``progress(done, total)`` calls."""
-    total, done = sum(t.nbytes for t in tensors), [0]
-
-    def advance(count: int) -> None:
-        done[0] += count
-        if progress is not None:
-            progress(done[0], total)
-
-    return advance
+    """Per-tensor byte counts turned into ``progress(done, total)`` calls (from
+    ``(0, total)``; a callback that raises stops the work, see :mod:`ckptvault.progress`)."""
+    return Meter(progress, sum(t.nbytes for t in tensors))
 
 
 def write_sharded(

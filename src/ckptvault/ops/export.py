@@ -34,7 +34,6 @@ from ckptvault.io.load import saved_world_size
 from ckptvault.io.verified_ranges import VerifiedRanges
 from ckptvault.ops.consolidate import (
     DEFAULT_MAX_SHARD,
-    Progress,
     meter,
     plan_shards,
     prefixed_tensors,
@@ -46,6 +45,7 @@ from ckptvault.ops.export_manifest import (
     export_manifest_paths,
     write_export_manifest,
 )
+from ckptvault.progress import Progress
 from ckptvault.restoring.selector import CandidateSelector
 from ckptvault.state.codec_names import tensor_key
 from ckptvault.state.ranks import tree_for_rank

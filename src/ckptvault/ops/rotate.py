@@ -69,6 +69,7 @@ from ckptvault.ops.rotation_survey import (
     refuse_signed_without_key,
     survey,
 )
+from ckptvault.progress import Meter, Progress
 from ckptvault.storage import S3Options, StoreLocation, open_store
 from ckptvault.storage.base import Store
 from ckptvault.trust.context import TrustContext
@@ -90,12 +91,14 @@ def rotate_run_key(
     stop_after: int | None = None,
     abandon_unverified: bool = False,
     journal_dir: str | os.PathLike[str] | None = None,
+    progress: Progress | None = None,
 ) -> RotationReport:
     """Rotate the KEK of ``run_id`` and re-wrap every generation of it in ``stores``
     (see the module docstring). ``stop_after=N`` stops after N generations were
     re-wrapped (an interrupted rotation, resumable: the retired KEK is kept).
     The audit log and the journal default to the per-user state directory, beside
-    the ledger."""
+    the ledger. ``progress(done, total)`` counts the run's generations (in every
+    store) as each is dealt with: verified and re-wrapped, skipped or failed."""
     if stop_after is not None and stop_after < 0:
         raise UsageError(f"stop_after must be a count of generations, not {stop_after}")
     trust = TrustContext.configure(
@@ -116,7 +119,10 @@ def rotate_run_key(
         keys = rotating.begin_rotation(run_id)
         journal = RotationJournal(journal_file, run_id, keys.new_kek_id)
         rotator = GenerationRotator(run_id, rotating, keys, trust.signer, trusted, journal)
-        report = _rotate_and_finish(trust, rotator, found, opened, stop_after, abandon_unverified)
+        meter = Meter(progress, len(found))
+        report = _rotate_and_finish(
+            trust, rotator, found, opened, stop_after, abandon_unverified, meter
+        )
     _record(trust, report, opened)
     return report
 
@@ -128,6 +134,7 @@ def _rotate_and_finish(
     stores: list[Store],
     stop_after: int | None,
     abandon_unverified: bool,
+    meter: Meter,
 ) -> RotationReport:
     """Every generation in turn, then the retired KEK destroyed once nothing needs it
     (no failure, unless ``abandon_unverified``; nothing left unreached)."""
@@ -140,7 +147,7 @@ def _rotate_and_finish(
         keys.resumed,
     )
     try:
-        _rotate_each(rotator, found, stop_after, report)
+        _rotate_each(rotator, found, stop_after, report, meter)
         blocking = report.count(FAILED) and not abandon_unverified
         if not blocking and not report.count(NOT_REACHED):
             report.destroyed_kek_ids = rotator.keystore.finish_rotation(rotator.run_id)
@@ -158,6 +165,7 @@ def _rotate_each(
     found: list[SurveyedGeneration],
     stop_after: int | None,
     report: RotationReport,
+    meter: Meter,
 ) -> None:
     """Each generation's outcome, into ``report`` as it comes: the ones to re-wrap are
     rotated until ``stop_after`` of them were, and not reached after that."""
@@ -173,6 +181,7 @@ def _rotate_each(
                 item.store.location, item.ref.step, item.ref.generation_id, outcome, detail
             )
         )
+        meter(1)
 
 
 def _record(

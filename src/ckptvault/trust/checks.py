@@ -63,6 +63,7 @@ from ckptvault.format.manifest import (
 from ckptvault.format.tensorfile import (
     TensorFileHeader,
 )
+from ckptvault.progress import Meter, Progress
 from ckptvault.storage.base import EntryInfo, GenerationRef, Store
 from ckptvault.trust.digests import derives_file_digest, verify_stream
 from ckptvault.trust.file_formats import check_own_formats
@@ -355,12 +356,26 @@ def verify_generation(
     ref: GenerationRef,
     policy: TrustPolicy | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    *,
+    progress: Progress | None = None,
 ) -> VerificationReport:
-    """Every rule, every byte; never raises for a bad generation, reports it."""
+    """Every rule, every byte; never raises for a bad generation, reports it.
+
+    ``on_bytes(n)`` is told each block hashed; ``progress(done, total)`` the bytes
+    hashed so far of the manifest's total (from ``(0, total)`` to ``(total, total)``;
+    not called when the structure checks reject the generation). A callback that
+    raises stops the check (:class:`~ckptvault.progress.ProgressCallbackError`)."""
     try:
         checked = check_structure(store, ref, policy)
     except GenerationRejected as rejected:
         return VerificationReport(ref, rejected.problems)
-    return VerificationReport(
-        ref, check_digests(store, checked, on_bytes), checked.manifest, checked.signer
-    )
+    meter = Meter(progress, checked.manifest.total_bytes)
+
+    def hashed(count: int) -> None:
+        if on_bytes is not None:
+            on_bytes(count)
+        meter(count)
+
+    problems = check_digests(store, checked, hashed)
+    meter.finish()
+    return VerificationReport(ref, problems, checked.manifest, checked.signer)
