@@ -58,8 +58,7 @@ def validate(
     if every is not None and every < 1:
         raise UsageError(f"--every must be >= 1, got {every}")
     build = load_factory(factory)
-    # The manager would start an empty store here; validating one is a usage error.
-    open_store(store, s3_endpoint_url)
+    open_store(store, s3_endpoint_url)  # must exist: the manager would start an empty one
     with cv.CheckpointManager(
         store,
         run_id=run_id,
@@ -69,9 +68,8 @@ def validate(
         catalog=catalog,
         s3_endpoint_url=s3_endpoint_url,
     ) as mgr:
-        steps: list[int | None] = [step]
-        if every is not None:
-            steps = [info.step for info in mgr.generations()[::every]]
+        listed = mgr.generations()[::every] if every is not None else None
+        steps: list[int | None] = [i.step for i in listed] if listed is not None else [step]
         results = [mgr.validate(build, s) for s in steps]
     if as_json:
         print_json([r.to_json() for r in results])
