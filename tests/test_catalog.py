@@ -326,3 +326,23 @@ def test_only_the_coordinator_of_a_job_records(tmp_path: Path, catalog_path: Pat
         assert sum(save.stages.values()) <= save.seconds + 1e-6
     assert [g.step for g in generations] == [2, 1]
     assert restore.ok and restore.step == 2 and restore.run_id == "job"
+
+
+def test_a_catalog_of_the_first_schema_is_brought_along(tmp_path: Path):
+    """A catalog written before validations and supervised attempts were recorded
+    gains their tables when it is next opened, and keeps its rows."""
+    from ckptvault.lifecycle.catalog_attempts import recent_attempts
+
+    path = tmp_path / "catalog.sqlite3"
+    with cv.CheckpointManager(tmp_path / "store", run_id="r", catalog=path) as mgr:
+        mgr.save(1, {"x": torch.ones(2)})
+    db = sqlite3.connect(path)
+    db.executescript(
+        "DROP TABLE validations; DROP TABLE attempts; DELETE FROM schema_version; "
+        "INSERT INTO schema_version (version) VALUES (1);"
+    )
+    db.close()
+    with Catalog(path) as catalog:
+        assert [s.step for s in catalog.recent_saves()] == [1]
+        assert catalog.failures() == [] and recent_attempts(catalog) == []
+        assert catalog.query("SELECT MAX(version) FROM schema_version", [])[0][0] == 2

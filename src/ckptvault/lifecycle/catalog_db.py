@@ -68,8 +68,9 @@ class CatalogFile:
                 for statement in TABLES:
                     db.execute(statement)
                 version = self._version(db)
-                if version is None:
+                if version is None or version < SCHEMA_VERSION:  # new, or brought along
                     db.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+                    version = SCHEMA_VERSION
             except BaseException:
                 db.execute("ROLLBACK")
                 raise

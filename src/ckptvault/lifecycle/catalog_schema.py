@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: validations and supervised attempts
 
 TABLES = (
     "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)",
@@ -69,7 +69,7 @@ TABLES = (
         error TEXT
     )""",
     "CREATE INDEX IF NOT EXISTS restores_by_time ON restores (finished_at)",
-    # Added after version 1 shipped: CREATE IF NOT EXISTS brings older files along.
+    # Version 2: CREATE IF NOT EXISTS brings version 1 files along on open.
     """CREATE TABLE IF NOT EXISTS attempts (
         id INTEGER PRIMARY KEY AUTOINCREMENT,
         supervise_id TEXT NOT NULL,
