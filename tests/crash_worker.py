@@ -18,8 +18,10 @@ import ckptvault as cv
 
 def main() -> None:
     torch.manual_seed(0)
+    # Large enough (12 MB with AdamW) that writing dominates a save's fixed costs (the
+    # catalog, the events), so most random kills land inside a save.
     model = torch.nn.Sequential(
-        torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256)
+        torch.nn.Linear(256, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 256)
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     state = {"model": model, "optimizer": opt, "rng": cv.RNGState(), "meta": {"step": -1}}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,3 +108,12 @@ def test_dependencies_point_one_way():
             )
         }
         assert not upward, f"{module} imports {sorted(upward)}"
+
+
+def test_the_command_line_starts_without_torch():
+    """``ckptvault ls``/``verify``/``status``/... start in a fraction of a second: loading
+    the CLI must not import torch (2-3 s here); commands that need it import it late."""
+    code = "import sys, ckptvault.cli; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"

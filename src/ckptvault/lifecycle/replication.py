@@ -43,6 +43,7 @@ from ckptvault.lifecycle.marks import read_marks
 from ckptvault.progress import Meter, Progress
 from ckptvault.storage import S3Options, StoreLocation, open_store
 from ckptvault.storage.base import GenerationRef, StagingArea, Store
+from ckptvault.storage.records import REPLICA
 from ckptvault.trust.checks import MAX_SIGNATURE_BYTES, TrustPolicy, check_structure
 from ckptvault.trust.context import TrustContext
 from ckptvault.trust.digests import ChunkVerifier, read_full
@@ -56,7 +57,7 @@ logger = logging.getLogger("ckptvault")
 # Failures a second try cannot fix: the source does not verify, or the target holds
 # something else under its name, or the run's key was destroyed.
 _PERMANENT = (IntegrityError, FormatError, GenerationRejected, UsageError, KeyDestroyedError)
-REPLICA_RECORD = "replica"
+REPLICA_RECORD = REPLICA
 COPY_BLOCK = 8 * 1024 * 1024
 
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from ckptvault.errors import CheckpointError
 from ckptvault.format.layout import generation_id_time, parse_generation_dirname
-from ckptvault.lifecycle.replication import REPLICA_RECORD
 from ckptvault.storage.base import Store
 from ckptvault.storage.listing import GenerationInfo, list_generation_infos
+from ckptvault.storage.records import REPLICA as REPLICA_RECORD
 
 
 @dataclass(frozen=True)
