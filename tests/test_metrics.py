@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -18,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import ckptvault as cv
 from ckptvault.errors import KeyUnavailableError, UsageError
-from ckptvault.trust.keystore import LocalKeyStore
 from conftest import REPO
+from test_async import ControlledKeyStore as GatedKeyStore
 
 REQUIRED = {
     "ckptvault_last_good_checkpoint_age_seconds",
@@ -32,23 +31,6 @@ REQUIRED = {
     "ckptvault_restore_duration_seconds",
     "ckptvault_storage_used_bytes",
 }
-
-
-class GatedKeyStore(LocalKeyStore):
-    """A real key store whose wrapping can be held up or made to fail (a slow or
-    unreachable KMS), to steer saves."""
-
-    def __init__(self, directory: Path) -> None:
-        super().__init__(directory)
-        self.gate = threading.Event()
-        self.gate.set()
-        self.fail = False
-
-    def wrap(self, run_id: str, data_key: bytes, context: bytes) -> tuple[str, bytes]:
-        assert self.gate.wait(timeout=60)
-        if self.fail:
-            raise KeyUnavailableError("the KMS is unreachable")
-        return super().wrap(run_id, data_key, context)
 
 
 def scrape(mgr: cv.CheckpointManager) -> dict[str, dict[tuple, float]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypedDict
 
 from ckptvault.config import ManagerConfig, resolve_run_id
@@ -102,14 +103,8 @@ class ManagerParts:
 
 def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
     """Validate ``options`` and build every part; nothing is written yet."""
-    unknown = sorted(set(options) - set(ManagerOptions.__annotations__))
-    if unknown:
-        raise UsageError(f"CheckpointManager got unknown options: {', '.join(unknown)}")
-    s3 = _s3_options(options)  # for every s3:// tier: the store and its replica
+    store, s3 = _open_checked_store(directory, options)
     replicate_to = options.get("replicate_to")
-    if s3 is not None and not any(_is_s3(tier) for tier in (directory, replicate_to)):
-        raise UsageError("S3 options (endpoint, part size, ...) apply to s3:// stores only")
-    store = open_store(directory, s3=s3 if _is_s3(directory) else None)
     trust_options: dict[str, Any] = {name: options.get(name) for name in TRUST_OPTIONS}
     config = _config(options, store.location, trust_options)
     encode_contract_fields(config.contract or {})  # fail now, not at the first save
@@ -128,9 +123,7 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
     retention = attach_retention(  # None without a local policy
         run, options.get("retention"), options.get("replica_retention"), replicator
     )
-    catalog_path = resolve_catalog_path(options.get("catalog"), options.get("ledger"))
-    if retention is not None:  # the newest validated generation is never pruned
-        retention.collector.validated = lambda: validated_generations(catalog_path, config.run_id)
+    _spare_validated(retention, options, config.run_id)
     writer = GenerationWriter(
         run,
         build_contract(config.contract, code_revision()),
@@ -150,17 +143,8 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
         remote_tiers=tiers,
         on_remote_restore=replicator.fetch if replicator else None,
     )
-    metrics = subscribe_metrics(  # serves last but one: a taken port fails the manager
-        events,
-        config.run_id,
-        store,
-        enabled=options.get("metrics"),
-        port=options.get("metrics_port"),
-        addr=options.get("metrics_addr"),
-        is_coordinator=coordinator.is_coordinator,
-        replicator=replicator,
-        catalog_path=recorder.path if recorder is not None else None,
-    )
+    # Serves last but one (before the signal handlers): a taken port fails the manager.
+    metrics = _metrics(options, run, replicator, recorder.path if recorder else None)
     return ManagerParts(
         store,
         config,
@@ -176,6 +160,49 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
         validator,
         _sampled_validation(options, validator, events, coordinator),
         metrics=metrics,
+    )
+
+
+def _open_checked_store(
+    directory: StoreLocation, options: ManagerOptions
+) -> tuple[Store, S3Options | None]:
+    """The manager's store, after the options every part relies on are checked."""
+    unknown = sorted(set(options) - set(ManagerOptions.__annotations__))
+    if unknown:
+        raise UsageError(f"CheckpointManager got unknown options: {', '.join(unknown)}")
+    s3 = _s3_options(options)  # for every s3:// tier: the store and its replica
+    if s3 is not None and not any(_is_s3(t) for t in (directory, options.get("replicate_to"))):
+        raise UsageError("S3 options (endpoint, part size, ...) apply to s3:// stores only")
+    return open_store(directory, s3=s3 if _is_s3(directory) else None), s3
+
+
+def _spare_validated(
+    retention: RetentionKeeper | None, options: ManagerOptions, run_id: str
+) -> None:
+    """Retention never prunes the newest validated generation: it learns which ones
+    were validated from the catalog."""
+    if retention is not None:
+        path = resolve_catalog_path(options.get("catalog"), options.get("ledger"))
+        retention.collector.validated = lambda: validated_generations(path, run_id)
+
+
+def _metrics(
+    options: ManagerOptions,
+    run: RunContext,
+    replicator: Replicator | None,
+    catalog_path: Path | None,
+) -> ManagerMetrics | None:
+    """The Prometheus subscriber (and its HTTP endpoint) of ``metrics=...``."""
+    return subscribe_metrics(
+        run.events,
+        run.run_id,
+        run.store,
+        enabled=options.get("metrics"),
+        port=options.get("metrics_port"),
+        addr=options.get("metrics_addr"),
+        is_coordinator=run.coordinator.is_coordinator,
+        replicator=replicator,
+        catalog_path=catalog_path,
     )
 
 

@@ -58,6 +58,36 @@ LedgerOption = Annotated[
 ]
 
 
+# Commands that read the catalog (catalog, status): which one.
+CatalogLedgerOption = Annotated[
+    Path | None, typer.Option("--ledger", help="Read the catalog beside this ledger.")
+]
+CatalogPathOption = Annotated[
+    Path | None, typer.Option("--catalog", help="Read this catalog file.")
+]
+
+
+def catalog_file(ledger: Path | None, catalog: Path | None, required: bool) -> Path | None:
+    """The catalog a command reads: ``catalog``, the one beside ``ledger``, or the
+    default one. One named explicitly (or any, when ``required``) must exist; else
+    None when the default one does not."""
+    from ckptvault.lifecycle.catalog import default_catalog_path
+    from ckptvault.trust.ledger import default_ledger_path
+
+    if ledger is not None and catalog is not None:
+        raise UsageError("give --ledger or --catalog, not both")
+    path = catalog or default_catalog_path(ledger or default_ledger_path())
+    if path.is_file():
+        return path
+    if required or catalog is not None or ledger is not None:
+        raise UsageError(
+            f"no catalog at {path}: a CheckpointManager writes it (catalog= option; default "
+            "beside the ledger) once it saved or restored; give --catalog PATH, or --ledger "
+            "PATH for the one beside a ledger"
+        )
+    return None
+
+
 def open_store(location: str, s3_endpoint_url: str | None = None) -> Store:
     """The store a command reads; an error when nothing is there."""
     s3 = S3Options.from_keywords(endpoint_url=s3_endpoint_url)

@@ -10,36 +10,36 @@ jobs under ``ckptvault supervise``).
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from ckptvault.cli._common import human_bytes, out, print_json, safe_markup
-from ckptvault.errors import UsageError
+from ckptvault.cli._common import (
+    CatalogLedgerOption,
+    CatalogPathOption,
+    catalog_file,
+    human_bytes,
+    out,
+    print_json,
+    safe_markup,
+)
 from ckptvault.lifecycle.catalog import (
     Catalog,
     FailureRecord,
     RestoreRecord,
     SaveRecord,
-    default_catalog_path,
     store_key,
 )
 from ckptvault.lifecycle.catalog_attempts import AttemptRecord, recent_attempts
-from ckptvault.trust.ledger import default_ledger_path
 
 SAVE_STAGES = ("stage", "write", "fsync", "publish")
 RESTORE_STAGES = ("discovery", "verification", "read", "apply")
 
 
 def catalog(
-    ledger: Annotated[
-        Path | None, typer.Option("--ledger", help="Read the catalog beside this ledger.")
-    ] = None,
-    catalog_path: Annotated[
-        Path | None, typer.Option("--catalog", help="Read this catalog file.")
-    ] = None,
+    ledger: CatalogLedgerOption = None,
+    catalog_path: CatalogPathOption = None,
     store: Annotated[
         str | None, typer.Option("--store", help="Only this store (path or URL).")
     ] = None,
@@ -48,14 +48,8 @@ def catalog(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False,
 ) -> None:
     """Show recent saves (with stage timings), restores and failures from the catalog."""
-    if ledger is not None and catalog_path is not None:
-        raise UsageError("give --ledger or --catalog, not both")
-    path = catalog_path or default_catalog_path(ledger or default_ledger_path())
-    if not path.is_file():
-        raise UsageError(
-            f"no catalog at {path}: a CheckpointManager writes it (catalog= option) once it "
-            "saved or restored; give --catalog PATH, or --ledger PATH for the one beside a ledger"
-        )
+    path = catalog_file(ledger, catalog_path, required=True)
+    assert path is not None  # required: an error otherwise
     key = store_key(store) if store is not None else None
     with Catalog(path) as book:
         saves = book.recent_saves(key, run_id, limit)

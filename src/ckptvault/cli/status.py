@@ -13,14 +13,16 @@ an unreadable store or catalog.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from ckptvault.cli._common import (
     STORE_HELP,
+    CatalogLedgerOption,
+    CatalogPathOption,
     S3EndpointUrl,
+    catalog_file,
     err,
     human_bytes,
     open_store,
@@ -29,10 +31,8 @@ from ckptvault.cli._common import (
     safe_markup,
 )
 from ckptvault.errors import UsageError
-from ckptvault.lifecycle.catalog import default_catalog_path
 from ckptvault.lifecycle.health import HealthReport, check_health
 from ckptvault.lifecycle.prometheus import import_prometheus
-from ckptvault.trust.ledger import default_ledger_path
 
 
 def status(
@@ -41,12 +41,8 @@ def status(
     prometheus: Annotated[
         bool, typer.Option("--prometheus", help="Print the Prometheus text format.")
     ] = False,
-    ledger: Annotated[
-        Path | None, typer.Option("--ledger", help="Read the catalog beside this ledger.")
-    ] = None,
-    catalog_path: Annotated[
-        Path | None, typer.Option("--catalog", help="Read this catalog file.")
-    ] = None,
+    ledger: CatalogLedgerOption = None,
+    catalog_path: CatalogPathOption = None,
     cadence_seconds: Annotated[
         float | None,
         typer.Option(
@@ -62,7 +58,7 @@ def status(
     storage use, replication lag; warn at every alert threshold (exit status 1)."""
     if as_json and prometheus:
         raise UsageError("give --json or --prometheus, not both")
-    path = _catalog(ledger, catalog_path)
+    path = catalog_file(ledger, catalog_path, required=False)
     store = open_store(directory, s3_endpoint_url)
     report = check_health(store, path, cadence_seconds)
     if as_json:
@@ -74,22 +70,6 @@ def status(
         _print(report)
     if report.warnings:
         raise typer.Exit(1)
-
-
-def _catalog(ledger: Path | None, catalog_path: Path | None) -> Path | None:
-    """The catalog to read; None when the default one does not exist (a store
-    without a catalog still has a listing). One given explicitly must exist."""
-    if ledger is not None and catalog_path is not None:
-        raise UsageError("give --ledger or --catalog, not both")
-    path = catalog_path or default_catalog_path(ledger or default_ledger_path())
-    if path.is_file():
-        return path
-    if catalog_path is not None or ledger is not None:
-        raise UsageError(
-            f"no catalog at {path}: give the catalog the manager writes (catalog= option; "
-            "default beside the ledger), or leave --catalog/--ledger out"
-        )
-    return None
 
 
 def _age(seconds: float | None) -> str:
