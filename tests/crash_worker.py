@@ -25,7 +25,10 @@ def main() -> None:
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     state = {"model": model, "optimizer": opt, "rng": cv.RNGState(), "meta": {"step": -1}}
-    with cv.CheckpointManager(sys.argv[1], run_id="crash") as mgr:
+    # Retention keeps the store small however many kills a long run makes (so checking
+    # it stays cheap), and puts deletions among the moments a kill can land.
+    keep = cv.Retention(keep_last=4, delete_delay=0)
+    with cv.CheckpointManager(sys.argv[1], run_id="crash", retention=keep) as mgr:
         info = mgr.restore(state)
         restored = info.step if info else -1
         assert state["meta"]["step"] == restored
