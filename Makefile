@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint crash bench clean
+.PHONY: demo test lint crash reliability fuzz bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,22 @@ lint: $(STAMP)
 # timeout that fits the budget, not pytest's 600 s default.
 crash: $(STAMP)
 	CKPTVAULT_CRASH_KILLS=200 $(PY) -m pytest -q --timeout 3600 tests/test_crash_safety.py
+
+# Every reliability scenario (crash kills, simulated power loss, corruption, hostile
+# generations, fuzzing) at its long budget, then the table of trials and failures
+# (the README's Reliability section). Exits non-zero if any scenario failed.
+RELIABILITY_LOG := $(CURDIR)/.reliability.jsonl
+reliability: $(STAMP)
+	rm -f $(RELIABILITY_LOG)
+	status=0; \
+	CKPTVAULT_RELIABILITY_LONG=1 CKPTVAULT_RELIABILITY_LOG=$(RELIABILITY_LOG) \
+	  $(PY) -m pytest -q --timeout 3600 -m reliability tests || status=$$?; \
+	$(PY) tests/reliability_table.py $(RELIABILITY_LOG) || status=1; \
+	exit $$status
+
+# Property-based fuzzing with a long budget (CI runs a bounded one in make test).
+fuzz: $(STAMP)
+	CKPTVAULT_RELIABILITY_LONG=1 $(PY) -m pytest -q --timeout 3600 -m fuzz tests
 
 bench: $(STAMP)
 	$(PY) -m bench.save_restore --size-gb 1 --reps 7
