@@ -27,6 +27,7 @@ from ckptvault.restoring.restorer import RestoreInfo
 from ckptvault.restoring.selector import SkippedGeneration
 from ckptvault.saving.handles import SaveHandle, SaveStats
 from ckptvault.state.capture import CapturedState, capture_state
+from ckptvault.state.names import ApplyOptions, Rename
 from ckptvault.state.ranks import capture_ranked
 from ckptvault.storage import StoreLocation
 from ckptvault.storage.listing import GenerationInfo, list_generation_infos
@@ -218,6 +219,9 @@ class CheckpointManager:
         strict: bool = True,
         allow_contract_change: bool = False,
         allow_rollback_to: int | None = None,
+        *,
+        rename: Rename = None,
+        strict_dtypes: bool = False,
     ) -> RestoreInfo | None:
         """Restore the newest generation (of ``step``, when given) that verifies.
 
@@ -232,9 +236,20 @@ class CheckpointManager:
         floor; the floor is lowered to it and every newer generation made before the
         rollback is abandoned. More than ``max_fallback`` failed newer generations:
         ``RollbackError``.
+
+        ``strict=False`` loads what matches and lists the rest in the returned
+        ``RestoreInfo`` (``missing``, ``unexpected``, ``mismatched``); a module none of
+        whose keys match is still an error. Module keys match by their plain names
+        (``torch.compile``'s ``_orig_mod.`` ignored); ``rename={"old.": "new."}`` (or a
+        callable) maps checkpoint names to live ones. A tensor saved in another dtype
+        is cast to the live one, as ``load_state_dict`` does, and listed in
+        ``RestoreInfo.casts``; ``strict_dtypes=True`` refuses it instead.
         """
         self._check_open()
-        info = self._restorer.restore(state, step, strict, allow_contract_change, allow_rollback_to)
+        options = ApplyOptions(rename=rename, strict_dtypes=strict_dtypes)
+        info = self._restorer.restore(
+            state, step, strict, allow_contract_change, allow_rollback_to, options
+        )
         if info is not None:
             self._writer.parent = info.generation_id
         return info

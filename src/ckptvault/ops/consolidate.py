@@ -41,6 +41,7 @@ from ckptvault.io.load import prepare_load
 from ckptvault.io.verified_ranges import VerifiedRanges, bytes_of
 from ckptvault.progress import Meter, Progress  # here: (tensor bytes written, of how many)
 from ckptvault.restoring.selector import CandidateSelector
+from ckptvault.state.names import plain_name
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import TrustPolicy
 from ckptvault.trust.context import TrustContext
@@ -189,14 +190,15 @@ def prefixed_tensors(
 ) -> list[OutputTensor]:
     """The tensors whose keys lie under ``prefix`` (``model/``; empty: all), named
     by the rest of their key path joined with dots (``model/layer/weight`` ->
-    ``layer.weight``), floating point ones cast to ``dtype``; sorted by name."""
+    ``layer.weight``, without ``torch.compile``'s ``_orig_mod.``), floating point ones cast to ``dtype``; sorted by name."""
     base = [part for part in prefix.split("/") if part]
     found: dict[str, OutputTensor] = {}
     for key, info in manifest.dcp["tensors"].items():
         parts = key.split("/")
         if parts[: len(base)] != base:
             continue
-        name = ".".join(_unescape(part) for part in parts[len(base) :] or parts[-1:])
+        # Plain names: a compiled model's (older) checkpoint exports as the plain one.
+        name = plain_name(".".join(_unescape(part) for part in parts[len(base) :] or parts[-1:]))
         if name in found:
             raise UsageError(
                 f"tensors {found[name].key!r} and {key!r} would both be named {name!r}; "

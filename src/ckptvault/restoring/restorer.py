@@ -26,6 +26,7 @@ from ckptvault.restoring.selector import CandidateSelector, Selection, SkippedGe
 from ckptvault.run_context import RunContext
 from ckptvault.state.apply import plan_restore
 from ckptvault.state.contract import compare_contracts
+from ckptvault.state.names import ApplyOptions
 from ckptvault.state.ranks import capture_ranked, leave_per_rank_alone
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.timing import StageClock
@@ -55,6 +56,13 @@ class RestoreInfo:
     # Per-rank entries left as they were: saved by another world size, they mean
     # nothing here (``ckptvault.state.ranks``).
     reset: list[str] = field(default_factory=list)
+    # What was applied: each entry loaded ("model (12 of 14 keys)", "optimizer", a
+    # tensor's path), every tensor cast to the live dtype ("model.w: torch.bfloat16 ->
+    # torch.float32"), every checkpoint name mapped by rename= ("model.a.w -> b.w").
+    # With strict=False, ``missing``/``unexpected``/``mismatched`` list what was not.
+    loaded: list[str] = field(default_factory=list)
+    casts: list[str] = field(default_factory=list)
+    renamed: list[str] = field(default_factory=list)
 
 
 def _warn_fallback(ref: GenerationRef, skipped: list[SkippedGeneration]) -> None:
@@ -110,12 +118,19 @@ class Restorer:
         strict: bool = True,
         allow_contract_change: bool = False,
         allow_rollback_to: int | None = None,
+        options: ApplyOptions | None = None,
     ) -> RestoreInfo | None:
         """See :meth:`ckptvault.CheckpointManager.restore`."""
         clock = StageClock()
         try:
             return self._restore(
-                state, step, strict, allow_contract_change, allow_rollback_to, clock
+                state,
+                step,
+                strict,
+                allow_contract_change,
+                allow_rollback_to,
+                clock,
+                options or ApplyOptions(),
             )
         except CheckpointError as exc:
             if not isinstance(exc, AuditError):
@@ -130,6 +145,7 @@ class Restorer:
         allow_contract_change: bool,
         allow_rollback_to: int | None,
         clock: StageClock,
+        options: ApplyOptions,
     ) -> RestoreInfo | None:
         self.trust.ensure_key_usable(self.run_id)  # crypto-erased runs are gone for good
         chosen = self._choose_anywhere(state, step, allow_rollback_to, clock)
@@ -145,7 +161,9 @@ class Restorer:
             try:
                 if self.contract_fields is not None and not allow_contract_change:
                     compare_contracts(loaded.manifest.contract, self.contract_fields, where)
-                plan = plan_restore(state, loaded.saved, loaded.reset)
+                plan = plan_restore(state, loaded.saved, loaded.reset, options)
+                if plan.refused:
+                    raise plan.refusal_error(where)
                 if strict and not plan.clean:
                     raise plan.mismatch_error(where)
             except CheckpointError as exc:
@@ -173,6 +191,9 @@ class Restorer:
             seconds=clock.elapsed(),
             signer=loaded.signer,
             reset=loaded.reset,
+            loaded=plan.loaded,
+            casts=plan.casts,
+            renamed=plan.renamed,
         )
 
     def _choose_anywhere(

@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 from ckptvault.errors import CheckpointError, StateMismatchError
+from ckptvault.state.apply_module import plan_module
 from ckptvault.state.apply_objects import (
     plan_generic_stateful,
-    plan_module,
     plan_numpy_generator,
     plan_optimizer,
     plan_rng_state,
@@ -59,6 +59,7 @@ from ckptvault.state.capture import (
     type_name,
 )
 from ckptvault.state.codec import KeyPath, format_path
+from ckptvault.state.names import ApplyOptions
 from ckptvault.state.restore_plan import Action, RestorePlan
 from ckptvault.state.rng import RNGState
 
@@ -92,8 +93,9 @@ def _contains_placeholder(value: Any) -> bool:
 
 
 class _Planner:
-    def __init__(self) -> None:
+    def __init__(self, options: ApplyOptions) -> None:
         self.plan = RestorePlan()
+        self.options = options
 
     # Each resolve_* returns the value the parent container should hold afterwards.
 
@@ -178,12 +180,22 @@ class _Planner:
     def _tensor(self, current: Any, saved: torch.Tensor, path: KeyPath) -> Any:
         if not isinstance(current, torch.Tensor):
             return saved
-        if current.shape != saved.shape or current.dtype != saved.dtype:
+        where = format_path(path)
+        if current.shape != saved.shape:
             self.plan.mismatched.append(
-                f"{format_path(path)}: checkpoint {saved.dtype} {list(saved.shape)}, "
+                f"{where}: checkpoint {saved.dtype} {list(saved.shape)}, "
                 f"state {current.dtype} {list(current.shape)}"
             )
             return current
+        if current.dtype != saved.dtype:
+            # One rule for every tensor, as load_state_dict: copy_ casts; every cast is
+            # listed, and strict_dtypes refuses instead.
+            cast = f"{where}: {saved.dtype} -> {current.dtype}"
+            if self.options.strict_dtypes:
+                self.plan.mismatched.append(f"{cast} refused (strict_dtypes=True)")
+                return current
+            self.plan.casts.append(cast)
+        self.plan.loaded.append(where)
 
         def copy_in_place() -> None:
             with torch.no_grad():
@@ -215,7 +227,7 @@ class _Planner:
             )
             return current
         if kind == MODULE:
-            plan_module(self.plan, current, saved, path)
+            plan_module(self.plan, current, saved, path, self.options)
         elif kind == OPTIMIZER:
             plan_optimizer(self.plan, current, saved, path)
         else:
@@ -224,13 +236,18 @@ class _Planner:
 
 
 def plan_restore(
-    state: MutableMapping[str, Any], saved: dict[str, Any], left_alone: Iterable[str] = ()
+    state: MutableMapping[str, Any],
+    saved: dict[str, Any],
+    left_alone: Iterable[str] = (),
+    options: ApplyOptions | None = None,
 ) -> RestorePlan:
     """Match ``saved`` (decoded) against ``state``; changes nothing. The caller
-    decides whether an unclean plan (missing, unexpected, mismatched) is an error.
-    Entries of ``state`` named in ``left_alone`` (per-rank entries a new world size
-    cannot restore) are not missing: they stay as they are."""
-    planner = _Planner()
+    decides whether an unclean plan (missing, unexpected, mismatched) is an error;
+    a plan with ``refused`` entries is one whatever ``strict`` says. Entries of
+    ``state`` named in ``left_alone`` (per-rank entries a new world size cannot
+    restore) are not missing: they stay as they are. ``options``: renames and the
+    dtype rule (:class:`ckptvault.state.names.ApplyOptions`)."""
+    planner = _Planner(options or ApplyOptions())
     plan = planner.plan
     for key, value in saved.items():
         if key not in state:

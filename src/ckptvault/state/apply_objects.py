@@ -1,8 +1,9 @@
 """Planning the restore of one live object, kind by kind.
 
-Modules, optimizers, other stateful objects (LR schedulers, GradScaler, anything
+Optimizers, other stateful objects (LR schedulers, GradScaler, anything
 with ``state_dict``/``load_state_dict``), ``RNGState`` and NumPy and torch
-generators each have their own planner here. A planner checks the saved state
+generators each have their own planner here (modules in
+:mod:`ckptvault.state.apply_module`). A planner checks the saved state
 against the live object without changing it, records every problem in the
 :class:`~ckptvault.state.restore_plan.RestorePlan`, and adds the action that loads
 the state only when nothing was wrong. :mod:`ckptvault.state.apply` walks the state
@@ -11,7 +12,6 @@ tree and calls them.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,54 +39,6 @@ def _shape(value: Any) -> list[int] | None:
 # -- stateful objects ----------------------------------------------------------------
 
 
-def plan_module(
-    plan: RestorePlan, module: torch.nn.Module, saved: StatefulPayload, path: KeyPath
-) -> None:
-    expected = module.state_dict()
-    state = saved.state
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    # A parameter or buffer takes a tensor of its shape (load_state_dict would
-    # copy the others first and then fail: refused here, before anything runs).
-    not_tensors = [
-        k
-        for k in state
-        if k in expected
-        and isinstance(expected[k], torch.Tensor)
-        and not isinstance(state[k], torch.Tensor)
-    ]
-    mismatched = [
-        k
-        for k in state
-        if k in expected
-        and _shape(state[k]) is not None
-        and _shape(expected[k]) is not None
-        and _shape(state[k]) != _shape(expected[k])
-    ]
-    plan.missing += [format_path((*path, k)) for k in missing]
-    plan.unexpected += [format_path((*path, k)) for k in unexpected]
-    plan.mismatched += [
-        f"{format_path((*path, k))}: checkpoint {_shape(state[k])}, model {_shape(expected[k])}"
-        for k in mismatched
-    ]
-    plan.mismatched += [
-        f"{format_path((*path, k))}: checkpoint value of type {type(state[k]).__name__}, "
-        "the model expects a tensor"
-        for k in not_tensors
-    ]
-    mismatched += not_tensors
-    drop = set(unexpected) | set(mismatched)
-    loadable: OrderedDict[str, Any] = OrderedDict((k, v) for k, v in state.items() if k not in drop)
-    if saved.module_metadata is not None:
-        # state_dict() carries per-module versions as an attribute of the dict;
-        # load_state_dict reads it back from there. Typeshed's OrderedDict has no slot.
-        loadable._metadata = saved.module_metadata  # type: ignore[attr-defined]
-    exact = not (missing or drop)
-    plan.actions.append(
-        Action(format_path(path), lambda: module.load_state_dict(loadable, strict=exact))
-    )
-
-
 def plan_optimizer(
     plan: RestorePlan, optimizer: torch.optim.Optimizer, saved: StatefulPayload, path: KeyPath
 ) -> None:
@@ -104,6 +56,7 @@ def plan_optimizer(
         return
     by_id = dict(zip(saved_ids, params, strict=True))
     if _per_param_state_fits(plan, per_param, by_id, path):
+        plan.loaded.append(where)
         plan.actions.append(Action(where, lambda: optimizer.load_state_dict(saved.state)))
 
 
@@ -203,6 +156,7 @@ def plan_generic_stateful(
     if problems:
         plan.mismatched += problems
         return
+    plan.loaded.append(where)
     plan.actions.append(Action(where, lambda: obj.load_state_dict(state)))
 
 
@@ -252,6 +206,7 @@ def plan_rng_state(plan: RestorePlan, current: Any, saved: RngPayload, path: Key
         plan.mismatched.append(f"{format_path(path)}: the checkpoint holds RNGState")
         return current
     current.check_state_dict(saved.state, format_path(path))
+    plan.loaded.append(format_path(path))
     plan.rng_actions.append(Action(format_path(path), lambda: current.load_state_dict(saved.state)))
     return current
 
@@ -281,6 +236,7 @@ def plan_numpy_generator(
     def set_state() -> None:
         current.bit_generator.state = saved.state
 
+    plan.loaded.append(where)
     plan.rng_actions.append(Action(where, set_state))
     return current
 
@@ -309,5 +265,6 @@ def plan_torch_generator(
     def set_state() -> None:
         current.set_state(saved.state)
 
+    plan.loaded.append(where)
     plan.rng_actions.append(Action(where, set_state))
     return current

@@ -33,6 +33,7 @@ from ckptvault.state.codec import (
     parse_device,
     tensor_key,
 )
+from ckptvault.state.names import plain_name
 from ckptvault.state.rng import RNGState
 
 MODULE = "module"
@@ -124,16 +125,37 @@ class _StateEncoder(Encoder):
             raise UnsupportedValueError(
                 format_path(path), state, f"{type_name(value)}.state_dict() must return a dict"
             )
+        kind = stateful_kind(value)
+        plain = _plain_names(state, path) if kind == MODULE else dict(state)
         payload: dict[str, Any] = {
-            "kind": stateful_kind(value),
+            "kind": kind,
             "type": type_name(value),
-            "state": self._plain.encode(dict(state), path),
+            "state": self._plain.encode(plain, path),
         }
         metadata = getattr(state, "_metadata", None)
+        if kind == MODULE and metadata is not None:
+            # Later (deeper) prefixes win: a compiled root's "" and "_orig_mod" are one.
+            metadata = {plain_name(prefix): versions for prefix, versions in metadata.items()}
         if payload["kind"] == MODULE and metadata is not None:
             # Per-submodule versions that load_state_dict hands to _load_from_state_dict.
             payload["module_metadata"] = self._plain.encode(metadata, (*path, "_metadata"))
         return {"$stateful": payload}
+
+
+def _plain_names(state: Mapping[str, Any], path: KeyPath) -> dict[str, Any]:
+    """A module's state under the plain names (no ``_orig_mod.``), so checkpoints
+    of compiled and plain models are interchangeable (:mod:`ckptvault.state.names`)."""
+    plain: dict[str, Any] = {}
+    for key, value in state.items():
+        name = plain_name(key) if isinstance(key, str) else key
+        if name in plain:
+            raise UnsupportedValueError(
+                format_path((*path, key)),
+                key,
+                f"two keys of the module's state_dict() have the plain name {name!r}",
+            )
+        plain[name] = value
+    return plain
 
 
 def capture_state(state: Mapping[str, Any]) -> CapturedState:

@@ -36,6 +36,13 @@ class RestorePlan:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
+    # Problems that refuse the restore even with strict=False (an object none of
+    # whose state matches would otherwise be left untouched while others load).
+    refused: list[str] = field(default_factory=list)
+    # What the plan loads, casts and renames, for RestoreInfo.
+    loaded: list[str] = field(default_factory=list)
+    casts: list[str] = field(default_factory=list)
+    renamed: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
@@ -59,6 +66,16 @@ class RestorePlan:
                     mismatched=[entry],
                 )
                 raise failure from exc
+
+    def refusal_error(self, where: str) -> StateMismatchError:
+        """The error for a plan with :attr:`refused` entries (raised whatever ``strict``)."""
+        return StateMismatchError(
+            f"{where} cannot be restored into these objects, even with strict=False: "
+            + "; ".join(self.refused[:5])
+            + (f"; ... ({len(self.refused)} in all)" if len(self.refused) > 5 else "")
+            + ". Nothing was restored.",
+            mismatched=self.refused,
+        )
 
     def mismatch_error(self, where: str) -> StateMismatchError:
         parts = []
