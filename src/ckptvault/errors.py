@@ -122,6 +122,15 @@ class ContractMismatch(CheckpointError):
         super().__init__(message)
 
 
+class EnvironmentMismatch(CheckpointError):
+    """The software or devices differ from those the generation was saved with, and
+    ``restore(..., strict_env=True)`` asked for the same environment."""
+
+    def __init__(self, message: str, differences: Sequence[str] = ()) -> None:
+        self.differences = list(differences)
+        super().__init__(message)
+
+
 class StateMismatchError(CheckpointError):
     """The checkpoint's keys or shapes do not match the objects being restored into."""
 
@@ -165,6 +174,7 @@ __all__ = [
     "CollectiveError",
     "ContractMismatch",
     "DecryptionError",
+    "EnvironmentMismatch",
     "FormatError",
     "IntegrityError",
     "KeyDestroyedError",

@@ -222,6 +222,7 @@ class CheckpointManager:
         *,
         rename: Rename = None,
         strict_dtypes: bool = False,
+        strict_env: bool = False,
     ) -> RestoreInfo | None:
         """Restore the newest generation (of ``step``, when given) that verifies.
 
@@ -243,10 +244,15 @@ class CheckpointManager:
         (``torch.compile``'s ``_orig_mod.`` ignored); ``rename={"old.": "new."}`` (or a
         callable) maps checkpoint names to live ones. A tensor saved in another dtype
         is cast to the live one, as ``load_state_dict`` does, and listed in
-        ``RestoreInfo.casts``; ``strict_dtypes=True`` refuses it instead.
+        ``RestoreInfo.casts``; ``strict_dtypes=True`` refuses it instead. Software
+        versions or CUDA devices that differ from the saved ones are listed in
+        ``RestoreInfo.environment`` with a warning; ``strict_env=True`` raises
+        ``EnvironmentMismatch`` instead.
         """
         self._check_open()
-        options = ApplyOptions(rename=rename, strict_dtypes=strict_dtypes)
+        options = ApplyOptions(
+            rename=rename, strict_dtypes=strict_dtypes, strict_env=strict_env
+        )
         info = self._restorer.restore(
             state, step, strict, allow_contract_change, allow_rollback_to, options
         )

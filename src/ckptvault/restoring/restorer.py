@@ -17,7 +17,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptvault.distributed.restore import CollectiveLoader, optimizer_param_hints
-from ckptvault.errors import AuditError, CheckpointError, NoValidCheckpoint
+from ckptvault.errors import (
+    AuditError,
+    CheckpointError,
+    EnvironmentMismatch,
+    NoValidCheckpoint,
+)
 from ckptvault.events import Refused, Restored, RollbackApplied
 from ckptvault.format.layout import GenerationName
 from ckptvault.io.load import LoadedGeneration, load_verified, saved_world_size
@@ -26,6 +31,7 @@ from ckptvault.restoring.selector import CandidateSelector, Selection, SkippedGe
 from ckptvault.run_context import RunContext
 from ckptvault.state.apply import plan_restore
 from ckptvault.state.contract import compare_contracts
+from ckptvault.state.environment import environment_differences
 from ckptvault.state.names import ApplyOptions
 from ckptvault.state.ranks import capture_ranked, leave_per_rank_alone
 from ckptvault.storage.base import GenerationRef, Store
@@ -63,6 +69,25 @@ class RestoreInfo:
     loaded: list[str] = field(default_factory=list)
     casts: list[str] = field(default_factory=list)
     renamed: list[str] = field(default_factory=list)
+    # How the environment differs from the one the generation was saved in
+    # ("torch: 2.12.0 (saved) -> 2.13.0 (now)"); warned about, refused by strict_env.
+    environment: list[str] = field(default_factory=list)
+
+
+def check_environment(contract: Any, where: str, options: ApplyOptions) -> list[str]:
+    """The environment's differences from the saved one: a warning, or under
+    ``strict_env`` an :class:`EnvironmentMismatch` (before anything is applied)."""
+    differences = environment_differences(contract)
+    if differences and options.strict_env:
+        raise EnvironmentMismatch(
+            f"{where} was saved in another environment: {'; '.join(differences)}. Restore "
+            "with the same software and devices for an exact resume, or without "
+            "strict_env=True to accept the difference.",
+            differences,
+        )
+    if differences:
+        logger.warning("%s was saved in another environment: %s", where, "; ".join(differences))
+    return differences
 
 
 def _warn_fallback(ref: GenerationRef, skipped: list[SkippedGeneration]) -> None:
@@ -157,10 +182,12 @@ class Restorer:
         world = self.coordinator.world_size
         loaded.reset += leave_per_rank_alone(state, loaded.saved, saved_world, world)
         plan, mismatch = None, None
+        environment: list[str] = []
         with clock.stage("apply"):  # matching the live objects, then applying
             try:
                 if self.contract_fields is not None and not allow_contract_change:
                     compare_contracts(loaded.manifest.contract, self.contract_fields, where)
+                environment = check_environment(loaded.manifest.contract, where, options)
                 plan = plan_restore(state, loaded.saved, loaded.reset, options)
                 if plan.refused:
                     raise plan.refusal_error(where)
@@ -194,6 +221,7 @@ class Restorer:
             loaded=plan.loaded,
             casts=plan.casts,
             renamed=plan.renamed,
+            environment=environment,
         )
 
     def _choose_anywhere(

@@ -22,14 +22,12 @@ from collections.abc import Mapping
 from pathlib import PurePath
 from typing import Any
 
-import numpy as np
-import torch
 from blake3 import blake3
 
-from ckptvault._version import __version__
 from ckptvault.errors import ContractMismatch, FormatError, UsageError
 from ckptvault.format.canonical import dumps_canonical
 from ckptvault.state.codec import encode_plain
+from ckptvault.state.environment import environment_versions
 
 INLINE_LIMIT = 4096
 
@@ -90,12 +88,7 @@ def build_contract(
     return {
         "fields": encode_contract_fields(fields or {}),
         "code_revision": revision,
-        "versions": {
-            "ckptvault": __version__,
-            "torch": torch.__version__,
-            "numpy": np.__version__,
-            "python": platform.python_version(),
-        },
+        "versions": environment_versions(),
         "host_os": os.uname().sysname if hasattr(os, "uname") else platform.system(),
     }
 

@@ -52,10 +52,13 @@ class ApplyOptions:
     applied to the keys of saved module state. ``strict_dtypes``: refuse a tensor
     whose saved dtype differs from the live one instead of casting it (the default
     casts, as ``load_state_dict`` does, and lists every cast in ``RestoreInfo``).
+    ``strict_env``: refuse a generation saved with other software versions or CUDA
+    devices (:mod:`ckptvault.state.environment`) instead of warning.
     """
 
     rename: Rename = None
     strict_dtypes: bool = False
+    strict_env: bool = False
     _prefixes: tuple[tuple[str, str], ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
