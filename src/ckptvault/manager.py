@@ -27,6 +27,7 @@ from ckptvault.restoring.restorer import RestoreInfo
 from ckptvault.restoring.selector import SkippedGeneration
 from ckptvault.saving.handles import SaveHandle, SaveStats
 from ckptvault.state.capture import CapturedState, capture_state
+from ckptvault.state.gradients import GradientWatch, with_gradients
 from ckptvault.state.names import ApplyOptions, Rename
 from ckptvault.state.ranks import capture_ranked
 from ckptvault.storage import StoreLocation
@@ -119,6 +120,7 @@ class CheckpointManager:
         self.metrics = parts.metrics  # None when off; .registry, .port
         self.metrics_registry = parts.metrics.registry if parts.metrics is not None else None
         self._validator, self._sampled_validation = parts.validator, parts.sampled_validation
+        self._gradients = GradientWatch()
         self._closed = False
 
     @property
@@ -132,6 +134,9 @@ class CheckpointManager:
         state: Mapping[str, Any],
         blocking: bool | None = None,
         metrics: Mapping[str, float] | None = None,
+        *,
+        include_grads: bool = False,
+        strict: bool = False,
     ) -> SaveHandle:
         """Save ``state`` as a new generation of ``step``; ``metrics`` (name -> finite
         number, e.g. ``{"val_loss": 0.3}``) are recorded in its manifest.
@@ -141,10 +146,18 @@ class CheckpointManager:
         state is copied into staging buffers; writing and publishing happen in the
         background, and an error surfaces from the handle, the next ``save``,
         ``wait`` or ``close``.
+
+        A save between ``backward()`` and ``optimizer.step()`` drops the accumulated
+        gradients, so its resume is not exact: it is warned about (``strict=True``
+        raises ``UsageError``); ``include_grads=True`` saves them and restore puts
+        them back (:mod:`ckptvault.state.gradients`).
         """
         step = validate_step(step)
         recorded = validate_metrics(metrics)
         self._check_open()
+        self._gradients.check(step, state, include_grads, strict)
+        if include_grads:
+            state = with_gradients(state)
         if self.preempted:
             raise self._final_save(step, state, recorded)
         self._scheduler.raise_background_error()
@@ -258,6 +271,7 @@ class CheckpointManager:
         )
         if info is not None:
             self._writer.parent = info.generation_id
+        self._gradients.observe(state)  # from here on, saves mid-accumulation are seen
         return info
 
     def validate(self, factory: Factory, step: int | None = None) -> ValidationResult:

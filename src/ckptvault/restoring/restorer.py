@@ -32,6 +32,7 @@ from ckptvault.run_context import RunContext
 from ckptvault.state.apply import plan_restore
 from ckptvault.state.contract import compare_contracts
 from ckptvault.state.environment import environment_differences
+from ckptvault.state.gradients import gradient_slots
 from ckptvault.state.names import ApplyOptions
 from ckptvault.state.ranks import capture_ranked, leave_per_rank_alone
 from ckptvault.storage.base import GenerationRef, Store
@@ -183,7 +184,8 @@ class Restorer:
         loaded.reset += leave_per_rank_alone(state, loaded.saved, saved_world, world)
         plan, mismatch = None, None
         environment: list[str] = []
-        with clock.stage("apply"):  # matching the live objects, then applying
+        # Gradients saved with include_grads=True land in .grad like any entry.
+        with gradient_slots(state, loaded.saved), clock.stage("apply"):
             try:
                 if self.contract_fields is not None and not allow_contract_change:
                     compare_contracts(loaded.manifest.contract, self.contract_fields, where)
