@@ -186,11 +186,16 @@ def stream_generation(
 
 
 def prefixed_tensors(
-    manifest: Manifest, prefix: str, dtype: torch.dtype | None
+    manifest: Manifest,
+    prefix: str,
+    dtype: torch.dtype | None,
+    aliases: Mapping[str, str] | None = None,
 ) -> list[OutputTensor]:
     """The tensors whose keys lie under ``prefix`` (``model/``; empty: all), named
     by the rest of their key path joined with dots (``model/layer/weight`` ->
-    ``layer.weight``, without ``torch.compile``'s ``_orig_mod.``), floating point ones cast to ``dtype``; sorted by name."""
+    ``layer.weight``, without ``torch.compile``'s ``_orig_mod.``), and ``aliases``
+    (name -> key: tied weights) under their names; floating point ones cast to
+    ``dtype``; sorted by name."""
     base = [part for part in prefix.split("/") if part]
     found: dict[str, OutputTensor] = {}
     for key, info in manifest.dcp["tensors"].items():
@@ -207,6 +212,11 @@ def prefixed_tensors(
         stored = dtype_from_name(info["dtype"], f"tensor {key[:200]!r}")
         cast = dtype if dtype is not None and stored.is_floating_point else stored
         found[name] = OutputTensor(name, key, tuple(info["shape"]), cast)
+    for alias, key in (aliases or {}).items():  # tied weights: each name gets its tensor
+        info, name = manifest.dcp["tensors"][key], plain_name(alias)
+        stored = dtype_from_name(info["dtype"], f"tensor {key[:200]!r}")
+        cast = dtype if dtype is not None and stored.is_floating_point else stored
+        found.setdefault(name, OutputTensor(name, key, tuple(info["shape"]), cast))
     if not found:
         keys = ", ".join(sorted({k.split("/")[0] + "/" for k in manifest.dcp["tensors"]})[:10])
         raise UsageError(f"no tensor of the checkpoint lies under {prefix!r}; prefixes: {keys}")

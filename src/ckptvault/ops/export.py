@@ -32,6 +32,7 @@ from ckptvault.errors import FormatError, NoValidCheckpoint, UsageError
 from ckptvault.format.manifest import Manifest
 from ckptvault.io.load import saved_world_size
 from ckptvault.io.verified_ranges import VerifiedRanges
+from ckptvault.ops.aliases import tensor_aliases
 from ckptvault.ops.consolidate import (
     DEFAULT_MAX_SHARD,
     meter,
@@ -135,7 +136,10 @@ def _write_entry(
     source: VerifiedRanges,
 ) -> ExportResult:
     """Write entry ``key`` of a checked generation to ``out_path``, atomically."""
-    tensors = prefixed_tensors(manifest, _entry_prefix(source.ref, manifest, tree, key), target)
+    prefix, view = _entry_view(source.ref, manifest, tree, key)
+    where = f"generation {manifest.generation_id}"
+    aliases = tensor_aliases(view, key, manifest.dcp["tensors"], where)  # tied weights
+    tensors = prefixed_tensors(manifest, prefix, target, aliases)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     metadata = _file_metadata(manifest, ckptvault_entry=key)
     with atomic_path(out_path) as temporary:
@@ -180,8 +184,11 @@ def _cast_to(dtype: str | None) -> torch.dtype | None:
     return DTYPES[dtype] if dtype else None
 
 
-def _entry_prefix(ref: GenerationRef, manifest: Manifest, tree: Any, key: str) -> str:
-    """The tensor key prefix of the job's state entry ``key`` (UsageError if none)."""
+def _entry_view(
+    ref: GenerationRef, manifest: Manifest, tree: Any, key: str
+) -> tuple[str, dict[str, Any]]:
+    """The tensor key prefix of the job's state entry ``key`` (UsageError if none),
+    and the job's state tree as one rank restores it."""
     where = f"generation {manifest.generation_id}"
     try:  # as one rank restores it: the job's entries
         view, _per_rank = tree_for_rank(tree, saved_world_size(manifest), 0, 1, where)
@@ -189,7 +196,7 @@ def _entry_prefix(ref: GenerationRef, manifest: Manifest, tree: Any, key: str) -
         raise GenerationRejected(ref, [Problem(MANIFEST_INVALID, str(exc))]) from exc
     if key not in view:
         raise UsageError(f"the checkpoint has no entry {key!r}; entries: {', '.join(sorted(view))}")
-    return tensor_key((key,)) + "/"
+    return tensor_key((key,)) + "/", view
 
 
 def _file_metadata(manifest: Manifest, **extra: str) -> dict[str, str]:

@@ -80,10 +80,32 @@ class CapturedState:
     rank_tree: dict[str, Any] | None = None
 
 
+def _identity(tensor: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors one (a tied embedding and LM head): the same memory
+    seen the same way. None where that cannot be told cheaply (sharded DTensors,
+    meta or empty tensors): those are always written apart."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.numel() == 0:
+        return None
+    if tensor.device.type == "meta":
+        return None
+    return (
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tensor.stride(),
+        tensor.dtype,
+        str(tensor.device),
+    )
+
+
 class _TensorCollector:
+    """Names each tensor of the state by its key path; a tensor met again under
+    another path (tied weights) is written once, the tree referring to it twice."""
+
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self._paths: dict[str, KeyPath] = {}
+        self._by_identity: dict[tuple[Any, ...], str] = {}
 
     def __call__(self, path: KeyPath, tensor: torch.Tensor) -> str:
         key = tensor_key(path)
@@ -94,8 +116,13 @@ class _TensorCollector:
                 f"its flat name {key!r} collides with {format_path(self._paths[key])}; "
                 "rename one of the keys",
             )
+        identity = _identity(tensor)
+        if identity is not None and identity in self._by_identity:
+            return self._by_identity[identity]
         self.tensors[key] = tensor.detach()
         self._paths[key] = path
+        if identity is not None:
+            self._by_identity[identity] = key
         return key
 
 

@@ -62,6 +62,8 @@ class GradientSlots:
 
 
 def _top_level(state: Mapping[str, Any], kind: type) -> dict[str, Any]:
+    if not isinstance(state, Mapping):
+        return {}  # not a state at all: capture says so, with its own error
     return {key: value for key, value in state.items() if isinstance(value, kind)}
 
 
@@ -136,6 +138,8 @@ class GradientWatch:
 
 def with_gradients(state: Mapping[str, Any]) -> dict[str, Any]:
     """``state`` plus :data:`GRADIENTS`: one :class:`GradientSlots` per module entry."""
+    if not isinstance(state, Mapping):
+        raise UsageError(f"state must be a dict of named entries, not {type(state).__name__}")
     if GRADIENTS in state:
         raise UsageError(f"{GRADIENTS!r} is reserved for include_grads=True; rename that entry")
     slots = {key: GradientSlots(module) for key, module in _top_level(state, torch.nn.Module).items()}
