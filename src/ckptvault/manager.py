@@ -11,8 +11,9 @@ details; a new feature is a new part or an event subscriber.
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from datetime import datetime, timezone
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -23,8 +24,10 @@ from ckptvault.errors import UsageError
 from ckptvault.lifecycle import marks
 from ckptvault.lifecycle.metrics import validate_metrics
 from ckptvault.lifecycle.validation import Factory, ValidationResult
+from ckptvault.restoring.lineage import LINEAGE
 from ckptvault.restoring.restorer import RestoreInfo
 from ckptvault.restoring.selector import SkippedGeneration
+from ckptvault.restoring.warm_start import WarmStartSource, warm_start
 from ckptvault.saving.handles import SaveHandle, SaveStats
 from ckptvault.state.capture import CapturedState, capture_state
 from ckptvault.state.gradients import GradientWatch, with_gradients
@@ -32,6 +35,9 @@ from ckptvault.state.names import ApplyOptions, Rename
 from ckptvault.state.ranks import capture_ranked
 from ckptvault.storage import StoreLocation
 from ckptvault.storage.listing import GenerationInfo, list_generation_infos
+from ckptvault.storage.s3_options import S3Options
+from ckptvault.trust.keystore import KeyStore
+from ckptvault.trust.signing import PublicKeyLike
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11
@@ -271,7 +277,53 @@ class CheckpointManager:
         )
         if info is not None:
             self._writer.parent = info.generation_id
+            if info.lineage is not None:  # a warm-started run keeps saying where it began
+                self._writer.contract[LINEAGE] = info.lineage.as_contract()
         self._gradients.observe(state)  # from here on, saves mid-accumulation are seen
+        return info
+
+    def warm_start(
+        self,
+        state: MutableMapping[str, Any],
+        source: str | os.PathLike[str],
+        *,
+        source_run_id: str,
+        step: int | None = None,
+        trusted_keys: Iterable[PublicKeyLike] | PublicKeyLike | None = None,
+        keystore: str | KeyStore | None = None,
+        source_s3: S3Options | None = None,
+        strict: bool = True,
+        rename: Rename = None,
+        strict_dtypes: bool = False,
+    ) -> RestoreInfo:
+        """Start this run from run ``source_run_id``'s newest verified generation (of
+        ``step``) in ``source``: a fine-tune from a pretraining run.
+
+        The source is read only, under its own trust policy (``trusted_keys``,
+        ``keystore``; ``source_s3``: options of an ``s3://`` source), never written
+        to. ``strict``, ``rename`` and ``strict_dtypes``
+        work as in :meth:`restore`. The source's run, step and generation are recorded
+        as the lineage of every generation this run saves (``RestoreInfo.lineage``).
+        Only for a run with no generation yet: after a crash, ``restore()`` resumes
+        the run itself (``info = mgr.restore(state) or mgr.warm_start(state, ...)``).
+        """
+        self._check_open()
+        if self.coordinator.world_size > 1:
+            raise UsageError(
+                "warm_start runs in one process; on many ranks, export the source's weights "
+                "and load them, or restore with a manager of the source run"
+            )
+        if self.generations(include_marked=True):
+            raise UsageError(
+                f"run {self.run_id} already has generations in {self.store.location}: "
+                "warm_start only starts a new run; resume this one with restore()"
+            )
+        found = WarmStartSource(source, source_run_id, step, trusted_keys, keystore, source_s3)
+        options = ApplyOptions(rename=rename, strict_dtypes=strict_dtypes)
+        info = warm_start(state, found, self.config.threads, strict, options)
+        assert info.lineage is not None
+        self._writer.contract[LINEAGE] = info.lineage.as_contract()
+        self._gradients.observe(state)
         return info
 
     def validate(self, factory: Factory, step: int | None = None) -> ValidationResult:

@@ -27,6 +27,7 @@ from ckptvault.events import Refused, Restored, RollbackApplied
 from ckptvault.format.layout import GenerationName
 from ckptvault.io.load import LoadedGeneration, load_verified, saved_world_size
 from ckptvault.lifecycle.leases import reading_lease
+from ckptvault.restoring.lineage import Lineage
 from ckptvault.restoring.selector import CandidateSelector, Selection, SkippedGeneration
 from ckptvault.run_context import RunContext
 from ckptvault.state.apply import plan_restore
@@ -73,6 +74,8 @@ class RestoreInfo:
     # How the environment differs from the one the generation was saved in
     # ("torch: 2.12.0 (saved) -> 2.13.0 (now)"); warned about, refused by strict_env.
     environment: list[str] = field(default_factory=list)
+    # The run this one started from (warm_start), as its manifests record it.
+    lineage: Lineage | None = None
 
 
 def check_environment(contract: Any, where: str, options: ApplyOptions) -> list[str]:
@@ -224,6 +227,7 @@ class Restorer:
             casts=plan.casts,
             renamed=plan.renamed,
             environment=environment,
+            lineage=Lineage.from_contract(loaded.manifest.contract),
         )
 
     def _choose_anywhere(
