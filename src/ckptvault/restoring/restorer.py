@@ -30,7 +30,7 @@ from ckptvault.lifecycle.leases import reading_lease
 from ckptvault.restoring.lineage import Lineage
 from ckptvault.restoring.selector import CandidateSelector, Selection, SkippedGeneration
 from ckptvault.run_context import RunContext
-from ckptvault.state.apply import plan_restore
+from ckptvault.state.apply import checked_plan
 from ckptvault.state.contract import compare_contracts
 from ckptvault.state.environment import environment_differences
 from ckptvault.state.gradients import gradient_slots
@@ -193,11 +193,7 @@ class Restorer:
                 if self.contract_fields is not None and not allow_contract_change:
                     compare_contracts(loaded.manifest.contract, self.contract_fields, where)
                 environment = check_environment(loaded.manifest.contract, where, options)
-                plan = plan_restore(state, loaded.saved, loaded.reset, options)
-                if plan.refused:
-                    raise plan.refusal_error(where)
-                if strict and not plan.clean:
-                    raise plan.mismatch_error(where)
+                plan = checked_plan(state, loaded.saved, loaded.reset, options, strict, where)
             except CheckpointError as exc:
                 mismatch = exc
             if self.collective is not None:

@@ -22,7 +22,7 @@ from ckptvault.io.load import LoadedGeneration, load_verified
 from ckptvault.restoring.lineage import Lineage
 from ckptvault.restoring.restorer import RestoreInfo
 from ckptvault.restoring.selector import CandidateSelector
-from ckptvault.state.apply import plan_restore
+from ckptvault.state.apply import checked_plan
 from ckptvault.state.names import ApplyOptions
 from ckptvault.storage import StoreLocation, open_store
 from ckptvault.storage.base import GenerationRef
@@ -76,11 +76,7 @@ def warm_start(
     loaded = load_source(source, threads)
     ref = loaded.ref
     where = f"generation {ref.generation_id} (step {ref.step}) of run {source.run_id}"
-    plan = plan_restore(state, loaded.saved, loaded.reset, options)
-    if plan.refused:
-        raise plan.refusal_error(where)
-    if strict and not plan.clean:
-        raise plan.mismatch_error(where)
+    plan = checked_plan(state, loaded.saved, loaded.reset, options, strict, where)
     plan.apply(where)
     return RestoreInfo(
         step=ref.step,

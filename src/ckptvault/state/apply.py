@@ -63,7 +63,7 @@ from ckptvault.state.names import ApplyOptions
 from ckptvault.state.restore_plan import Action, RestorePlan
 from ckptvault.state.rng import RNGState
 
-__all__ = ["Action", "RestorePlan", "plan_restore"]
+__all__ = ["Action", "RestorePlan", "checked_plan", "plan_restore"]
 
 _MISSING = object()
 _PLACEHOLDERS = (StatefulPayload, RngPayload, NumpyGeneratorPayload, TorchGeneratorPayload)
@@ -275,4 +275,22 @@ def plan_restore(
     for key in state:
         if key not in saved and key not in skip:
             plan.missing.append(format_path((key,)))
+    return plan
+
+
+def checked_plan(
+    state: MutableMapping[str, Any],
+    saved: dict[str, Any],
+    left_alone: Iterable[str],
+    options: ApplyOptions,
+    strict: bool,
+    where: str,
+) -> RestorePlan:
+    """:func:`plan_restore`, raising what makes it unusable: refused entries always,
+    anything unclean under ``strict``. Nothing is applied either way."""
+    plan = plan_restore(state, saved, left_alone, options)
+    if plan.refused:
+        raise plan.refusal_error(where)
+    if strict and not plan.clean:
+        raise plan.mismatch_error(where)
     return plan
