@@ -1,0 +1,317 @@
+"""PyTorch Lightning: a ``CheckpointIO`` that writes ckptvault generations, never pickles.
+
+::
+
+    trainer = pl.Trainer(plugins=[CkptvaultCheckpointIO("ckpt/run42", run_id="run42")],
+                         callbacks=[ModelCheckpoint(dirpath="runs/run42", save_last=True)])
+    trainer.fit(model, loader, ckpt_path="last")
+
+Lightning hands the plugin its whole checkpoint dict: the module's ``state_dict``,
+``optimizer_states``, ``lr_schedulers``, the loops' progress (and a stateful data
+loader's position), the callbacks' states keyed by their ``state_key``,
+``hyper_parameters`` and whatever ``on_save_checkpoint`` added. The plugin saves it
+as one generation of the step ``checkpoint["global_step"]``: tensors in tensor files,
+everything else through the strict JSON codec. Anything the codec cannot represent
+(a class or function in the hyperparameters, say) is an
+:class:`~ckptvault.errors.UnsupportedValueError` naming its key path, e.g.
+``checkpoint['hyper_parameters']['activation']``, raised before anything is written.
+
+At the path Lightning names (``.../epoch=0-step=10.ckpt``, ``last.ckpt``) the plugin
+writes a small JSON *pointer* to that generation
+(:mod:`ckptvault.integrations.lightning_pointers`), so ``ModelCheckpoint``'s file
+logic, ``save_last="link"`` and ``ckpt_path="last"`` work unchanged. Loading reads
+the pointer and restores that step through the manager: the whole generation is
+verified (digests, signature and rollback floor with the manager's trust options)
+before Lightning sees a byte of it, and the dict comes back with the same keys,
+nesting, key order and types (tuples, int keys, ``OrderedDict``, the module state's
+``_metadata``). Removing a checkpoint removes its pointer and prunes the generation
+through ckptvault's retention machinery (:mod:`ckptvault.integrations.lightning_prune`).
+
+Saves are synchronous: Lightning calls ``save_checkpoint`` on global rank 0 only, and
+the pointer is written only once its generation is durable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.types import _PATH
+
+from ckptvault.config import validate_step
+from ckptvault.coordinator import SingleProcess
+from ckptvault.durable import fsync_directory
+from ckptvault.errors import NoValidCheckpoint, UnsupportedValueError, UsageError
+from ckptvault.integrations.lightning_pointers import (
+    Pointer,
+    read_pointer,
+    try_read_pointer,
+    write_pointer,
+)
+from ckptvault.integrations.lightning_prune import LightningPruner
+from ckptvault.manager import CheckpointManager
+from ckptvault.state.codec import Encoder, KeyPath
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ckptvault.assembly import ManagerOptions
+    from ckptvault.storage import StoreLocation
+
+__all__ = ["CkptvaultCheckpointIO"]
+
+logger = logging.getLogger("ckptvault")
+
+# The saved state: Lightning's dict under one key, and the module state's per-submodule
+# versions (``state_dict()._metadata``, an attribute the JSON tree cannot carry).
+CHECKPOINT = "lightning"
+MODULE_METADATA = "module_metadata"
+
+_HINTS = {
+    "hyper_parameters": "save_hyperparameters() recorded it: leave it out with "
+    "self.save_hyperparameters(ignore=[...]) and keep plain config values instead",
+    "hyper_parameters_type": "OmegaConf hyperparameters record their class: pass "
+    "OmegaConf.to_container(cfg) to save_hyperparameters() instead",
+    "callbacks": "a callback's state_dict() returned it: make it return tensors and plain values",
+}
+_DEFAULT_HINT = "put only tensors and plain values into the checkpoint (on_save_checkpoint)"
+
+
+class CkptvaultCheckpointIO(CheckpointIO):
+    """Lightning checkpoints as verified ckptvault generations in ``store``.
+
+    Args:
+        store: the ckptvault store (a local path or ``s3://bucket/prefix``); the
+            pointers stay at the (local) paths ``ModelCheckpoint`` chooses.
+        delete_delay: seconds between Lightning removing a checkpoint (``save_top_k``,
+            an overwritten ``last.ckpt``) and its generation's bytes going: it is marked
+            at once (no longer a restore candidate; ``ckptvault gc --undelete STEP``
+            brings it back) and deleted by a later removal after the delay. 0 (the
+            default) deletes at once what retention's safety net does not keep.
+        options: :class:`~ckptvault.CheckpointManager` options (``run_id``,
+            ``signing_key``, ``trusted_keys``, ``keystore``, ``contract``, ...), except
+            ``coordinator`` and ``async_save``: saves are synchronous, on rank 0.
+    """
+
+    def __init__(
+        self,
+        store: StoreLocation,
+        *,
+        delete_delay: float = 0.0,
+        **options: Unpack[ManagerOptions],
+    ) -> None:
+        for refused in ("coordinator", "async_save"):
+            if refused in options:
+                raise UsageError(
+                    f"CkptvaultCheckpointIO does not take {refused}=: Lightning saves on "
+                    "global rank 0 only, and each pointer is written once its generation "
+                    "is durable, so saves are synchronous and single-process"
+                )
+        if not isinstance(delete_delay, (int, float)) or not 0 <= delete_delay < float("inf"):
+            raise UsageError(f"delete_delay must be a number of seconds >= 0, got {delete_delay!r}")
+        self.store = store
+        self.delete_delay = float(delete_delay)
+        self._options = options
+        self._manager: CheckpointManager | None = None
+        self._pruner: LightningPruner | None = None
+
+    @property
+    def manager(self) -> CheckpointManager:
+        """The :class:`~ckptvault.CheckpointManager` of ``store``, opened on first use
+        (and again after :meth:`teardown` closed it)."""
+        if self._manager is None:
+            options: ManagerOptions = {**self._options, "coordinator": SingleProcess()}
+            manager = CheckpointManager(self.store, **options)
+            pruner = LightningPruner(manager, self.delete_delay)
+            for directory in self._pruner.released if self._pruner is not None else ():
+                pruner.watch(directory)  # an earlier fit's directories still count
+            self._manager, self._pruner = manager, pruner
+        return self._manager
+
+    @property
+    def pruner(self) -> LightningPruner:
+        self.manager  # noqa: B018 - opens the manager and its pruner
+        assert self._pruner is not None
+        return self._pruner
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
+    ) -> None:
+        """Save ``checkpoint`` as a generation of step ``checkpoint["global_step"]`` and
+        put a pointer to it at ``path``. Durable when this returns."""
+        if storage_options is not None:
+            raise UsageError(
+                "CkptvaultCheckpointIO takes no storage_options: configure the store and "
+                "trust options on the plugin"
+            )
+        target = _local_path(path)
+        step = _global_step(checkpoint)
+        check_encodable(checkpoint)  # before anything is written, naming the key
+        previous = try_read_pointer(target) if os.path.lexists(target) else None
+        manager = self.manager
+        info = manager.save(step, _saved_state(checkpoint)).result()
+        assert info is not None  # a synchronous save is never skipped
+        pointer = Pointer(manager.run_id, step, info.generation_id, manager.store.location)
+        write_pointer(target, pointer)
+        self.pruner.watch(target.parent)
+        if previous is not None and previous.name != pointer.name:
+            self.pruner.release(previous, target.parent)  # an overwritten last.ckpt
+
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        map_location: Any | None = None,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """The checkpoint the pointer at ``path`` names, verified before it is returned.
+
+        Tensors come back on the CPU, or on ``map_location`` (a device or its name).
+        ``weights_only`` changes nothing: nothing here is unpickled, ever."""
+        device = _device(map_location)
+        pointer = read_pointer(_local_path(path))
+        manager = self.manager
+        if pointer.run_id != manager.run_id:
+            raise UsageError(
+                f"{path} points to a checkpoint of run {pointer.run_id!r}, but this plugin "
+                f"reads run {manager.run_id!r}: pass run_id={pointer.run_id!r} to "
+                "CkptvaultCheckpointIO to load it"
+            )
+        if pointer.store != manager.store.location:
+            logger.warning(
+                "%s was written to store %s; reading it from %s",
+                path,
+                pointer.store,
+                manager.store.location,
+            )
+        state: dict[str, Any] = {CHECKPOINT: {}, MODULE_METADATA: None}
+        info = manager.restore(state, step=pointer.step)
+        if info is None:
+            raise NoValidCheckpoint(
+                f"{path} points to step {pointer.step}, but {manager.store.location} holds "
+                "no generation at all: was the store moved? Pass its location to "
+                "CkptvaultCheckpointIO"
+            )
+        if info.generation_id != pointer.generation_id:
+            logger.info(
+                "%s names generation %s; restored %s, the newest of step %d that verifies",
+                path,
+                pointer.generation_id,
+                info.generation_id,
+                pointer.step,
+            )
+        checkpoint: dict[str, Any] = state[CHECKPOINT]
+        weights = checkpoint.get("state_dict")
+        if isinstance(weights, OrderedDict) and isinstance(state[MODULE_METADATA], dict):
+            weights._metadata = state[MODULE_METADATA]  # type: ignore[attr-defined]
+        return _to_device(checkpoint, device) if device is not None else checkpoint
+
+    def remove_checkpoint(self, path: _PATH) -> None:
+        """Remove the pointer at ``path`` and let its generation go (unless another
+        pointer still names it), through ckptvault's retention rules."""
+        target = _local_path(path)
+        if not os.path.lexists(target):
+            return
+        pointer = try_read_pointer(target)
+        if pointer is None and not target.is_symlink():
+            logger.warning("leaving %s alone: it is not a pointer this plugin wrote", target)
+            return
+        target.unlink()  # a link (save_last="link") goes, never what it points to
+        fsync_directory(target.parent)
+        if pointer is not None:
+            self.pruner.release(pointer, target.parent)
+
+    def teardown(self) -> None:
+        """Close the manager (waits for nothing: saves are synchronous) and release the
+        store's writer lock; the next call opens it again."""
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            manager.close()
+
+
+def check_encodable(checkpoint: Mapping[str, Any]) -> None:
+    """Raise :class:`UnsupportedValueError` naming the first key path (as
+    ``checkpoint['hyper_parameters']['act']``) the codec cannot store.
+
+    Stricter than the manager's capture on purpose: objects with ``state_dict()``,
+    generators and ``RNGState`` inside a Lightning dict would need a live object to be
+    restored into, which ``load_checkpoint`` does not have; they are refused too."""
+    encoder = Encoder(_no_tensor_sink)
+    for key, value in checkpoint.items():
+        if type(key) is not str:
+            raise UnsupportedValueError(f"checkpoint[{key!r}]", key, "top-level keys must be str")
+        try:
+            encoder.encode(value, (key,))
+        except UnsupportedValueError as exc:
+            path = "checkpoint" + exc.path.removeprefix("state")
+            message = str(exc).replace(exc.path, path, 1)
+            exc.path = path
+            exc.args = (f"{message}; {_HINTS.get(key, _DEFAULT_HINT)}",)
+            raise
+
+
+def _no_tensor_sink(path: KeyPath, tensor: torch.Tensor) -> str:
+    return ""  # only checking: the manager's capture collects the tensors
+
+
+def _saved_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    metadata = getattr(checkpoint.get("state_dict"), "_metadata", None)
+    plain = None
+    if isinstance(metadata, Mapping) and all(
+        type(k) is str and isinstance(v, Mapping) for k, v in metadata.items()
+    ):
+        plain = {prefix: dict(versions) for prefix, versions in metadata.items()}
+    return {CHECKPOINT: checkpoint, MODULE_METADATA: plain}
+
+
+def _global_step(checkpoint: Mapping[str, Any]) -> int:
+    step = checkpoint.get("global_step")
+    try:
+        return validate_step(step, "the checkpoint's global_step")
+    except UsageError:
+        raise UsageError(
+            f"CkptvaultCheckpointIO saves Lightning training checkpoints, which carry their "
+            f"global_step; this one has {step!r} (ddp_spawn's weight hand-over is not "
+            "supported: use strategy='ddp')"
+        ) from None
+
+
+def _local_path(path: _PATH) -> Path:
+    text = os.fspath(path)
+    if "://" in text and not text.startswith("file://"):
+        raise UsageError(
+            f"{text}: checkpoint pointers are local files; give ModelCheckpoint a local "
+            "dirpath (the store itself may be s3://...)"
+        )
+    return Path(os.path.abspath(text.removeprefix("file://")))
+
+
+def _device(map_location: Any) -> torch.device | None:
+    if map_location is None:
+        return None
+    if isinstance(map_location, (str, torch.device)):
+        return torch.device(map_location)
+    raise UsageError(
+        f"map_location={map_location!r}: CkptvaultCheckpointIO loads tensors onto the CPU "
+        "or the one device given (a torch.device or its name), nothing else"
+    )
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):  # OrderedDict too: moved in place, keeping _metadata
+        for key, item in value.items():
+            value[key] = _to_device(item, device)
+        return value
+    if isinstance(value, list):
+        value[:] = [_to_device(item, device) for item in value]
+        return value
+    if type(value) is tuple:  # not torch.Size or a named tuple
+        return tuple(_to_device(item, device) for item in value)
+    return value
