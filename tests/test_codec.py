@@ -169,3 +169,30 @@ def test_canonical_json_is_strict():
         loads_canonical(b'{"a":NaN}', "manifest")
     with pytest.raises(FormatError):
         loads_canonical(b"\xff\xfe", "manifest")
+
+
+def test_two_nan_keys_stay_two_keys():
+    # Found by fuzzing (tests/test_fuzz_codec.py): the decoder returned one shared NaN
+    # object for every {"$float": "nan"}, so a saved dict with two NaN keys (two keys in
+    # Python: NaN equals nothing) read back as one key twice and the generation was
+    # refused as malformed.
+    value = {float("nan"): 1, float("nan"): 2}
+    restored = roundtrip(value)
+    assert len(restored) == 2 and all(math.isnan(k) for k in restored)
+    assert list(restored.values()) == [1, 2]
+    assert len(roundtrip(OrderedDict([((math.nan,), 1), ((float("nan"),), 2)]))) == 2
+
+
+def test_key_paths_through_huge_int_keys_are_named():
+    # Found by fuzzing: a dict key past CPython's 4300-digit int->str limit made
+    # naming the key path (a tensor's flat name, an error message) raise a raw
+    # ValueError; it is spelled in hex instead.
+    huge = 1 << 20_000
+    assert roundtrip({huge: torch.zeros(1)})[huge].shape == (1,)
+    with pytest.raises(UnsupportedValueError) as info:
+        Encoder(None).encode({huge: [{1, 2}], (1, huge): 0}, ("meta",))
+    assert info.value.path == f"state['meta'][{hex(huge)}][0]"
+    assert tensor_key(("m", (huge, "a/b"), huge)) == f"m/({hex(huge)}, 'a~1b')/{hex(huge)}"
+    assert format_path(((1,), (), 2)) == "state[(1,)][()][2]"
+    with pytest.raises(FormatError, match=hex(huge)[:20]):
+        Decoder({}, "test").decode({"$dict": [[{"$bigint": hex(huge)}, {"$float": "x"}]]}, ())

@@ -81,7 +81,8 @@ class Decoder:
         if tag == "$float":
             if type(payload) is not str or payload not in _SPECIAL_FLOATS:
                 raise self.fail(path, f"$float must be one of {', '.join(_SPECIAL_FLOATS)}")
-            return _SPECIAL_FLOATS[payload]
+            # A new float each time: two NaN keys of one dict stay two keys.
+            return float(payload)
         if tag == "$bigint":
             if type(payload) is not str or not _BIGINT_RE.fullmatch(payload):
                 raise self.fail(path, "$bigint must be a lowercase hex string")

@@ -9,6 +9,7 @@ limits that bound them. :mod:`ckptvault.state.codec` describes the format.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -86,13 +87,28 @@ def shape_of(payload: Any) -> list[int] | None:
     return payload
 
 
+def _spelled(segment: Any, spell: Callable[[Any], str]) -> str:
+    """``spell(segment)`` (``str`` or ``repr``), except that an int too long for
+    CPython's decimal conversion (4300 digits; a dict key may be one) is spelled in
+    hex, inside tuples too: naming a key path must never raise itself."""
+    if type(segment) is int:
+        try:
+            return spell(segment)
+        except ValueError:
+            return hex(segment)
+    if type(segment) is tuple:
+        items = [_spelled(item, repr) for item in segment]
+        return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+    return spell(segment)
+
+
 def format_path(path: KeyPath) -> str:
     """``("meta", "lr", 0)`` -> ``state["meta"]["lr"][0]``."""
-    return "state" + "".join(f"[{segment!r}]" for segment in path)
+    return "state" + "".join(f"[{_spelled(segment, repr)}]" for segment in path)
 
 
 def _escape_segment(segment: Any) -> str:
-    return str(segment).replace("~", "~0").replace("/", "~1")
+    return _spelled(segment, str).replace("~", "~0").replace("/", "~1")
 
 
 def tensor_key(path: KeyPath) -> str:
