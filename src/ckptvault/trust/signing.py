@@ -143,9 +143,20 @@ def parse_signature(document: bytes, where: str) -> tuple[str, bytes]:
     ):
         raise FormatError(f"{where} is not a ckptvault Ed25519 signature")
     try:
-        return str(raw["key_id"]), base64.b64decode(raw["signature"], validate=True)
+        encoded = raw["signature"]
+        signature = base64.b64decode(encoded, validate=True)
+        signer = str(raw["key_id"])
     except (KeyError, ValueError, TypeError) as exc:
         raise FormatError(f"{where} is malformed ({exc})") from exc
+    # One spelling per signature, as for the canonical JSON around it: base64 leaves
+    # the low bits of the last character unused, and the decoder ignores them, so a
+    # flipped bit there would otherwise verify as the untouched signature.
+    if base64.b64encode(signature).decode("ascii") != encoded:
+        raise FormatError(
+            f"{where}: the signature is not in canonical base64 (it was edited or "
+            "corrupted after signing); re-sign the manifest or restore a good copy"
+        )
+    return signer, signature
 
 
 def verify(document: bytes, message: bytes, trusted: TrustedKeys, domain: bytes, where: str) -> str:
