@@ -128,14 +128,17 @@ def test_export_from_an_encrypted_run(tmp_path):
 
 
 def test_export_is_audited(store, tmp_path, trained, isolated_state_dir):
+    """With a trust option (here --trusted-key), as for a save; without one an export
+    writes no audit log (tests/test_control_plane_paths.py)."""
     import json
 
     assert (
         run_cli(
-            "export", str(store), "--step", "3", "--out", str(tmp_path / "m.safetensors")
+            "export", str(store), "--step", "3", "--out", str(tmp_path / "m.safetensors"),
+            "--trusted-key", str(tmp_path / "k.pub"),
         ).returncode
         == 0
-    )
+    )  # fmt: skip
     entries = [
         json.loads(line) for line in (isolated_state_dir / "audit.jsonl").read_text().splitlines()
     ]

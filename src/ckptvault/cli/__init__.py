@@ -1,10 +1,11 @@
 """The ``ckptvault`` command: one module per command group.
 
-Errors print a one-line reason on stderr, never a traceback: exit status 2 for a
-ckptvault or OS error, for usage errors and for errors of the AWS SDK (credentials,
-region, endpoint), 3 for an unexpected internal error
-(a bug: the message asks for a report); ``verify`` exits 1 when something it
-checked does not verify.
+Errors print a one-line reason on stderr, never a traceback, naming the commands'
+flags rather than the library's arguments (:mod:`ckptvault.cli._wording`): exit
+status 2 for a ckptvault or OS error, for usage errors and for errors of the AWS SDK
+(credentials, region, endpoint), 3 for an unexpected internal error (a bug: the
+message asks for a report); ``verify`` exits 1 when something it checked does not
+verify.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import typer
 
 from ckptvault.cli import audit, keys
 from ckptvault.cli._common import safe_text
+from ckptvault.cli._wording import cli_wording
 from ckptvault.cli.catalog import catalog
 from ckptvault.cli.consolidate import consolidate
 from ckptvault.cli.doctor import doctor
@@ -25,6 +27,7 @@ from ckptvault.cli.gc import gc
 from ckptvault.cli.inspect import inspect
 from ckptvault.cli.ls import ls
 from ckptvault.cli.plan import plan
+from ckptvault.cli.sign import sign
 from ckptvault.cli.status import status
 from ckptvault.cli.supervise import supervise
 from ckptvault.cli.validate import validate
@@ -48,6 +51,7 @@ app.command("validate")(validate)
 app.command("export")(export)
 app.command("verify-export")(verify_export)
 app.command("consolidate")(consolidate)
+app.command("sign")(sign)
 app.command("gc")(gc)
 app.command("doctor")(doctor)
 app.command("drill")(drill)
@@ -83,7 +87,8 @@ def _main(argv: list[str] | None) -> int:
     try:
         result = app(args=argv, standalone_mode=False)
     except (CheckpointError, OSError) as exc:
-        return _fail(_one_line(exc) or type(exc).__name__, 2)
+        # The library's errors name its arguments (keystore=): reworded to the flags.
+        return _fail(cli_wording(_one_line(exc)) or type(exc).__name__, 2)
     except Exception as exc:
         if _is_cloud_error(exc):  # credentials, region, endpoint: the environment's, not a bug
             return _fail(f"{type(exc).__name__}: {_one_line(exc)}", 2)

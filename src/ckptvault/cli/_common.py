@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.table import Table
 
 from ckptvault.errors import UsageError
 from ckptvault.restoring.selector import CandidateSelector
@@ -142,6 +144,42 @@ def json_text(value: Any, indent: int | None = 2) -> str:
 def print_json(value: Any) -> None:
     """Pure JSON on stdout, never wrapped or styled, whatever the terminal width."""
     sys.stdout.write(json_text(value) + "\n")
+    sys.stdout.flush()
+
+
+def print_table(
+    columns: Sequence[str],
+    rows: Iterable[Sequence[str]],
+    *,
+    right: Collection[str] = (),
+    title: str | None = None,
+) -> None:
+    """A table on stdout; its cells are plain text (escaped here: they quote the store).
+
+    On a terminal, rich's table, fitted to its width (long cells folded). Anywhere else
+    (a pipe, a file, a log) plain text: a header line, then one line per row, columns
+    padded with spaces and separated by two, never wrapped or cut whatever the width,
+    so that ``grep``, ``awk`` and ``cut`` read every name whole. ``right`` names the
+    columns aligned right (numbers)."""
+    if out.is_terminal:
+        table = Table(box=None, pad_edge=False, title=title, title_justify="left")
+        for column in columns:
+            justify: Literal["left", "right"] = "right" if column in right else "left"
+            table.add_column(column, justify=justify, overflow="fold")
+        for row in rows:
+            table.add_row(*(safe_markup(cell) for cell in row))
+        out.print(table)
+        return
+    lines = [list(columns), *([safe_text(cell) for cell in row] for row in rows)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
+    text = [title] if title else []
+    for line in lines:
+        cells = (
+            cell.rjust(width) if column in right else cell.ljust(width)
+            for cell, width, column in zip(line, widths, columns, strict=True)
+        )
+        text.append("  ".join(cells).rstrip())
+    sys.stdout.write("\n".join(text) + "\n")
     sys.stdout.flush()
 
 

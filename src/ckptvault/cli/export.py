@@ -33,8 +33,11 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON o
 
 def export(
     store: Annotated[str, typer.Argument(help=STORE_HELP)],
-    step: Annotated[int, typer.Option(help="The step to export.")],
     out_path: Annotated[Path, typer.Option("--out", help="The safetensors file to write.")],
+    step: Annotated[
+        int | None,
+        typer.Option(help="The step to export (default: the newest step that verifies)."),
+    ] = None,
     key: Annotated[str, typer.Option(help="The state entry to export.")] = "model",
     dtype: CastDtype = None,
     signing_key: Annotated[

@@ -3,7 +3,8 @@
 Shows the tensors (dtype, shape, bytes), the JSON leaves of the saved state, the
 run contract and the files. Reads the manifest and the files' headers (each checked
 against its chunk digests, as restore does); it does not hash the rest of the data
-(``ckptvault verify`` does).
+(``ckptvault verify`` does). ``--json`` prints every name whole; so do the tables
+when stdout is not a terminal.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import math
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from ckptvault.cli._common import (
     STORE_HELP,
@@ -22,6 +22,7 @@ from ckptvault.cli._common import (
     open_store,
     out,
     print_json,
+    print_table,
     safe_markup,
     select,
 )
@@ -95,28 +96,27 @@ def _print_report(report: dict[str, Any]) -> None:
         f"run {safe_markup(gen['run_id'])}  {human_bytes(gen['bytes'])}  "
         f"created {safe_markup(gen['created_at'])}"
     )
-    tensors = Table(title="tensors", box=None, pad_edge=False, title_justify="left")
-    for column in ("key", "dtype", "shape", "bytes"):
-        tensors.add_column(column, justify="right" if column == "bytes" else "left")
-    for row in report["tensors"]:
-        tensors.add_row(
-            safe_markup(row["key"]),
-            safe_markup(row["dtype"]),
-            safe_markup(row["shape"]),
-            human_bytes(row["bytes"]),
-        )
-    out.print(tensors)
+    print_table(
+        ("key", "dtype", "shape", "bytes"),
+        (
+            (row["key"], row["dtype"], str(row["shape"]), human_bytes(row["bytes"]))
+            for row in report["tensors"]
+        ),
+        right=("bytes",),
+        title="tensors",
+    )
     out.print("[bold]state[/bold] (tensors shown as <dtype\\[shape]>)")
     out.print(json_text(report["state"]), markup=False, emoji=False)
     out.print("[bold]contract[/bold]")
     out.print(json_text(report["contract"]), markup=False, emoji=False)
-    files = Table(title="files", box=None, pad_edge=False, title_justify="left")
-    for column in ("name", "size", "blake3"):
-        files.add_column(column)
-    for name, record in sorted(report["files"].items()):
-        files.add_row(safe_markup(name), human_bytes(record["size"]), safe_markup(record["blake3"]))
-    out.print(files)
-
+    print_table(
+        ("name", "size", "blake3"),
+        (
+            (name, human_bytes(record["size"]), record["blake3"])
+            for name, record in sorted(report["files"].items())
+        ),
+        title="files",
+    )
 
 def _describe(value: Any, tensors: dict[str, Any]) -> Any:
     """The tagged state tree with tensor references replaced by a short description."""

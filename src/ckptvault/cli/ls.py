@@ -1,5 +1,8 @@
 """``ckptvault ls DIR [--json] [--all]``: the store's generations, newest first.
 
+On a terminal the table fits its width; piped or redirected it is plain text, one
+line per generation, never wrapped or cut (``--json`` for programs).
+
 Generations retention marked for deletion are left out; ``--all`` shows them with
 their mark (since when, and why).
 """
@@ -9,7 +12,6 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from ckptvault.cli._common import (
     STORE_HELP,
@@ -18,6 +20,7 @@ from ckptvault.cli._common import (
     open_store,
     out,
     print_json,
+    print_table,
     safe_markup,
 )
 from ckptvault.storage.listing import list_generation_infos
@@ -39,14 +42,10 @@ def ls(
     if not infos:
         out.print(f"no generations in {safe_markup(directory)}")
         return
-    table = Table(box=None, pad_edge=False)
     columns = ["step", "generation id", "created", "size", "path"]
     if every:
         columns.append("marked for deletion")
-    for column in columns:
-        table.add_column(
-            column, justify="right" if column in ("step", "size") else "left", overflow="fold"
-        )
+    rows = []
     for info in infos:
         row = [
             str(info.step),
@@ -57,7 +56,6 @@ def ls(
         ]
         if every:
             row.append(f"since {info.marked_at}: {info.mark_reason}" if info.marked_at else "")
-        # Names, times and deletion marks are read from the store: escaped for the
-        # terminal and for rich's markup.
-        table.add_row(*(safe_markup(cell) for cell in row))
-    out.print(table)
+        rows.append(row)
+    # Names, times and deletion marks are read from the store: print_table escapes them.
+    print_table(columns, rows, right=("step", "size"))

@@ -240,7 +240,7 @@ class Retention:
                 )
             check_metric_name(self.metric, "Retention(metric=...)")
         elif self.metric is not None:
-            raise UsageError("Retention(metric=...) is used only with keep_best=K; give keep_best")
+            raise UsageError("Retention(metric=...) is used only with keep_best=K: give both")
         if not self.rules:
             raise UsageError(
                 "Retention() with no keep_* rule would keep only the newest generation and its "

@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -64,9 +64,10 @@ from ckptvault.trust.signing import (
 # Generations whose manifests export reads to learn the run id when none is given.
 MAX_RUN_PROBES = 4
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ResultT = TypeVar("ResultT")
 
 SIGNING_NEEDS_TRUST = (
-    "signing an export vouches for its source: pass trusted_keys/--trusted-key so the "
+    "signing an export vouches for its source: pass trusted_keys= so the "
     "source generation's signature is verified first"
 )
 
@@ -85,7 +86,7 @@ class ExportResult:
 
 def export_weights(
     store_dir: StoreLocation,
-    step: int,
+    step: int | None,
     out: str | os.PathLike[str],
     *,
     key: str = "model",
@@ -100,15 +101,18 @@ def export_weights(
     progress: Progress | None = None,
 ) -> ExportResult:
     """Export entry ``key`` of the newest verified generation of ``step`` to ``out``
-    (``s3``: options of an ``s3://`` store), one tensor in memory at a time.
+    (``s3``: options of an ``s3://`` store), one tensor in memory at a time. With
+    ``step=None``, the newest step whose generation verifies (steps are tried newest
+    first, as :func:`consolidate_weights` does).
 
     ``run_id`` defaults to the one run the store holds (ambiguity is an error, so
     another run's generation planted in the store is never exported by accident);
     generations the ledger records as abandoned are never exported. ``signing_key``
     requires ``trusted_keys`` (UsageError otherwise): a signed export vouches for a
     source whose signature was verified. The export is recorded in the audit log
-    (default beside the ledger). ``progress(done, total)`` follows the tensor bytes
-    written. On any failure ``out`` is left as it was.
+    (default beside the ledger) when any trust option is given. ``progress(done,
+    total)`` follows the tensor bytes written. On any failure ``out`` is left as it
+    was.
     """
     if signing_key is not None and trusted_keys is None:
         raise UsageError(SIGNING_NEEDS_TRUST)
@@ -116,9 +120,8 @@ def export_weights(
     # Loads the signing key: a bad one fails before anything is written.
     trust, store = _open(store_dir, s3, signing_key, trusted_keys, keystore, ledger, audit_log)
     out_path = Path(os.path.abspath(os.fspath(out)))
-    run_id = run_id if run_id is not None else _only_run(store, step, trust)
     write = functools.partial(_write_entry, out_path, key, target, progress)
-    _manifest, result = stream_generation(store, run_id, step, trust, write)
+    _manifest, result = _newest_that_verifies(store, run_id, step, trust, write)
     if trust.signer is not None:
         signed = write_export_manifest(trust.signer, result, key, dtype)
         result = replace(result, manifest_path=signed)
@@ -162,16 +165,17 @@ def _open(
     ledger: str | os.PathLike[str] | None,
     audit_log: str | os.PathLike[str] | None,
 ) -> tuple[TrustContext, Store]:
-    """The trust context (ledger and audit log always on: exports are recorded) and
-    the store, checked to hold none of the control-plane files."""
+    """The trust context and the store, checked to hold none of the control-plane
+    files. As for a manager: the ledger (abandoned generations) is read with trusted
+    keys or a ledger given, and the export recorded in the audit log (beside the
+    ledger by default) when any trust option is given; an export without one writes
+    no ledger or audit file."""
     trust = TrustContext.configure(
         signing_key=signing_key,
         trusted_keys=trusted_keys,
         keystore=keystore,
         ledger=ledger,
         audit_log=audit_log,
-        always_ledger=True,
-        always_audit=True,
     )
     store = open_store(store_dir, must_exist=True, s3=s3)
     trust.check_outside(store)
@@ -180,7 +184,7 @@ def _open(
 
 def _cast_to(dtype: str | None) -> torch.dtype | None:
     if dtype is not None and dtype not in DTYPES:
-        raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        raise UsageError(f"dtype={dtype!r}: give one of {', '.join(DTYPES)}")
     return DTYPES[dtype] if dtype else None
 
 
@@ -271,8 +275,8 @@ def _newest_that_verifies(
     run_id: str | None,
     step: int | None,
     trust: TrustContext,
-    write: Callable[[Manifest, Any, VerifiedRanges], ConsolidateResult],
-) -> tuple[Manifest, ConsolidateResult]:
+    write: Callable[[Manifest, Any, VerifiedRanges], ResultT],
+) -> tuple[Manifest, ResultT]:
     """``stream_generation`` of ``step``, or without one of the newest step whose
     generation verifies: steps are tried newest first, so a planted directory with a
     higher step name cannot stop a consolidation the store's genuine steps allow."""

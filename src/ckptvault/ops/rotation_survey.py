@@ -75,6 +75,6 @@ def refuse_signed_without_key(
         raise UsageError(
             f"{len(signed)} generation(s) of run {run_id!r} are signed ({named}"
             f"{', ...' if len(signed) > 5 else ''}); rotation changes their manifests' bytes, "
-            "so it must sign them again: pass --signing-key (signing_key=) with the run's "
+            "so it must sign them again: pass signing_key= (--signing-key) with the run's "
             "signing key. Nothing was changed"
         )

@@ -3,8 +3,9 @@
 A contract records the user's ``contract=`` fields (config, dataset identity, ...),
 the code revision from git when there is one, and the torch, Python, NumPy and
 ckptvault versions. Restore compares only the user fields: a changed config or
-dataset raises :class:`ContractMismatch` naming the fields, unless the caller
-allows the change. Versions and revision are recorded for diagnosis.
+dataset raises :class:`ContractMismatch` naming each changed sub-field with its old
+and new value (``config.lr: 3e-4 → 1e-4``, :mod:`ckptvault.state.contract_diff`),
+unless the caller allows the change. Versions and revision are recorded for diagnosis.
 
 Fields whose canonical JSON is larger than :data:`INLINE_LIMIT` bytes are stored as
 their BLAKE3 digest, so a large config does not bloat every manifest but a change to
@@ -27,6 +28,8 @@ from blake3 import blake3
 from ckptvault.errors import ContractMismatch, FormatError, UsageError
 from ckptvault.format.canonical import dumps_canonical
 from ckptvault.state.codec import encode_plain
+from ckptvault.state.contract_diff import ABSENT_VALUE as _ABSENT
+from ckptvault.state.contract_diff import MAX_CHANGES, contract_changes
 from ckptvault.state.environment import environment_versions
 
 INLINE_LIMIT = 4096
@@ -114,20 +117,19 @@ def compare_contracts(
         if saved.get(name, "<absent>") != current.get(name, "<absent>")
     )
     if changed:
-        details = []
-        for name in changed[:20]:  # names from the store: bounded in the message
-            shown = name if len(name) <= 100 else name[:100] + "..."
-            if name not in saved:
-                details.append(f"{shown} (not in the checkpoint)")
-            elif name not in current:
-                details.append(f"{shown} (not given now)")
-            else:
-                details.append(shown)
-        if len(changed) > 20:
-            details.append(f"... ({len(changed)} in all)")
+        details = [
+            change
+            for name in changed
+            for change in contract_changes(
+                saved.get(name, _ABSENT), current.get(name, _ABSENT), name
+            )
+        ]
+        shown = "; ".join(details[:MAX_CHANGES])
+        if len(details) > MAX_CHANGES:
+            shown += f"; ... ({len(details)} changes in all)"
         raise ContractMismatch(
-            f"{where} was saved under a different run contract: {', '.join(details)} changed. "
-            "Restore with the original config and dataset, or pass allow_contract_change=True "
-            "if the change is intended.",
+            f"{where} was saved under a different run contract (the checkpoint's value first): "
+            f"{shown}. Restore with the original config and dataset, or pass "
+            "allow_contract_change=True if the change is intended.",
             fields=changed,
         )

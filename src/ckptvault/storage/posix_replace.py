@@ -1,4 +1,4 @@
-"""Replacing a published generation's manifest on POSIX (key rotation only).
+"""Replacing a published generation's manifest on POSIX (key rotation, signing).
 
 A published generation is never modified, with one exception: key rotation
 (``ckptvault.ops.rotate``) rewrites the key wrapping in its manifest, and so the

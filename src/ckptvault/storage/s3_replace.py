@@ -1,4 +1,4 @@
-"""Replacing a published generation's manifest on S3 (key rotation only).
+"""Replacing a published generation's manifest on S3 (key rotation, signing).
 
 Key rotation (``ckptvault.ops.rotate``) rewrites the key wrapping in a manifest, so
 the manifest's bytes and signature change; data objects are never touched. S3 has no

@@ -18,7 +18,8 @@ entry) stays where it is as evidence; the gap entry records its size and BLAKE3
 keep it as evidence, find out what happened, and start a new log.
 
 Events: ``save``, ``restore``, ``refusal``, ``rollback_allowed``, ``export``,
-``key_destroyed``, ``delete``, and ``gap`` (written by the log itself).
+``key_destroyed``, ``delete``, ``signed`` (``ckptvault sign``), and ``gap`` (written
+by the log itself).
 """
 
 from __future__ import annotations
