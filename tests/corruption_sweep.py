@@ -12,11 +12,12 @@ bytes of the target's files in place, in both copies at once. After each flip:
   the target in ``RestoreInfo.skipped``, and leave the state bit for bit as step 1
   saved it.
 
-Then the byte is put back. A flip that passes any check is a failure; so is any
-other outcome (a raw exception, another error type, a touched state). Flipping in
-place and restoring the byte keeps a trial at a few milliseconds, and each trial
-checks that the pristine byte is back, so a trial never inherits its predecessor's
-damage.
+Then the byte is put back (in a ``finally``), so a trial never inherits its
+predecessor's damage; a flip that went undetected also puts the ledgers back, since
+restoring the target raised the rollback floor. A flip that passes any check is a
+failure; so is any other outcome (a raw exception, another error type, a touched
+state). Flipping in place keeps a trial at a few tens of milliseconds, nearly all
+of it the two restores.
 """
 
 from __future__ import annotations
@@ -294,6 +295,8 @@ def _check_alone(sweep: Sweep) -> str | None:
         info = sweep.alone.restore(fresh)
     except NoValidCheckpoint as exc:
         sweep.codes.update(f"restore {_code(reason)}" for _, _, reason in exc.rejected)
+        if [(gen, step) for gen, step, _ in exc.rejected] != [(sweep.ref.generation_id, 2)]:
+            return f"restore refused, but listed {exc.rejected}, not the corrupted generation"
         if fingerprint(fresh) != before:
             return "restore raised but changed the state it was given"
         return None

@@ -26,8 +26,10 @@ def fsync_directory(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def make_dirs_durable(path: Path) -> None:
-    """``mkdir -p`` whose new entries survive a crash: fsync each new directory's parent."""
+def make_dirs_durable(path: Path, mode: int = 0o777) -> None:
+    """``mkdir -p`` whose new entries survive a crash: fsync each new directory's parent.
+    ``path`` itself is made with ``mode`` (the umask applies), its parents as
+    ``Path.mkdir(parents=True)`` makes them."""
     missing = []
     current = path
     while not current.exists():
@@ -35,7 +37,7 @@ def make_dirs_durable(path: Path) -> None:
         current = current.parent
     for directory in reversed(missing):
         try:
-            directory.mkdir()
+            directory.mkdir(mode if directory == path else 0o777)
         except FileExistsError:
             continue
         fsync_directory(directory.parent)

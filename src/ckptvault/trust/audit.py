@@ -17,6 +17,17 @@ entry) stays where it is as evidence; the gap entry records its size and BLAKE3
 (``damaged_bytes``, ``damaged_blake3``). A log holding a gap never verifies again:
 keep it as evidence, find out what happened, and start a new log.
 
+A crash (a kill, a power cut) between writing an entry and recording the new head
+must not pass for tampering. So the ledger is told of each append before its bytes
+are written (:class:`~ckptvault.trust.ledger.PendingAppend`: the log's size before
+it and after it, the head after it), and the head replaces that intent once the
+bytes are durable. The next append (and ``audit verify``) settles an intent a crash
+left behind: a log of the intended size that ends at the intended head arrived
+whole and is adopted; one no longer than that whose bytes up to the size before end
+at the old head lost the append, and its partial bytes are cut off. Anything else
+is a gap, as above. Only the ledger, which the log's writers cannot write, can
+vouch for an append this way.
+
 Events: ``save``, ``restore``, ``refusal``, ``rollback_allowed``, ``export``,
 ``key_destroyed``, ``delete``, ``signed`` (``ckptvault sign``), and ``gap`` (written
 by the log itself).
@@ -35,10 +46,11 @@ from typing import Any
 
 from blake3 import blake3
 
+from ckptvault.durable import fsync_directory, make_dirs_durable
 from ckptvault.errors import AuditError, FormatError
 from ckptvault.format.canonical import dumps_canonical
 from ckptvault.format.layout import utc_now
-from ckptvault.trust.ledger import Ledger, default_state_dir
+from ckptvault.trust.ledger import Ledger, PendingAppend, default_state_dir
 
 logger = logging.getLogger("ckptvault")
 
@@ -117,6 +129,27 @@ def _read_all(fd: int, size: int) -> bytes:
         chunks.append(chunk)
         offset += len(chunk)
     return b"".join(chunks)
+
+
+def settled(
+    data: bytes, head: tuple[int, str] | None, pending: PendingAppend
+) -> tuple[int, tuple[int, str] | None]:
+    """How many bytes of the log ``data`` count, and its head, given an append the
+    ledger says was in flight: all of them and the intended head when the append
+    arrived whole; those before it and the old head when it did not; otherwise all of
+    them and the old head (a gap, if they disagree)."""
+    if len(data) == pending.size_after:
+        whole = _tail_of(data, whole=True)
+        assert whole is not None
+        intended = (pending.entries, pending.last_hash)
+        if not whole.damaged and (whole.entries, whole.last_hash) == intended:
+            return len(data), intended
+    if pending.size_before <= len(data) <= pending.size_after:
+        before = _tail_of(data[: pending.size_before], whole=True)
+        assert before is not None
+        if not before.damaged and (head is None or (before.entries, before.last_hash) == head):
+            return pending.size_before, head
+    return len(data), head
 
 
 def _read_tail(fd: int) -> _Tail:
@@ -203,13 +236,13 @@ class AuditLog:
         except FormatError as exc:
             raise AuditError(f"cannot record a {event!r} entry in {self.path}: {exc}") from exc
         try:
-            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            make_dirs_durable(self.path.parent, mode=0o700)
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise AuditError(f"cannot open audit log {self.path}: {exc.strerror or exc}") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            head = self.ledger.audit_head(str(self.path)) if self.ledger is not None else None
+            head = self._settled_head(fd)
             tail = _read_tail(fd)
             seq, prev = tail.entries, tail.last_hash
             data = b""
@@ -230,12 +263,7 @@ class AuditLog:
                 seq, prev = seq + 1, marker["hash"]
             entry = _chained(seq, prev, event, fields)
             data += dumps_canonical(entry) + b"\n"
-            written = 0
-            while written < len(data):
-                written += os.write(fd, data[written:])
-            os.fsync(fd)
-            if self.ledger is not None:
-                self.ledger.set_audit_head(str(self.path), entry["seq"] + 1, entry["hash"])
+            self._write(fd, data, entry)
         except OSError as exc:
             raise AuditError(
                 f"cannot append to audit log {self.path}: {exc.strerror or exc}; check the "
@@ -244,6 +272,43 @@ class AuditLog:
         finally:
             os.close(fd)  # releases the lock
         return entry
+
+    def _settled_head(self, fd: int) -> tuple[int, str] | None:
+        """The ledger's head of this log, once an append a crash cut short is settled
+        (see the module docstring): adopted whole, or its partial bytes cut off."""
+        if self.ledger is None:
+            return None
+        key = str(self.path)
+        head = self.ledger.audit_head(key)
+        pending = self.ledger.audit_pending(key)
+        if pending is None:
+            return head
+        size = os.fstat(fd).st_size
+        keep, settled_head = settled(_read_all(fd, size), head, pending)
+        if keep < size:
+            os.ftruncate(fd, keep)
+            os.fsync(fd)
+        if settled_head is not None and settled_head != head:
+            self.ledger.set_audit_head(key, *settled_head)
+        else:
+            self.ledger.forget_audit_append(key)
+        return settled_head
+
+    def _write(self, fd: int, data: bytes, entry: dict[str, Any]) -> None:
+        """Append ``data`` (ending with ``entry``) durably, its intent told to the ledger
+        first and the new head after."""
+        size = os.fstat(fd).st_size
+        if self.ledger is not None:
+            intent = PendingAppend(size, size + len(data), entry["seq"] + 1, entry["hash"])
+            self.ledger.begin_audit_append(str(self.path), intent)
+        written = 0
+        while written < len(data):
+            written += os.write(fd, data[written:])
+        os.fsync(fd)
+        if size == 0:  # a new log: its name must survive a crash too
+            fsync_directory(self.path.parent)
+        if self.ledger is not None:
+            self.ledger.set_audit_head(str(self.path), entry["seq"] + 1, entry["hash"])
 
     def _gap(self, fd: int, tail: _Tail, head: tuple[int, str] | None) -> dict[str, Any] | None:
         """The fields of the gap entry to write first, or None when the log is what the

@@ -1,5 +1,6 @@
 """Verifying an audit log: every link of its hash chain, every recorded gap, and
-its tail against the head the ledger keeps (``ckptvault audit verify``)."""
+its tail against the head the ledger keeps (``ckptvault audit verify``). An append a
+crash cut short is judged as the next append will settle it (``settled``)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ckptvault.trust.audit import (
     describe_gap,
     entry_hash,
     parse_line,
+    settled,
 )
 from ckptvault.trust.ledger import Ledger
 
@@ -60,6 +62,11 @@ def verify_audit_log(path: str | os.PathLike[str], ledger: Ledger | None) -> Aud
     log = Path(os.path.realpath(os.fspath(path)))
     report = AuditReport(str(log))
     data = log.read_bytes()
+    head = ledger.audit_head(str(log)) if ledger is not None else None
+    pending = ledger.audit_pending(str(log)) if ledger is not None else None
+    if pending is not None:  # an append a crash cut short: what the next append keeps
+        keep, head = settled(data, head, pending)
+        data = data[:keep]
     if data and not data.endswith(b"\n"):
         report.problems.append("the last entry is cut off (no newline at the end of the log)")
     lines = data.split(b"\n")[:-1] if data else []
@@ -68,7 +75,7 @@ def verify_audit_log(path: str | os.PathLike[str], ledger: Ledger | None) -> Aud
     evidence = _recorded_evidence(report, data, offsets, parsed)
     hashes = _check_chain(report, parsed, evidence)
     report.entries = len(hashes)
-    _check_head(report, hashes, ledger.audit_head(str(log)) if ledger is not None else None)
+    _check_head(report, hashes, head)
     return report
 
 

@@ -35,7 +35,7 @@ from blake3 import blake3
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from ckptvault.durable import fsync_directory, write_atomically
+from ckptvault.durable import fsync_directory, make_dirs_durable, write_atomically
 from ckptvault.errors import KeyDestroyedError, KeyUnavailableError, UsageError
 from ckptvault.format.layout import utc_now as _now
 
@@ -203,7 +203,9 @@ class LocalKeyStore:
         existing = self._read_key(run_id)
         if existing is not None:
             return existing
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Durably: a generation this key unlocks may be published (and fsync'd) next,
+        # and a key store that a power cut takes back would take those generations too.
+        make_dirs_durable(self.directory, mode=0o700)
         self._check_private(self.directory, 0o022)
         kek_id = "kek-" + secrets.token_hex(8)
         key = AESGCM.generate_key(bit_length=256)

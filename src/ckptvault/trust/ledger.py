@@ -14,7 +14,8 @@ by default in the per-user state directory (``$XDG_STATE_HOME/ckptvault`` or
 ``~/.local/state/ckptvault``).
 
 It also keeps the head (entry count and last hash) of each audit log, so that a
-truncated log is detected. Storage is SQLite from the standard library; every
+truncated log is detected, and the append in progress, so that one a crash cut short
+is not mistaken for tampering. Storage is SQLite from the standard library; every
 operation is one short transaction, safe across processes.
 """
 
@@ -70,6 +71,13 @@ CREATE TABLE IF NOT EXISTS audit_heads (
     entries INTEGER NOT NULL,
     last_hash TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS audit_pending (
+    log_path TEXT PRIMARY KEY,
+    size_before INTEGER NOT NULL,
+    size_after INTEGER NOT NULL,
+    entries INTEGER NOT NULL,
+    last_hash TEXT NOT NULL
+);
 """
 
 
@@ -85,6 +93,19 @@ def default_state_dir() -> Path:
 
 def default_ledger_path() -> Path:
     return default_state_dir() / "ledger.sqlite3"
+
+
+@dataclass(frozen=True)
+class PendingAppend:
+    """An audit append the ledger was told of before its bytes were written: the log's
+    size before and after it, and the head after it. Left behind, it tells the next
+    append (and ``audit verify``) that a crash cut that append short
+    (``ckptvault.trust.audit``)."""
+
+    size_before: int
+    size_after: int
+    entries: int
+    last_hash: str
 
 
 @dataclass(frozen=True, order=True)
@@ -331,8 +352,33 @@ class Ledger:
             return db.execute("SELECT 1 FROM audit_heads LIMIT 1").fetchone() is not None
 
     def set_audit_head(self, log_path: str, entries: int, last_hash: str) -> None:
+        """Record the log's new head; the append it ends is no longer pending."""
         with self._connect() as db:
             db.execute(
                 "INSERT OR REPLACE INTO audit_heads VALUES (?, ?, ?)",
                 (log_path, entries, last_hash),
             )
+            db.execute("DELETE FROM audit_pending WHERE log_path = ?", (log_path,))
+
+    def begin_audit_append(self, log_path: str, append: PendingAppend) -> None:
+        """Record an append about to be written (before its bytes reach the log)."""
+        with self._connect() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO audit_pending VALUES (?, ?, ?, ?, ?)",
+                (log_path, append.size_before, append.size_after, append.entries, append.last_hash),
+            )
+
+    def audit_pending(self, log_path: str) -> PendingAppend | None:
+        with self._connect() as db:
+            row = db.execute(
+                "SELECT size_before, size_after, entries, last_hash FROM audit_pending "
+                "WHERE log_path = ?",
+                (log_path,),
+            ).fetchone()
+        if row is None:
+            return None
+        return PendingAppend(int(row[0]), int(row[1]), int(row[2]), str(row[3]))
+
+    def forget_audit_append(self, log_path: str) -> None:
+        with self._connect() as db:
+            db.execute("DELETE FROM audit_pending WHERE log_path = ?", (log_path,))
