@@ -1,0 +1,343 @@
+"""Hugging Face ``Trainer`` integration: checkpoints through ckptvault, exact resume.
+
+``pip install 'ckptvault[hf]'``. :class:`CkptvaultTrainer` is a ``transformers.Trainer``
+that saves on the Trainer's own save steps (``save_strategy``, ``save_steps``) into a
+:class:`~ckptvault.CheckpointManager` instead of ``checkpoint-N`` directories, and
+resumes from it with ``trainer.train(resume_from_checkpoint=True)``. Another Trainer
+class (``Seq2SeqTrainer``, TRL's ``SFTTrainer``) gets the same with
+``class MyTrainer(CkptvaultTrainer, SFTTrainer): pass``.
+
+Every save is one generation of step ``state.global_step`` holding the whole
+transition: the model (``model/``, so ``ckptvault consolidate`` exports it as Hugging
+Face safetensors), the optimizer's and LR scheduler's state dicts, the grad scaler's,
+every RNG (``RNGState``: Python, NumPy, torch CPU and CUDA, per rank) and the
+``TrainerState`` (global step, epoch, log history, stateful callbacks) as JSON. The
+log entries of the step go into the manifest's ``metrics`` (``loss``, ``eval_loss``,
+...), where retention's ``keep_best`` can use them. Trainer writes no ``checkpoint-N``
+directory, so none of its pickles (``optimizer.pt``, ``scheduler.pt``,
+``rng_state.pth``, ``training_args.bin``); retention replaces ``save_total_limit``.
+
+Resuming goes through Trainer's own resume path, so that it positions the data
+exactly as Trainer does: the generation is restored (and verified) where Trainer would
+load its model; the TrainerState goes to Trainer as the JSON file it reads (in a
+private temporary directory: its only file); the optimizer, scheduler and scaler are
+loaded where Trainer loads theirs (after it built them); Trainer then skips the
+batches already trained, and the saved RNG states are set again where Trainer sets
+its own (after the first batch of the resumed epoch is fetched). The resumed run
+continues bit-identically: same losses, logs and final weights as an uninterrupted
+run, on bit-reproducible kernels (see "Bit-exact resume" in the README).
+
+This relies on Trainer's checkpoint hooks (``_save_checkpoint``,
+``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``_load_scaler``,
+``_load_rng_state``); the class refuses to be built when one is missing, rather than
+resume silently from nothing. Not supported (refused at construction): DeepSpeed,
+FSDP and SageMaker model parallelism (they save through their own engines),
+``load_best_model_at_end`` (it reloads a ``checkpoint-N`` directory: restore the best
+step with ``mgr.restore(..., step=trainer.state.best_global_step)``) and
+``save_only_model``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from transformers import Trainer, TrainerState
+from transformers.trainer_callback import ExportableState
+
+from ckptvault.errors import NoValidCheckpoint, StateMismatchError, UsageError
+from ckptvault.state.rng import RNGState
+
+if TYPE_CHECKING:
+    from transformers.trainer_utils import TrainOutput
+
+    from ckptvault.manager import CheckpointManager, RestoreInfo
+
+__all__ = ["CkptvaultTrainer"]
+
+logger = logging.getLogger("ckptvault")
+
+TRAINER_STATE_FILE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
+_HOOKS = (
+    "_save_checkpoint",
+    "_load_from_checkpoint",
+    "_load_optimizer_and_scheduler",
+    "_load_rng_state",
+)
+_METRIC_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:/-]{0,127}\Z")
+
+
+@dataclass
+class _Resume:
+    """A resume in progress: what Trainer's hooks load, once the generation is restored."""
+
+    directory: str  # the path Trainer is given as resume_from_checkpoint
+    step: int | None  # None: the newest generation that verifies
+    info: RestoreInfo | None = None
+    optimizer: dict[str, Any] = field(default_factory=dict)
+    scheduler: dict[str, Any] = field(default_factory=dict)
+    scaler: dict[str, Any] = field(default_factory=dict)
+    rng: dict[str, Any] | None = None  # set again at Trainer's RNG sync point, once
+
+
+class CkptvaultTrainer(Trainer):
+    """A ``transformers.Trainer`` that saves into and resumes from a ``CheckpointManager``.
+
+    ``checkpoint_manager`` (keyword) is the manager; everything else goes to the
+    Trainer. Another Trainer class gets the same by putting this one first:
+    ``class MyTrainer(CkptvaultTrainer, SFTTrainer)`` (both derive from ``Trainer``). ``train(resume_from_checkpoint=...)`` takes ``True`` (the newest
+    generation that verifies; a fresh start when the store has none), a step number
+    (that step's generation), ``None``/``False`` (a fresh start), or a path (Trainer's
+    own ``checkpoint-N`` directory, read by Trainer itself: a way to move a run over).
+    ``restore_info`` is the :class:`~ckptvault.RestoreInfo` of the last resume.
+    """
+
+    def __init__(self, *args: Any, checkpoint_manager: CheckpointManager, **kwargs: Any) -> None:
+        missing = [name for name in _HOOKS if not callable(getattr(Trainer, name, None))]
+        if missing:
+            raise UsageError(
+                f"this transformers version's Trainer has no {', '.join(missing)}; "
+                "CkptvaultTrainer cannot save or resume through it: install a transformers "
+                "version ckptvault supports (pip install 'ckptvault[hf]')"
+            )
+        super().__init__(*args, **kwargs)
+        self.checkpoint_manager = checkpoint_manager
+        self.restore_info: RestoreInfo | None = None
+        self._ckptvault_resume: _Resume | None = None
+        _refuse_unsupported(self)
+
+    # -- saving --------------------------------------------------------------------
+
+    def _save_checkpoint(self, model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
+        """Trainer's save step: one generation, and no ``checkpoint-N`` directory."""
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        _record_stateful_callbacks(self)
+        self.checkpoint_manager.save(
+            self.state.global_step, self._ckptvault_state(), metrics=_step_metrics(self.state)
+        )
+
+    def _ckptvault_state(self) -> dict[str, Any]:
+        scaler = getattr(self.accelerator, "scaler", None)
+        optimizer, scheduler = self.optimizer, self.lr_scheduler
+        assert optimizer is not None and scheduler is not None  # built before any step
+        return {
+            "model": self.model,
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None else {},
+            "rng": RNGState(),
+            "trainer_state": dataclasses.asdict(self.state),
+        }
+
+    # -- resuming ------------------------------------------------------------------
+
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | int | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> TrainOutput:
+        """Trainer's ``train``; ``resume_from_checkpoint`` as the class docstring says.
+        Returns once every save of the run is durable (``checkpoint_manager.wait()``)."""
+        resume = self._plan_resume(resume_from_checkpoint)
+        self._ckptvault_resume = resume
+        target: str | bool | None
+        if resume is not None:
+            target = resume.directory
+        elif isinstance(resume_from_checkpoint, str):
+            target = resume_from_checkpoint  # Trainer's own directory, read by Trainer
+        else:
+            target = None
+        try:
+            output = super().train(target, trial, ignore_keys_for_eval, **kwargs)
+        finally:
+            self._ckptvault_resume = None
+            if resume is not None:
+                shutil.rmtree(resume.directory, ignore_errors=True)
+        self.checkpoint_manager.wait()
+        return output
+
+    def _plan_resume(self, request: str | bool | int | None) -> _Resume | None:
+        if request is None or request is False or isinstance(request, str):
+            return None
+        if request is True:
+            if not self.checkpoint_manager.generations():
+                logger.info(
+                    "%r holds no generation: training starts fresh", self.checkpoint_manager
+                )
+                return None
+            step = None
+        elif isinstance(request, int):
+            step = request
+        else:
+            raise UsageError(
+                f"resume_from_checkpoint must be True, a step number, None or a path, "
+                f"not {type(request).__name__}"
+            )
+        return _Resume(tempfile.mkdtemp(prefix="ckptvault-resume-"), step)
+
+    def _resuming(self, checkpoint: str | None) -> _Resume | None:
+        resume = self._ckptvault_resume
+        return resume if resume is not None and checkpoint == resume.directory else None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """Where Trainer loads its model: restore (and verify) the whole generation.
+        Trainer then reads the TrainerState from the file written here."""
+        resume = self._resuming(resume_from_checkpoint)
+        if resume is None:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return
+        holder: dict[str, Any] = {
+            "model": self.model if model is None else model,
+            "optimizer": {},
+            "scheduler": {},
+            "scaler": {},
+            "rng": RNGState(),
+            "trainer_state": {},
+        }
+        info = self.checkpoint_manager.restore(holder, step=resume.step)
+        if info is None:
+            raise NoValidCheckpoint(
+                f"{self.checkpoint_manager!r} holds no generation to resume from: train with "
+                "resume_from_checkpoint=None to start fresh"
+            )
+        state = _trainer_state(holder["trainer_state"], info.step)
+        state.save_to_json(str(Path(resume.directory) / TRAINER_STATE_FILE))
+        resume.info, self.restore_info = info, info
+        resume.optimizer, resume.scheduler = holder["optimizer"], holder["scheduler"]
+        resume.scaler = holder["scaler"]
+        resume.rng = RNGState().state_dict()  # just set: the saved states, read back
+        logger.info("resuming at step %d from generation %s", info.step, info.generation_id)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        resume = self._resuming(checkpoint)
+        if resume is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        _load_into("optimizer", self.optimizer, resume.optimizer)
+        _load_into("scheduler", self.lr_scheduler, resume.scheduler)
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and resume.scaler:
+            _load_into("scaler", scaler, resume.scaler)
+        elif resume.scaler:
+            logger.warning("the generation holds a grad scaler's state, this run has no scaler")
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if self._resuming(checkpoint) is None:
+            super()._load_scaler(checkpoint)  # with the optimizer otherwise
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        """Trainer's RNG sync point: after the first batch of a resumed epoch (its
+        loader draws from the global RNGs while it starts), or before the epoch."""
+        resume = self._resuming(checkpoint)
+        if resume is None:
+            super()._load_rng_state(checkpoint)
+        elif resume.rng is not None:
+            RNGState().load_state_dict(resume.rng)
+            resume.rng = None
+
+
+def _refuse_unsupported(trainer: Trainer) -> None:
+    args = trainer.args
+    engines = [
+        name
+        for name, on in (
+            ("DeepSpeed", getattr(trainer, "is_deepspeed_enabled", False)),
+            ("FSDP", getattr(trainer, "is_fsdp_enabled", False)),
+            ("FSDP on XLA", getattr(trainer, "is_fsdp_xla_enabled", False)),
+        )
+        if on
+    ]
+    if engines:
+        raise UsageError(
+            f"CkptvaultTrainer does not support {engines[0]}: it saves through its own engine; "
+            "train without it, or use Trainer's own checkpoints"
+        )
+    if args.load_best_model_at_end:
+        raise UsageError(
+            "CkptvaultTrainer writes no checkpoint-N directories for load_best_model_at_end to "
+            "reload: set it to False and restore the best step after training with "
+            "checkpoint_manager.restore({'model': model}, step=trainer.state.best_global_step, "
+            "strict=False)"
+        )
+    if args.save_only_model:
+        raise UsageError(
+            "CkptvaultTrainer saves the whole transition so that a run resumes exactly: set "
+            "save_only_model=False (for the weights alone: ckptvault consolidate STORE OUT)"
+        )
+    if args.save_total_limit is not None:
+        logger.warning(
+            "save_total_limit is ignored by CkptvaultTrainer: give the CheckpointManager a "
+            "retention policy, e.g. retention=cv.Retention(keep_last=%d)",
+            args.save_total_limit,
+        )
+
+
+def _record_stateful_callbacks(trainer: Trainer) -> None:
+    """What Trainer's own ``_save_checkpoint`` does before writing trainer_state.json:
+    the states of callbacks that export one (early stopping, TrainerControl)."""
+    # A dict of name -> state (or list of states) once TrainerState is built.
+    stored: Any = trainer.state.stateful_callbacks
+    for callback in [*trainer.callback_handler.callbacks, trainer.control]:
+        if not isinstance(callback, ExportableState):
+            continue
+        name, exported = type(callback).__name__, callback.state()
+        if isinstance(stored.get(name), list):
+            stored[name].append(exported)
+        else:
+            stored[name] = exported
+
+
+def _step_metrics(state: TrainerState) -> dict[str, float] | None:
+    """The numbers logged at this step (loss, learning_rate, eval_*), for the manifest."""
+    metrics: dict[str, float] = {}
+    for entry in state.log_history:
+        if entry.get("step") != state.global_step:
+            continue
+        for name, value in entry.items():
+            if (
+                name != "step"
+                and isinstance(name, str)
+                and _METRIC_NAME.match(name)
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+                and abs(value) < 2**63
+            ):
+                metrics[name] = value
+    return metrics or None
+
+
+def _trainer_state(saved: Mapping[str, Any], step: int) -> TrainerState:
+    known = {f.name for f in dataclasses.fields(TrainerState)}
+    unknown = sorted(str(key) for key in saved if key not in known)
+    if not saved or unknown:
+        raise StateMismatchError(
+            f"the generation of step {step} holds no TrainerState this transformers version "
+            f"reads (fields {unknown[:5]} unknown): resume with the transformers version that "
+            "saved it",
+            mismatched=["trainer_state"],
+        )
+    return TrainerState(**saved)
+
+
+def _load_into(name: str, target: Any, state: Mapping[str, Any]) -> None:
+    try:
+        target.load_state_dict(state)
+    except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+        raise StateMismatchError(
+            f"the checkpoint's {name} state does not fit this run's {type(target).__name__} "
+            f"({type(exc).__name__}: {str(exc)[:300]}): resume with the optimizer and schedule "
+            "the run was saved with",
+            mismatched=[name],
+        ) from exc
