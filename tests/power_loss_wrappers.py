@@ -5,11 +5,13 @@ Each wrapper places its arguments in the recorder's model *before* the real call
 call, and only when it succeeded logs what it changed. Calls on paths and
 descriptors outside the world pass straight through. A call the model cannot place
 is noted in ``recorder.errors`` (never raised into ckptvault, whose own error
-handling must not be what the test exercises).
+handling must not be what the test exercises). Every wrapper holds the recorder's
+lock across the real call, so the log's order is the order the calls happened in.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 from collections.abc import Callable
@@ -33,171 +35,210 @@ def _bytes(data: Any, count: int) -> bytes:
 
 def wrappers(rec: Recorder) -> dict[str, Callable[..., Any]]:
     """The wrapper of every function in :data:`NAMES`, bound to ``rec``."""
-    real = {name: getattr(os, name) for name in NAMES}
-    lseek = os.lseek
+    return Wrappers(rec).by_name()
 
-    unplaced: list[str] = []  # under rec._lock: the call being wrapped now
 
-    def placed(what: str, function: Callable[[], Any]) -> Any:
+class Wrappers:
+    def __init__(self, rec: Recorder) -> None:
+        self.rec = rec
+        self.real = {name: getattr(os, name) for name in NAMES}
+        self.lseek = os.lseek
+        self.unplaced: list[str] = []  # under rec._lock: about the call wrapped now
+
+    def by_name(self) -> dict[str, Callable[..., Any]]:
+        special = {
+            "open": self.open_,
+            "rename": functools.partial(self.move, "rename"),
+            "replace": functools.partial(self.move, "replace"),
+            "unlink": functools.partial(self.unlink, "unlink"),
+            "remove": functools.partial(self.unlink, "remove"),
+            "rmdir": functools.partial(self.unlink, "rmdir"),
+        }
+        return {name: special.get(name) or getattr(self, name) for name in NAMES}
+
+    # -- bookkeeping ---------------------------------------------------------------------
+
+    def placed(self, what: str, function: Callable[[], Any]) -> Any:
         """``function()`` (model bookkeeping); a ModelError is noted, not raised. It
         counts only if the real call succeeds (``mkdir(parents=True)`` tries first)."""
         try:
             return function()
         except (ModelError, KeyError) as exc:
-            unplaced.append(f"{what}: {exc!r}")
+            self.unplaced.append(f"{what}: {exc!r}")
             return None
 
-    def call(name: str, *args: Any, **kwargs: Any) -> Any:
+    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         try:
-            result = real[name](*args, **kwargs)
+            result = self.real[name](*args, **kwargs)
         except BaseException:
-            unplaced.clear()
+            self.unplaced.clear()
             raise
-        rec.errors.extend(unplaced)
-        unplaced.clear()
+        self.rec.errors.extend(self.unplaced)
+        self.unplaced.clear()
         return result
 
-    def open_(path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+    def target(self, path: Any, dir_fd: int | None) -> int | None:
+        """The inode a path (or descriptor) names; None outside the world."""
+        if isinstance(path, int):
+            return self.rec._fds.get(path)
+        return self.placed(f"{path}", lambda: self.rec.resolve(path, dir_fd))
+
+    # -- opening and closing -------------------------------------------------------------
+
+    def open_(self, path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = None):
+        rec = self.rec
         with rec._lock:
-            start = placed(f"open {path}", lambda: rec._start(path, dir_fd))
-            existing = placed(f"open {path}", lambda: _lookup(rec, start)) if start else None
-            fd = call("open", path, flags, mode, dir_fd=dir_fd)
+            start = self.placed(f"open {path}", lambda: rec._start(path, dir_fd))
+            existing = self.placed(f"open {path}", lambda: _lookup(rec, start)) if start else None
+            fd = self.call("open", path, flags, mode, dir_fd=dir_fd)
             if start is None:
                 return fd
             if existing is None and not flags & os.O_CREAT:
                 rec.errors.append(f"open {path}: the model does not hold it")
             elif existing is None:
-                existing = placed(f"create {path}", lambda: _created(rec, path, dir_fd, fd))
+                existing = self.placed(f"create {path}", lambda: _created(rec, path, dir_fd, fd))
             elif flags & os.O_TRUNC and existing not in rec._entries:
                 rec.log.append(Truncate(existing, 0))
             if existing is not None:
                 rec._fds[fd] = existing
             return fd
 
-    def close(fd: int) -> None:
-        with rec._lock:
-            rec._fds.pop(fd, None)
-            call("close", fd)
+    def close(self, fd: int) -> None:
+        with self.rec._lock:
+            self.rec._fds.pop(fd, None)
+            self.call("close", fd)
 
-    def write(fd: int, data: Any) -> int:
-        with rec._lock:
-            count = call("write", fd, data)
-            if fd in rec._fds:
-                end = lseek(fd, 0, os.SEEK_CUR)  # O_APPEND too: where the bytes went
-                rec.log.append(Write(rec._fds[fd], end - count, _bytes(data, count)))
+    def fdopen(self, fd: int, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        with self.rec._lock:
+            if fd in self.rec._fds and any(c in mode for c in "wax+"):
+                self.rec.errors.append(f"fdopen({fd}, {mode!r}): writes through io are unmodelled")
+            self.rec._fds.pop(fd, None)  # io closes it without os.close
+            return self.call("fdopen", fd, mode, *args, **kwargs)
+
+    # -- file contents -------------------------------------------------------------------
+
+    def write(self, fd: int, data: Any) -> int:
+        with self.rec._lock:
+            count = self.call("write", fd, data)
+            if fd in self.rec._fds:
+                end = self.lseek(fd, 0, os.SEEK_CUR)  # O_APPEND too: where the bytes went
+                self.rec.log.append(Write(self.rec._fds[fd], end - count, _bytes(data, count)))
             return count
 
-    def pwrite(fd: int, data: Any, offset: int) -> int:
-        with rec._lock:
-            count = call("pwrite", fd, data, offset)
-            if fd in rec._fds:
-                rec.log.append(Write(rec._fds[fd], offset, _bytes(data, count)))
+    def pwrite(self, fd: int, data: Any, offset: int) -> int:
+        with self.rec._lock:
+            count = self.call("pwrite", fd, data, offset)
+            if fd in self.rec._fds:
+                self.rec.log.append(Write(self.rec._fds[fd], offset, _bytes(data, count)))
             return count
 
-    def ftruncate(fd: int, size: int) -> None:
-        with rec._lock:
-            call("ftruncate", fd, size)
-            if fd in rec._fds:
-                rec.log.append(Truncate(rec._fds[fd], size))
+    def ftruncate(self, fd: int, size: int) -> None:
+        with self.rec._lock:
+            self.call("ftruncate", fd, size)
+            if fd in self.rec._fds:
+                self.rec.log.append(Truncate(self.rec._fds[fd], size))
 
-    def truncate(path: Any, size: int) -> None:
-        with rec._lock:
-            inode = _target(rec, path, None, placed)
-            call("truncate", path, size)
+    def truncate(self, path: Any, size: int) -> None:
+        with self.rec._lock:
+            inode = self.target(path, None)
+            self.call("truncate", path, size)
             if inode is not None:
-                rec.log.append(Truncate(inode, size))
+                self.rec.log.append(Truncate(inode, size))
 
-    def fsync(fd: Any) -> None:
+    def fsync(self, fd: Any) -> None:
+        self._sync("fsync", fd)
+
+    def fdatasync(self, fd: Any) -> None:
+        self._sync("fdatasync", fd)
+
+    def _sync(self, name: str, fd: Any) -> None:
         number = fd if isinstance(fd, int) else fd.fileno()
-        with rec._lock:
-            call("fsync", fd)
-            if number in rec._fds:
-                rec.log.append(Sync(rec._fds[number]))
+        with self.rec._lock:
+            self.call(name, fd)
+            if number in self.rec._fds:
+                self.rec.log.append(Sync(self.rec._fds[number]))
 
-    def fdatasync(fd: Any) -> None:
-        number = fd if isinstance(fd, int) else fd.fileno()
-        with rec._lock:
-            call("fdatasync", fd)
-            if number in rec._fds:
-                rec.log.append(Sync(rec._fds[number]))
+    def fchmod(self, fd: int, mode: int) -> None:
+        with self.rec._lock:
+            self.call("fchmod", fd, mode)
+            if fd in self.rec._fds:
+                actual = stat.S_IMODE(os.fstat(fd).st_mode)
+                self.rec.log.append(Chmod(self.rec._fds[fd], actual))
 
-    def fchmod(fd: int, mode: int) -> None:
-        with rec._lock:
-            call("fchmod", fd, mode)
-            if fd in rec._fds:
-                rec.log.append(Chmod(rec._fds[fd], stat.S_IMODE(os.fstat(fd).st_mode)))
-
-    def chmod(path: Any, mode: int, *, dir_fd: int | None = None, follow_symlinks: bool = True):
-        with rec._lock:
-            inode = _target(rec, path, dir_fd, placed)
-            call("chmod", path, mode, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+    def chmod(
+        self, path: Any, mode: int, *, dir_fd: int | None = None, follow_symlinks: bool = True
+    ) -> None:
+        with self.rec._lock:
+            inode = self.target(path, dir_fd)
+            self.call("chmod", path, mode, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
             if inode is not None:
-                rec.log.append(Chmod(inode, rec._mode_of(path, dir_fd)))
+                self.rec.log.append(Chmod(inode, self.rec._mode_of(path, dir_fd)))
 
-    def mkdir(path: Any, mode: int = 0o777, *, dir_fd: int | None = None) -> None:
+    # -- directory entries ---------------------------------------------------------------
+
+    def mkdir(self, path: Any, mode: int = 0o777, *, dir_fd: int | None = None) -> None:
+        rec = self.rec
         with rec._lock:
-            where = placed(f"mkdir {path}", lambda: rec.locate(path, dir_fd))
-            call("mkdir", path, mode, dir_fd=dir_fd)
+            where = self.placed(f"mkdir {path}", lambda: rec.locate(path, dir_fd))
+            self.call("mkdir", path, mode, dir_fd=dir_fd)
             if where is not None:
                 made = AddName(*where, rec._new_inode(), "dir", rec._mode_of(path, dir_fd))
                 rec._add(made)
 
-    def move(name: str) -> Callable[..., None]:
-        def rename(src: Any, dst: Any, *, src_dir_fd: int | None = None,
-                   dst_dir_fd: int | None = None) -> None:  # fmt: skip
-            with rec._lock:
-                old = placed(f"{name} {src}", lambda: rec.locate(src, src_dir_fd))
-                new = placed(f"{name} {dst}", lambda: rec.locate(dst, dst_dir_fd))
-                call(name, src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
-                if (old is None) != (new is None):
-                    rec.errors.append(f"{name} {src} -> {dst} crosses the world's edge")
-                elif old is not None and new is not None:
-                    placed(f"{name} {src}", lambda: _renamed(rec, old, new))
-
-        return rename
-
-    def link(src: Any, dst: Any, *, src_dir_fd: int | None = None,
-             dst_dir_fd: int | None = None, follow_symlinks: bool = True) -> None:  # fmt: skip
+    def move(
+        self,
+        name: str,
+        src: Any,
+        dst: Any,
+        *,
+        src_dir_fd: int | None = None,
+        dst_dir_fd: int | None = None,
+    ) -> None:
+        rec = self.rec
         with rec._lock:
-            inode = _target(rec, src, src_dir_fd, placed)
-            new = placed(f"link {dst}", lambda: rec.locate(dst, dst_dir_fd))
-            call("link", src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd,
-                         follow_symlinks=follow_symlinks)  # fmt: skip
+            old = self.placed(f"{name} {src}", lambda: rec.locate(src, src_dir_fd))
+            new = self.placed(f"{name} {dst}", lambda: rec.locate(dst, dst_dir_fd))
+            self.call(name, src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+            if (old is None) != (new is None):
+                rec.errors.append(f"{name} {src} -> {dst} crosses the world's edge")
+            elif old is not None and new is not None:
+                self.placed(f"{name} {src}", lambda: _renamed(rec, old, new))
+
+    def link(
+        self,
+        src: Any,
+        dst: Any,
+        *,
+        src_dir_fd: int | None = None,
+        dst_dir_fd: int | None = None,
+        follow_symlinks: bool = True,
+    ) -> None:
+        rec = self.rec
+        with rec._lock:
+            inode = self.target(src, src_dir_fd)
+            new = self.placed(f"link {dst}", lambda: rec.locate(dst, dst_dir_fd))
+            self.call(
+                "link", src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd,
+                follow_symlinks=follow_symlinks,
+            )  # fmt: skip
             if inode is not None and new is not None:
                 rec._add(AddName(*new, inode))
 
-    def unlinker(name: str) -> Callable[..., None]:
-        def unlink(path: Any, *, dir_fd: int | None = None) -> None:
-            with rec._lock:
-                where = placed(f"{name} {path}", lambda: rec.locate(path, dir_fd))
-                call(name, path, dir_fd=dir_fd)
-                if where is not None:
-                    placed(f"{name} {path}", lambda: rec._remove(*where))
-
-        return unlink
-
-    def symlink(src: Any, dst: Any, target_is_directory: bool = False, *,
-                dir_fd: int | None = None) -> None:  # fmt: skip
+    def unlink(self, name: str, path: Any, *, dir_fd: int | None = None) -> None:
+        rec = self.rec
         with rec._lock:
-            if rec._start(dst, dir_fd) is not None:
-                rec.errors.append(f"symlink {dst}: links are not modelled")
-            call("symlink", src, dst, target_is_directory, dir_fd=dir_fd)
+            where = self.placed(f"{name} {path}", lambda: rec.locate(path, dir_fd))
+            self.call(name, path, dir_fd=dir_fd)
+            if where is not None:
+                self.placed(f"{name} {path}", lambda: rec._remove(*where))
 
-    def fdopen(fd: int, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-        with rec._lock:
-            if fd in rec._fds and any(c in mode for c in "wax+"):
-                rec.errors.append(f"fdopen({fd}, {mode!r}): writes through io are not modelled")
-            rec._fds.pop(fd, None)  # io closes it without os.close
-            return call("fdopen", fd, mode, *args, **kwargs)
-
-    return {
-        "open": open_, "close": close, "write": write, "pwrite": pwrite,
-        "ftruncate": ftruncate, "truncate": truncate, "fsync": fsync,
-        "fdatasync": fdatasync, "fchmod": fchmod, "chmod": chmod, "mkdir": mkdir,
-        "rename": move("rename"), "replace": move("replace"), "link": link,
-        "unlink": unlinker("unlink"), "remove": unlinker("remove"),
-        "rmdir": unlinker("rmdir"), "symlink": symlink, "fdopen": fdopen,
-    }  # fmt: skip
+    def symlink(
+        self, src: Any, dst: Any, target_is_directory: bool = False, *, dir_fd: int | None = None
+    ) -> None:
+        with self.rec._lock:
+            if self.rec._start(dst, dir_fd) is not None:
+                self.rec.errors.append(f"symlink {dst}: links are not modelled")
+            self.call("symlink", src, dst, target_is_directory, dir_fd=dir_fd)
 
 
 def _lookup(rec: Recorder, start: tuple[int, list[str]]) -> int | None:
@@ -207,12 +248,6 @@ def _lookup(rec: Recorder, start: tuple[int, list[str]]) -> int | None:
         return inode
     directory = rec._walk(inode, parts[:-1], "/".join(parts))
     return rec._entries[directory].get(parts[-1])
-
-
-def _target(rec: Recorder, path: Any, dir_fd: int | None, placed: Callable[..., Any]) -> Any:
-    if isinstance(path, int):
-        return rec._fds.get(path)
-    return placed(f"{path}", lambda: rec.resolve(path, dir_fd))
 
 
 def _created(rec: Recorder, path: Any, dir_fd: int | None, fd: int) -> int:

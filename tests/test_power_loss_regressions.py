@@ -3,6 +3,10 @@
 - A key store's first key (made during a run's first encrypted save) was written
   and linked durably, but the key store's new directories were not: a power cut
   could take the key back after the generation it unlocks was published.
+- A store's first record (a pin, a deletion mark) was renamed into place and its
+  directory fsync'd, but ``.records`` and ``.records/<kind>`` were created without
+  making them durable: a power cut could take a pin back, and retention would then
+  delete the generation the operator pinned.
 - A new audit log's name was never made durable, and an append that a crash cut
   short (between the entry reaching the log and the ledger recording its head, or
   half-written) made the log fail ``audit verify`` for ever, as if tampered with.
@@ -15,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from ckptvault.storage.posix import PosixStore
+from ckptvault.storage.records import PIN
 from ckptvault.trust.audit import AuditLog
 from ckptvault.trust.audit_verify import verify_audit_log
 from ckptvault.trust.keystore import LocalKeyStore
@@ -54,6 +60,15 @@ def test_a_new_audit_logs_first_entry_survives_a_power_cut(tmp_path: Path):
     log = AuditLog(world / "audit" / "audit.jsonl", Ledger(tmp_path / "ledger.sqlite3"))
     kept = after_power_loss(world, lambda: log.append("save", step=1), tmp_path / "ledger.sqlite3")
     assert kept["/audit/audit.jsonl"][2] == (world / "audit" / "audit.jsonl").read_bytes()
+
+
+def test_a_stores_first_pin_survives_a_power_cut(tmp_path: Path):
+    world = tmp_path / "world"
+    (world / "store").mkdir(parents=True)
+    store = PosixStore(world / "store")
+    name = "step-000000000001.20260101T000000000000Z-00000000"
+    kept = after_power_loss(world, lambda: store.put_record(PIN, name, {"step": 1}))
+    assert f"/store/.records/{PIN}/{name}.json" in kept
 
 
 @pytest.fixture

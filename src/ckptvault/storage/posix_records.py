@@ -39,20 +39,28 @@ def records_dir(store: PosixStore, kind: str, create: bool) -> int | None:
     where = os.path.join(store.location, RECORDS_DIR)
     with opened(store.open_root()) as root_fd:
         if create:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(RECORDS_DIR, 0o755, dir_fd=root_fd)
+            _make_durable_dir(root_fd, RECORDS_DIR)
         try:
             records_fd = open_dir(RECORDS_DIR, root_fd, where)
         except FileNotFoundError:
             return None
     with opened(records_fd):
         if create:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(kind, 0o755, dir_fd=records_fd)
+            _make_durable_dir(records_fd, kind)
         try:
             return open_dir(kind, records_fd, os.path.join(where, kind))
         except FileNotFoundError:
             return None
+
+
+def _make_durable_dir(parent_fd: int, name: str) -> None:
+    """``mkdir`` that a power cut cannot take back: a record written into it (a pin,
+    say) is only as durable as the directories that lead to it."""
+    try:
+        os.mkdir(name, 0o755, dir_fd=parent_fd)
+    except FileExistsError:
+        return
+    os.fsync(parent_fd)
 
 
 def put_record(store: PosixStore, kind: str, name: str, data: dict[str, Any]) -> None:
