@@ -7,7 +7,8 @@ The README's example runs as written in fresh processes: a reference run, a run
 SIGKILLed mid-epoch, and its resume in a new process. In-process runs (fresh
 Accelerator and objects after an interruption), with gradient accumulation, an LR
 scheduler, a registered custom object and an extra entry, resume mid-epoch, after
-the last batch of an epoch, and mid gradient accumulation (``include_grads=True``).
+the last batch of an epoch, and mid gradient accumulation (``include_grads=True``),
+with a seedable sampler, and with a StatefulDataLoader as well.
 """
 
 from __future__ import annotations
@@ -116,16 +117,14 @@ class Counter:
 
 def _train(
     root: Path,
+    stateful: bool,
     interrupt_at: int | None = None,
     save_every: int = 1,
     resume_step: int | None = None,
 ) -> dict[str, Any]:
     set_seed(0)
-    accelerator = Accelerator(
-        cpu=True,
-        gradient_accumulation_steps=2,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-    )
+    loading = DataLoaderConfiguration(use_seedable_sampler=True, use_stateful_dataloader=stateful)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, dataloader_config=loading)
     model = torch.nn.Sequential(
         torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.ReLU(), torch.nn.Linear(16, 1)
     )
@@ -171,33 +170,51 @@ def _train(
     }
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _train(tmp_path_factory.mktemp("reference"), save_every=BATCHES * EPOCHS)
+class _Runs:
+    """Per data loader kind, made once: an uninterrupted run, and the store of a run
+    interrupted after step 25 that saved after every step."""
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        self.factory = factory
+        self.references: dict[bool, dict[str, Any]] = {}
+        self.stores: dict[bool, Path] = {}
+
+    def reference(self, stateful: bool) -> dict[str, Any]:
+        if stateful not in self.references:
+            root = self.factory.mktemp("reference")
+            self.references[stateful] = _train(root, stateful, save_every=BATCHES * EPOCHS)
+        return self.references[stateful]
+
+    def interrupted(self, stateful: bool) -> Path:
+        if stateful not in self.stores:
+            root = self.factory.mktemp("interrupted")
+            with pytest.raises(_Interrupted):
+                _train(root, stateful, interrupt_at=25)
+            self.stores[stateful] = root / "store"
+        return self.stores[stateful]
 
 
 @pytest.fixture(scope="module")
-def interrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A store left by a run interrupted after step 25, saved after every step."""
-    root = tmp_path_factory.mktemp("interrupted")
-    with pytest.raises(_Interrupted):
-        _train(root, interrupt_at=25)
-    return root / "store"
+def runs(tmp_path_factory: pytest.TempPathFactory) -> _Runs:
+    return _Runs(tmp_path_factory)
 
 
 @pytest.mark.parametrize(
-    ("resume_step", "resumed_at"),
+    ("stateful", "resume_step", "resumed_at"),
     [
-        pytest.param(None, 25, id="newest-mid-epoch"),
-        pytest.param(22, 22, id="after-the-last-batch-of-an-epoch"),
-        pytest.param(12, 12, id="mid-gradient-accumulation"),
+        pytest.param(False, None, 25, id="newest-mid-epoch"),
+        pytest.param(False, 22, 22, id="after-the-last-batch-of-an-epoch"),
+        pytest.param(False, 12, 12, id="mid-gradient-accumulation"),
+        pytest.param(True, None, 25, id="stateful-loader-newest-mid-epoch"),
+        pytest.param(True, 22, 22, id="stateful-loader-after-the-last-batch-of-an-epoch"),
     ],
 )
 def test_a_resumed_accelerate_loop_continues_bit_identically(
-    tmp_path: Path, reference: dict, interrupted: Path, resume_step: int | None, resumed_at: int
+    tmp_path: Path, runs: _Runs, stateful: bool, resume_step: int | None, resumed_at: int
 ):
-    shutil.copytree(interrupted, tmp_path / "store")
-    result = _train(tmp_path, save_every=5, resume_step=resume_step)
+    reference = runs.reference(stateful)
+    shutil.copytree(runs.interrupted(stateful), tmp_path / "store")
+    result = _train(tmp_path, stateful, save_every=5, resume_step=resume_step)
 
     assert result["resumed_at"] == resumed_at
     assert sorted(result["losses"]) == list(range(resumed_at + 1, BATCHES * EPOCHS + 1))

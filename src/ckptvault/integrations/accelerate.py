@@ -26,9 +26,11 @@ of ``accelerator.skip_first_batches``). It also sets the saved RNG states again
 once the resumed pass has started (a data loader draws its worker seed from the
 global RNG when a pass starts), so the resumed run continues bit-identically. A
 pass's order must not depend on the global RNG at the time it starts: use a seedable
-sampler (``DataLoaderConfiguration(use_seedable_sampler=True)``) or a
-``StatefulDataLoader`` (``use_stateful_dataloader=True``). Randomness inside data
-loading (augmentation in ``collate_fn`` or workers) needs a generator of its own.
+sampler (``DataLoaderConfiguration(use_seedable_sampler=True)``), also with
+``use_stateful_dataloader=True`` (Accelerate's ``StatefulDataLoader`` does not save a
+plain shuffling sampler's state; it then restores its own position, and
+``skip_first_batches`` skips nothing more). Randomness inside data loading
+(augmentation in ``collate_fn`` or workers) needs a generator of its own.
 
 DeepSpeed, FSDP, Megatron-LM and XLA save through their own engines and are refused.
 """
@@ -193,7 +195,11 @@ class PreparedDataLoader:
         if sampler is not None and "sampler_seed" in state:
             sampler.initial_seed = int(state["sampler_seed"])
         if "loader" in state:
-            self.loader.load_state_dict(state["loader"])
+            saved = state["loader"]
+            # A pass that was over: the next starts afresh, as it would have (a
+            # StatefulDataLoader given a finished state would start two iterators).
+            finished = isinstance(saved, Mapping) and saved.get("_iterator_finished") is True
+            self.loader.load_state_dict({} if finished else saved)
 
 
 class _AcceleratorStep:
