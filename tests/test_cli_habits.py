@@ -120,8 +120,8 @@ def test_the_wording_keeps_values_and_drops_the_call():
         "--keep-last 3 or --metric NAME, then pass --keystore now"
     )
     assert cli_wording("pass signing_key= (--signing-key) with it") == "pass --signing-key with it"
-    assert cli_wording("allow_contract_change=True and myrun_id=2 stay") == (
-        "allow_contract_change=True and myrun_id=2 stay"
+    assert cli_wording("allow_contract_change=True, myrun_id=2 and catalog=False stay") == (
+        "allow_contract_change=True, myrun_id=2 and catalog=False stay"
     )
 
 

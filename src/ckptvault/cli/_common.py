@@ -83,9 +83,9 @@ def catalog_file(ledger: Path | None, catalog: Path | None, required: bool) -> P
         return path
     if required or catalog is not None or ledger is not None:
         raise UsageError(
-            f"no catalog at {path}: a CheckpointManager writes it (catalog= option; default "
-            "beside the ledger) once it saved or restored; give --catalog PATH, or --ledger "
-            "PATH for the one beside a ledger"
+            f"no catalog at {path}: a CheckpointManager writes it (its catalog option; "
+            "default beside the ledger) once it saved or restored; give --catalog PATH, or "
+            "--ledger PATH for the one beside a ledger"
         )
     return None
 

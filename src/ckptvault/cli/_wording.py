@@ -7,7 +7,7 @@ Rather than each command catching and rewording each error, :func:`cli_wording`
 rewrites, in the one line the CLI prints, every ``name=`` spelling of an argument
 that a command takes as a flag (the table below), with a value after it when there
 is one (``--metric NAME``), and the ``Retention(...)`` call around it when there is
-one. Anything else is left as it is.
+one. A setting no flag spells (``catalog=False``) and anything else is left as it is.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ _SPELLING = re.compile(
 
 def _flag(match: re.Match[str]) -> str:
     value = match.group("value")
+    if value in ("True", "False", "None"):
+        return match.group()  # catalog=False: a Python setting no flag spells
     text = FLAGS[match.group("name")] + (f" {value}" if value and value != "..." else "")
     call, close = match.group("call"), match.group("close")
     if call and close:
