@@ -95,5 +95,7 @@ def test_include_grads_resumes_mid_accumulation_exactly(store):
     assert torch.equal(resumed["model"][0].weight.grad, interrupted["model"][0].weight.grad)
     microbatch(resumed, 5)  # the second microbatch, then the step
     resumed["optimizer"].step()
-    for live, expected in zip(resumed["model"].parameters(), reference["model"].parameters()):
+    for live, expected in zip(
+        resumed["model"].parameters(), reference["model"].parameters(), strict=True
+    ):
         assert torch.equal(live, expected)
