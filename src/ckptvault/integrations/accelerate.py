@@ -37,7 +37,6 @@ DeepSpeed, FSDP, Megatron-LM and XLA save through their own engines and are refu
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -51,8 +50,6 @@ if TYPE_CHECKING:
     from ckptvault.saving.handles import SaveHandle
 
 __all__ = ["Checkpointer", "PreparedDataLoader"]
-
-logger = logging.getLogger("ckptvault")
 
 _ENGINES = frozenset({"DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA"})
 

@@ -28,10 +28,12 @@ continues bit-identically: same losses, logs and final weights as an uninterrupt
 run, on bit-reproducible kernels (see "Bit-exact resume" in the README).
 
 This relies on Trainer's checkpoint hooks (``_save_checkpoint``,
-``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``_load_scaler``,
-``_load_rng_state``); the class refuses to be built when one is missing, rather than
-resume silently from nothing. Not supported (refused at construction): DeepSpeed,
-FSDP and SageMaker model parallelism (they save through their own engines),
+``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``_load_rng_state``,
+and ``_load_scaler`` where Trainer has it); the class refuses to be built when one
+is missing, rather than resume silently from nothing. Checkpoints are not pushed to
+the Hub as they are saved (``hub_strategy``: there is no directory to push); a final
+``trainer.push_to_hub()`` works as before. Not supported (refused at construction):
+DeepSpeed and FSDP (they save through their own engines),
 ``load_best_model_at_end`` (it reloads a ``checkpoint-N`` directory: restore the best
 step with ``mgr.restore(..., step=trainer.state.best_global_step)``) and
 ``save_only_model``.
@@ -93,10 +95,11 @@ class CkptvaultTrainer(Trainer):
 
     ``checkpoint_manager`` (keyword) is the manager; everything else goes to the
     Trainer. Another Trainer class gets the same by putting this one first:
-    ``class MyTrainer(CkptvaultTrainer, SFTTrainer)`` (both derive from ``Trainer``). ``train(resume_from_checkpoint=...)`` takes ``True`` (the newest
-    generation that verifies; a fresh start when the store has none), a step number
-    (that step's generation), ``None``/``False`` (a fresh start), or a path (Trainer's
-    own ``checkpoint-N`` directory, read by Trainer itself: a way to move a run over).
+    ``class MyTrainer(CkptvaultTrainer, SFTTrainer)`` (both derive from ``Trainer``).
+    ``train(resume_from_checkpoint=...)`` takes ``True`` (the newest generation that
+    verifies; a fresh start when the store has none), a step number (that step's
+    generation), ``None``/``False`` (a fresh start), or a path (Trainer's own
+    ``checkpoint-N`` directory, read by Trainer itself: a way to move a run over).
     ``restore_info`` is the :class:`~ckptvault.RestoreInfo` of the last resume.
     """
 
