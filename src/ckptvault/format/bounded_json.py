@@ -13,8 +13,10 @@ whatever it is handed. :func:`loads_bounded` checks, in this order and before
 3. integer literals longer than :data:`MAX_INT_DIGITS` digits (CPython's default
    limit, which a process may have lifted, and which Python 3.10 lacks).
 
-While parsing it refuses ``NaN``/``Infinity`` and numbers that overflow to infinity,
-and afterwards strings holding a lone surrogate (a ``"\ud800"`` escape without its
+While parsing it refuses ``NaN``/``Infinity``, numbers that overflow to infinity and
+an object holding the same key twice (parsers disagree on which one counts: the
+safetensors header of a tensor file is read by other tools too), and afterwards
+strings holding a lone surrogate (a ``"\ud800"`` escape without its
 pair): UTF-8 cannot encode one, so every later ``.encode()`` of it (canonical JSON,
 the audit log, a terminal) would fail far from here.
 Every failure is a :class:`~ckptvault.errors.FormatError`, never a raw exception.
@@ -104,6 +106,24 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s object hook: a dict, unless a key repeats."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return value
+
+
 def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
@@ -130,8 +150,16 @@ def loads_bounded(
         raise FormatError(f"{what} {refusal}; ckptvault never writes that")
     try:
         value = json.loads(
-            data.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float
+            data.decode("utf-8"),
+            parse_constant=_reject_constant,
+            parse_float=_finite_float,
+            object_pairs_hook=_unique_keys,
         )
+    except _DuplicateKey as exc:
+        raise FormatError(
+            f"{what} holds the key {exc.key[:100]!r} twice in one object; readers disagree on "
+            "which one counts, and ckptvault never writes that"
+        ) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"{what} is not valid UTF-8 JSON: {exc}") from exc
     if _SURROGATE_ESCAPE.search(data) and _has_lone_surrogate(value):
