@@ -11,6 +11,8 @@ would, and judges what it restores:
   (none at all only where the save was the run's first);
 - the new one once ``save()`` had returned (the last point of the log);
 - no error at all, typed or not: the previous generation is always there to take;
+- nothing skipped on the way: a generation the ledger saw published but the disk
+  lost (the ledger written before the publish was durable) would be one;
 - every generation the store lists verifies, and none but those ever published.
 """
 
@@ -46,6 +48,7 @@ class Scenario:
     options: Options
     history: int  # generations saved before the recorded save (steps 1..history)
     trusted: Path | None = None  # the public key verification insists on
+    width: int = 16  # of the model's hidden layer: how much a save writes
 
 
 @dataclass
@@ -65,6 +68,7 @@ class Outcome:
     listed: list[str] = field(default_factory=list)
     broken: list[str] = field(default_factory=list)  # listed but failing verification
     audit: list[str] = field(default_factory=list)  # the audit log's problems
+    skipped: list[str] = field(default_factory=list)  # newer generations restore refused
 
 
 def fingerprint(state: dict[str, Any]) -> dict[str, bytes]:
@@ -105,7 +109,7 @@ def record_save(scenario: Scenario, root: Path) -> Recorded:
     world, ledger = places(root)
     world.mkdir(parents=True)
     options = scenario.options(world, ledger)
-    state = make_training_state(0)
+    state = make_training_state(0, scenario.width)
     published = set()
     for step in range(1, scenario.history + 1):
         train_steps(state, 1)
@@ -115,7 +119,7 @@ def record_save(scenario: Scenario, root: Path) -> Recorded:
     mgr = cv.CheckpointManager(world / "store", **options)
     try:
         if scenario.history:
-            state = make_training_state(1)  # a restarted run: nothing carried over
+            state = make_training_state(1, scenario.width)  # a restart: nothing carried over
             info = mgr.restore(state)
             assert info is not None and info.step == scenario.history
             previous = (info.generation_id, fingerprint(state))
@@ -130,7 +134,8 @@ def record_save(scenario: Scenario, root: Path) -> Recorded:
     shutil.rmtree(world)
     shutil.rmtree(ledger.parent, ignore_errors=True)  # none without trust features
     published.add(info.generation_id)
-    return Recorded(scenario, recorder, previous, (info.generation_id, fingerprint(state)), published)
+    new = (info.generation_id, fingerprint(state))
+    return Recorded(scenario, recorder, previous, new, published)
 
 
 def open_crash_state(recorded: Recorded, crash: CrashState, root: Path) -> Outcome:
@@ -142,13 +147,14 @@ def open_crash_state(recorded: Recorded, crash: CrashState, root: Path) -> Outco
         ledger.write_bytes(crash.ledger)
     outcome = Outcome()
     try:
-        state = make_training_state(7)
+        state = make_training_state(7, recorded.scenario.width)
         options = recorded.scenario.options(world, ledger)
         with cv.CheckpointManager(world / "store", **options) as mgr:
             outcome.listed = [g.generation_id for g in mgr.generations(include_marked=True)]
             info = mgr.restore(state)
         if info is not None:
             outcome.restored, outcome.state = info.generation_id, fingerprint(state)
+            outcome.skipped = [f"{s.generation_id}: {s.reason}" for s in info.skipped]
         outcome.broken = broken_generations(recorded.scenario, world / "store")
         outcome.audit = audit_problems(options, ledger)
     except CheckpointError as exc:
@@ -191,6 +197,10 @@ def judge(recorded: Recorded, outcome: Outcome, returned: bool) -> str | None:
         return f"restore raised {outcome.error}"
     if outcome.broken:
         return f"the store lists generations that do not verify: {outcome.broken}"
+    if outcome.skipped:
+        # Nothing half-written is ever listed, and the ledger records a publish only
+        # once it is durable: a refused generation means one of them did not hold.
+        return f"restore had to skip generations: {outcome.skipped}"
     if outcome.audit:
         return f"the audit log no longer verifies: {outcome.audit}"
     strangers = set(outcome.listed) - recorded.published

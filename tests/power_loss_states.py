@@ -56,8 +56,11 @@ class CrashState:
     ledger: bytes | None
 
     def fingerprint(self) -> str:
-        digest = hashlib.blake2b(repr(sorted(describe_tree(self.tree).items())).encode())
-        digest.update(self.ledger or b"")
+        """Equal for states that build identical trees and ledgers."""
+        digest = hashlib.blake2b(self.ledger or b"")
+        for path, (kind, mode, data, group) in sorted(describe_tree(self.tree).items()):
+            digest.update(repr((path, kind, mode, group, len(data))).encode())
+            digest.update(hashlib.blake2b(data).digest())
         return digest.hexdigest()
 
 

@@ -7,7 +7,8 @@ every crash state of it (``power_loss_states``: every point, each in several
 variants of lost, undone and torn writes) and restores from each with a fresh
 manager (``power_loss_check``). Trials are the distinct crash states restored;
 failures the states where restore did the wrong thing. The long budget
-(``make reliability``) adds more variants per point.
+(``make reliability``) adds more variants per point and two scenarios: a larger save,
+and an asynchronous signed, encrypted save whose retention marks a generation.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 
 import ckptvault as cv
 from ckptvault.trust.signing import generate_keypair
-from power_loss import AddName, RemoveName
+from power_loss import AddName, RemoveName, Write
 from power_loss_check import RUN_ID, Recorded, Scenario, explore, record_save
 from power_loss_states import CI_VARIANTS, LONG_VARIANTS
 from reliability import long_run, record
@@ -151,3 +152,19 @@ def test_async_signed_encrypted_save_that_marks_a_generation(tmp_path: Path, scr
     name = "power loss: async signed encrypted save marking a generation, POSIX"
     recorded = run_scenario(Scenario(name, options, history=2, trusted=public), scratch)
     assert "deleted" in added(recorded), added(recorded)
+
+
+def test_larger_save_with_write_behind(scratch: Path):
+    """Long budget only: a save of about 10 MB, past the first 8 MiB write-behind
+    (sync_file_range) of its tensor file, with the ledger on."""
+    if not long_run():
+        pytest.skip("long budget only (make reliability)")
+    scenario = Scenario(
+        "power loss: 10 MB save with write-behind, POSIX", with_ledger, history=1, width=1 << 16
+    )
+    recorded = run_scenario(scenario, scratch)
+    written: dict[int, int] = {}
+    for op in recorded.recorder.log:
+        if isinstance(op, Write):
+            written[op.inode] = written.get(op.inode, 0) + len(op.data)
+    assert max(written.values()) > 8 << 20  # past the first write-behind
