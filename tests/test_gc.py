@@ -362,7 +362,7 @@ def test_gc_keeps_a_damaged_newest_and_verifies_down_to_a_good_one(store: Path):
         (["--delete-delay", "-1s"], "not a duration"),
         (["--undelete", "1", "--keep-last", "2"], "alone"),
         (["--undelete", "1", "--pin", "1"], "alone"),
-        (["--keep-best", "2"], "needs metric"),
+        (["--keep-best", "2"], "--keep-best needs --metric"),
         (["--undelete", "7"], "no generation of step 7"),
     ],
 )
