@@ -133,6 +133,27 @@ def die_in_write(store: str, out: dict[str, Any]) -> None:
         out["error"] = [type(exc).__name__, str(exc)]
 
 
+def die_after_publish(store: str, out: dict[str, Any]) -> None:
+    """Rank 0 is killed (SIGKILL) right after it published step 2, before it could tell
+    rank 1: the generation is complete, and rank 1 cannot know it was published."""
+    from ckptvault.distributed.save import CollectiveSave
+
+    original = CollectiveSave._build_and_publish
+
+    def published_then_killed(self: Any, *args: Any) -> Any:
+        outcome = original(self, *args)
+        if RANK == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return outcome
+
+    save(store, out, steps=(1,))
+    CollectiveSave._build_and_publish = published_then_killed  # type: ignore[method-assign]
+    try:
+        save(store, out, steps=(2,))
+    except cv.errors.CheckpointError as exc:
+        out["error"] = [type(exc).__name__, str(exc)]
+
+
 def fsdp_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A small MLP wrapped with FSDP2 (``fully_shard``) on this job's ranks, and AdamW
     over its sharded parameters, as a user builds them on any number of ranks."""
@@ -256,13 +277,50 @@ def preempt_one_rank(store: str, out: dict[str, Any]) -> None:
             out["code"] = exc.code
 
 
+class Cursor:
+    """A rank's own stateful object (a data position), wrapped in cv.PerRank."""
+
+    def __init__(self, position: int = 0) -> None:
+        self.position = position
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+def per_rank_entries(store: str, out: dict[str, Any]) -> None:
+    """Entries wrapped in cv.PerRank: saved per rank, restored in place to their rank."""
+    with manager(store) as mgr:
+        mgr.save(
+            1,
+            {
+                "w": torch.ones(2),
+                "cursor": cv.PerRank(Cursor(10 + RANK)),
+                "seen": cv.PerRank({"rank": RANK}),
+            },
+        )
+        cursor, seen = Cursor(), {"rank": -1}
+        live = {"w": torch.zeros(2), "cursor": cv.PerRank(cursor), "seen": cv.PerRank(seen)}
+        info = mgr.restore(live)
+    assert info is not None
+    out.update(
+        position=cursor.position,
+        seen=seen,
+        in_place=live["cursor"].value is cursor and live["seen"].value is seen,
+    )
+
+
 SCENARIOS = {
     "save": save,
+    "per_rank_entries": per_rank_entries,
     "preempt_one_rank": preempt_one_rank,
     "save_async": lambda store, out: save(store, out, async_save=True),
     "restore": restore,
     "fail_in_write": fail_in_write,
     "die_in_write": die_in_write,
+    "die_after_publish": die_after_publish,
     "fsdp_save": fsdp_save,
     "restore_diverging_manifest": restore_diverging_manifest,
     "replicas_disagree": replicas_disagree,

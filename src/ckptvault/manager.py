@@ -32,7 +32,7 @@ from ckptvault.saving.handles import SaveHandle, SaveStats
 from ckptvault.state.capture import CapturedState, capture_state
 from ckptvault.state.gradients import GradientWatch, with_gradients
 from ckptvault.state.names import ApplyOptions, Rename
-from ckptvault.state.ranks import capture_ranked
+from ckptvault.state.ranks import capture_ranked, unwrap_entries
 from ckptvault.storage import StoreLocation
 from ckptvault.storage.listing import GenerationInfo, list_generation_infos
 from ckptvault.storage.s3_options import S3Options
@@ -373,7 +373,7 @@ class CheckpointManager:
     def _capture(self, state: Mapping[str, Any]) -> CapturedState:
         if self.coordinator.world_size > 1:  # each rank's own entries apart
             return capture_ranked(state, self.coordinator.rank)
-        return capture_state(state)
+        return capture_state(unwrap_entries(state))  # one process: PerRank entries are plain
 
     def _check_open(self) -> None:
         if self._closed:

@@ -60,6 +60,7 @@ from ckptvault.state.capture import (
 )
 from ckptvault.state.codec import KeyPath, format_path
 from ckptvault.state.names import ApplyOptions
+from ckptvault.state.ranks import PerRank
 from ckptvault.state.restore_plan import Action, RestorePlan
 from ckptvault.state.rng import RNGState
 
@@ -253,7 +254,8 @@ def plan_restore(
         if key not in state:
             plan.unexpected.append(format_path((key,)))
             continue
-        current = state[key]
+        live = state[key]
+        current = live.value if isinstance(live, PerRank) else live  # wrapped: in place
         try:
             final = planner.resolve(current, value, (key,))
         except CheckpointError:
@@ -267,8 +269,11 @@ def plan_restore(
             ) from exc
         if final is not current:
 
-            def assign(key: str = key, final: Any = final) -> None:
-                state[key] = final
+            def assign(key: str = key, final: Any = final, live: Any = live) -> None:
+                if isinstance(live, PerRank):
+                    live.value = final
+                else:
+                    state[key] = final
 
             plan.replacements.append(Action(format_path((key,)), assign))
     skip = set(left_alone)

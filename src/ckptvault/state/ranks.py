@@ -56,6 +56,14 @@ def unwrap(value: Any) -> Any:
     return value.value if isinstance(value, PerRank) else value
 
 
+def unwrap_entries(state: Any) -> Any:
+    """``state`` without its top-level ``PerRank`` wrappers (on one process a rank's
+    own entries are plain ones); anything but a mapping as it is."""
+    if not isinstance(state, Mapping):
+        return state
+    return {key: unwrap(value) for key, value in state.items()}
+
+
 def rank_entry(rank: int) -> str:
     """The key path prefix of rank ``rank``'s own tensors."""
     return f"rank{rank}"
