@@ -115,6 +115,22 @@ def test_a_rank_killed_mid_save_publishes_nothing_and_the_survivor_raises(tmp_pa
     assert not list((store / ".staging").iterdir())  # rank 0 removed the whole attempt
 
 
+@pytest.mark.parametrize("backend", ["posix", "s3"])
+def test_rank_0_killed_after_publishing_leaves_the_generation_whole(backend, tmp_path, request):
+    """Rank 0 published step 2 and died before telling rank 1, which raises: rank 1 must
+    not remove its files, which are the published generation's now (a regression: it
+    removed them, and step 2 was published without rank 1's shard)."""
+    store = tmp_path / "store"
+    if backend == "s3":
+        store = f"s3://{request.getfixturevalue('s3_bucket')}/job"
+    codes, reports = launch("die_after_publish", store, 2, tmp_path / "run", timeout=120)
+    assert codes == [-9, 0], reports[1].get("log")
+    assert reports[1]["error"][0] == "CollectiveError", reports[1]["error"]
+    assert run_cli("verify", str(store), "--all").returncode == 0
+    restored = ok(*launch("restore", store, 1, tmp_path / "restore"))[0]
+    assert restored["step"] == 2 and restored["weight_exact"] and restored["skipped"] == []
+
+
 def test_two_ranks_save_to_s3_and_restore_onto_three(s3_bucket, tmp_path):
     store = f"s3://{s3_bucket}/job"
     saved = ok(*launch("save", store, 2, tmp_path / "save"))

@@ -20,7 +20,9 @@ When any rank fails, nothing is published: each rank removes its own files, the
 coordinator the whole attempt, and every rank raises the same
 :class:`~ckptvault.errors.SaveFailedError` naming the ranks that failed. A rank that
 died makes the others' next collective raise
-:class:`~ckptvault.errors.CollectiveError` after ``collective_timeout_s``.
+:class:`~ckptvault.errors.CollectiveError` after ``collective_timeout_s``; a rank that
+had already handed its files to rank 0 then keeps them, since rank 0 may have
+published them before it died (:meth:`CollectiveSave._give_up`).
 """
 
 from __future__ import annotations
@@ -65,17 +67,19 @@ class CollectiveSave:
         started = time.perf_counter()
         generation_id = self._begin(captured)
         area: StagingArea | None = None
+        handed_over = False  # this rank's files are in rank 0's hands: it may publish them
         try:
             area = self._join(generation_id)
             tensors = self._write_tensors(area, generation_id, captured)
+            handed_over = True
             gathered = self._gather(captured, tensors)
             mismatches = self._check_replicas(gathered, step)
             state = {"global": captured.tree, "ranks": gathered}
             publishing = time.perf_counter()
             outcome = self._publish(area, step, generation_id, state, tensors, metrics)
-        except BaseException:
+        except BaseException as exc:
             if area is not None:
-                area.abort()
+                self._give_up(area, handed_over and not isinstance(exc, SaveFailedError))
             raise
         # This rank's view: its own files' fsync; "publish" includes agreeing on it.
         stages = save_stages(started, publishing, time.perf_counter(), tensors.commit_seconds)
@@ -93,6 +97,19 @@ class CollectiveSave:
             tuple(mismatches),
             stages=stages,
         )
+
+    def _give_up(self, area: StagingArea, outcome_unknown: bool) -> None:
+        """Abort this rank's part of a failed save, removing what it wrote, unless the
+        outcome is unknown to a rank other than the coordinator: once its files were
+        handed over (phase 4 on), rank 0 may have published them and then died or
+        stalled (a ``CollectiveError`` here), and removing them would break a published
+        generation. They are kept then: the generation's files, or a staging leftover
+        that the next save removes. A ``SaveFailedError`` is every rank's verdict that
+        nothing was published."""
+        if outcome_unknown and not self.coordinator.is_coordinator:
+            area.release()
+        else:
+            area.abort()
 
     # -- phases --------------------------------------------------------------------------
 
