@@ -28,7 +28,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check src tests demo bench
 
 # The crash harness at its long budget (several hundred SIGKILLs over saves sync and
-# async, POSIX and S3, one rank and two, restores, replication and gc; CI runs 58).
+# async, POSIX and S3, one rank and two, restores, replication and gc; CI runs 64).
 # About 10 minutes here; `make reliability` runs it too, with everything else.
 crash: $(STAMP)
 	CKPTVAULT_RELIABILITY_LONG=1 $(PY) -m pytest -q -s --timeout 3600 tests/test_crash_consistency.py

@@ -272,7 +272,7 @@ def check_events(child: Child, tally: Tally, trial: int, completed: int, newest:
     that a restore already saw) and at most ``newest`` (the newest step any save
     began), bit-exactly and without skipping anything; each tier restored alone must
     hold an exact state of a step that was saved; ``verify --all`` must pass on every
-    tier.
+    tier, and ``audit verify`` on the audit log of a run with trust features.
     """
     events = child.events()
     restored = next((e for e in events if e["e"] == "restored"), None)
@@ -291,6 +291,8 @@ def check_events(child: Child, tally: Tally, trial: int, completed: int, newest:
             tally.fail(trial, f"{where}: step {event['step']} was never saved")
         if event["e"] == "tier" and event["verify"] != 0:
             tally.fail(trial, f"verify --all failed on {where}: {child.log()}")
+        if event["e"] == "audit" and event["rc"] != 0:
+            tally.fail(trial, f"audit verify failed: {child.log()}")
     tally.recovered(step, completed)
     return max(step, completed)
 

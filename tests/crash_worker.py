@@ -131,6 +131,11 @@ def _options(job: dict[str, Any]) -> dict[str, Any]:
         options.update(async_save=True, max_in_flight=1, if_busy="wait")
     if str(job["store"]).startswith("s3://"):
         options.update(s3_part_size=5 << 20, s3_max_concurrency=2)
+    if job.get("trust"):  # signed, encrypted; the ledger and audit log by default
+        keys = job["trust"]
+        options.update(
+            signing_key=keys["private"], trusted_keys=[keys["public"]], keystore=keys["keystore"]
+        )
     return options
 
 
@@ -160,10 +165,15 @@ def _check_tiers(job: dict[str, Any], events: Events) -> None:
         state = _blank(job)
         with cv.CheckpointManager(location, run_id="crash") as mgr:
             _report_restore(events, "restored-tier", location, mgr.restore(state), state)
+    trusted = ["--trusted-key", job["trust"]["public"]] if job.get("trust") else []
     for tier in job.get("tiers", [job["store"]]):
         listed = _listing(tier)
-        verified = _verify(tier) if listed else 0  # verify refuses an empty store
+        verified = _verify(tier, trusted) if listed else 0  # verify refuses an empty store
         events.emit("tier", location=tier, listed=listed, verify=verified)
+    if job.get("trust"):  # the audit log's hash chain and head (a torn append is no tamper)
+        from ckptvault import cli
+
+        events.emit("audit", rc=cli.main(["audit", "verify"]))
 
 
 def save_loop(job: dict[str, Any], events: Events, switch: KillSwitch) -> None:
@@ -176,6 +186,8 @@ def save_loop(job: dict[str, Any], events: Events, switch: KillSwitch) -> None:
         step = _report_restore(events, "restored", job["store"], info, state, rank=rank)
         if job.get("verify"):
             _check_tiers(job, events)
+        if job.get("async"):
+            mgr.prepare(state)  # staging buffers made ready in the background, as advised
         events.emit("ready")
         switch.arm()
         limit = step + job.get("more", 10**9)
@@ -196,10 +208,10 @@ def save_loop(job: dict[str, Any], events: Events, switch: KillSwitch) -> None:
         mgr.wait()
 
 
-def _verify(location: str) -> int:
+def _verify(location: str, options: list[str]) -> int:
     from ckptvault import cli
 
-    return cli.main(["verify", location, "--all"])
+    return cli.main(["verify", location, "--all", *options])
 
 
 def _listing(location: str) -> list[list[Any]]:

@@ -8,7 +8,7 @@ at most the newest step a save began, bit-exactly the state of that step
 (``crash_state``), without skipping a damaged generation, and that
 ``ckptvault verify --all`` passes on every tier. Zero failures are allowed.
 
-CI runs the bounded budget (58 kills); ``make reliability`` and ``make crash`` the
+CI runs the bounded budget (64 kills); ``make reliability`` and ``make crash`` the
 long one (``CKPTVAULT_RELIABILITY_LONG=1``). The seed is printed and each failure
 names it; ``CKPTVAULT_CRASH_SEED=N`` replays a run's choices.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,49 +67,70 @@ def _job(tmp_path: Path, **options: Any) -> dict[str, Any]:
             "keep_last": 3, **options}  # fmt: skip
 
 
-def _save_scenario(zygote: Zygote, scenario: str, job: dict[str, Any], kills: int,
-                   world: int = 1) -> None:  # fmt: skip
+def _save_scenario(
+    zygote: Zygote,
+    scenario: str,
+    jobs: list[dict[str, Any]],
+    kills: int,
+    world: int = 1,
+    pick: Callable[[int], int] = lambda trial: 0,
+) -> None:
+    """Kill save loops ``kills`` times; trial ``t`` runs ``jobs[pick(t)]`` (the same
+    store, saved synchronously or not)."""
     tally, rng = _tally(scenario)
     run = RunState()
-    calibrate_saves(zygote, job, run, world)
+    calibrate_saves(zygote, jobs[0], run, world)
     for trial in range(kills):
-        save_trial(zygote, job, run, tally, trial, rng, world)
+        save_trial(zygote, jobs[pick(trial)], run, tally, trial, rng, world)
     if world == 1:  # the last kill's check (each other's came with the next trial)
-        check_restore(zygote, job, tally, kills - 1, run.completed, run.newest)
+        check_restore(zygote, jobs[0], tally, kills - 1, run.completed, run.newest)
     _report(tally, kills, min_mid_operation=kills // 4)
 
 
 def test_sync_saves_posix(zygote: Zygote, tmp_path: Path) -> None:
     kills = budget(16, 140)
-    _save_scenario(zygote, "crash: sync save, POSIX, 1 rank", _job(tmp_path), kills)
+    _save_scenario(zygote, "crash: sync save, POSIX, 1 rank", [_job(tmp_path)], kills)
 
 
 def test_async_saves_posix(zygote: Zygote, tmp_path: Path) -> None:
     kills = budget(10, 100)
     job = _job(tmp_path, **{"async": True})
-    _save_scenario(zygote, "crash: async save, POSIX, 1 rank", job, kills)
+    _save_scenario(zygote, "crash: async save, POSIX, 1 rank", [job], kills)
+
+
+def test_signed_encrypted_audited_saves_posix(zygote: Zygote, tmp_path: Path) -> None:
+    """Every trust feature on: manifests signed (restore requires the signature), files
+    encrypted with the run's key (created by the first save), the rollback ledger and
+    the hash-chained audit log (appended on every save, mark, deletion and restore)."""
+    from ckptvault.trust.signing import generate_keypair
+
+    kills = budget(6, 60)
+    generate_keypair(tmp_path / "signing.pem", tmp_path / "signing.pub")
+    trust = {"private": str(tmp_path / "signing.pem"), "public": str(tmp_path / "signing.pub"),
+             "keystore": str(tmp_path / "keys")}  # fmt: skip
+    job = _job(tmp_path, trust=trust)
+    _save_scenario(zygote, "crash: sync save, signed, encrypted, audited, POSIX", [job], kills)
 
 
 def test_sync_and_async_saves_s3(zygote: Zygote, tmp_path: Path, s3_bucket: str) -> None:
+    """Kills 0, 1 (mod 4) sync saves, 2, 3 async: a timer and a mutation kill each
+    (mutations: the S3 requests that write or delete, killed before or after)."""
     kills = budget(4, 50)
-    tally, rng = _tally("crash: sync and async save, S3, 1 rank")
-    run = RunState()
     # No ballast: the one 6 MiB file still goes up as a multipart upload of two parts.
     store = f"s3://{s3_bucket}/crash"
     jobs = [_job(tmp_path, store=store, ballast_mb=0, keep_last=2, **{"async": a}) for a in (0, 1)]
-    calibrate_saves(zygote, jobs[0], run)
-    for trial in range(kills):  # kills 0,1 sync, 2,3 async, ...: a timer and a mutation kill each
-        save_trial(zygote, jobs[trial // 2 % 2], run, tally, trial, rng)
-    check_restore(zygote, jobs[0], tally, kills - 1, run.completed, run.newest)
-    _report(tally, kills, min_mid_operation=kills // 4)
+    scenario = "crash: sync and async save, S3, 1 rank"
+    _save_scenario(zygote, scenario, jobs, kills, pick=lambda trial: trial // 2 % 2)
 
 
 def test_two_ranks_posix(zygote: Zygote, tmp_path: Path) -> None:
     """Kills 0, 1 (mod 4): the whole job at one moment; 2, 3: one rank (timer, then at a
-    random filesystem mutation), and the other must raise a typed error, not hang."""
+    random filesystem mutation), and the other must raise a typed error, not hang.
+    Sync and async saves alternate so that over 8 kills each meets each kind."""
     kills = budget(4, 32)
-    job = _job(tmp_path, sharded=True, ballast_mb=4)
-    _save_scenario(zygote, "crash: sync save, POSIX, 2 ranks", job, kills, world=2)
+    jobs = [_job(tmp_path, sharded=True, ballast_mb=4, **{"async": a}) for a in (0, 1)]
+    scenario = "crash: sync and async save, POSIX, 2 ranks"
+    _save_scenario(zygote, scenario, jobs, kills, world=2, pick=lambda t: (t // 4 + t) % 2)
 
 
 def test_kills_during_restore(zygote: Zygote, tmp_path: Path) -> None:
