@@ -192,7 +192,7 @@ def through_the_store(value: Any) -> Any:
 def test_codec_round_trip():
     with scenario("fuzz: state codec round trip") as trials:
 
-        @fuzz_settings(ci=300, long=10_000)
+        @fuzz_settings(ci=300, long=5_000)
         @given(values | deep_values())
         # Two distinct NaN keys are two keys: the restore must not call them one.
         @example({float("nan"): 1, float("nan"): 2})
@@ -286,7 +286,7 @@ def planted(draw: st.DrawFn) -> tuple[Any, tuple[Any, ...]]:
 def test_codec_refuses_unsupported_values_naming_their_key_path():
     with scenario("fuzz: state codec, unsupported values") as trials:
 
-        @fuzz_settings(ci=100, long=5_000)
+        @fuzz_settings(ci=100, long=2_000)
         @given(planted())
         @example(({1 << 20_000: [{1}]}, (1 << 20_000, 0)))
         def unsupported(case: tuple[Any, tuple[Any, ...]]) -> None:
@@ -335,7 +335,7 @@ def test_codec_decoder_refuses_hostile_trees_with_typed_errors(saved_trees):
     trees = st.sampled_from(saved_trees)
     with scenario("fuzz: state codec decoder, hostile trees") as trials:
 
-        @fuzz_settings(ci=200, long=10_000)
+        @fuzz_settings(ci=200, long=5_000)
         @given(trees.flatmap(mutated_json) | st.dictionaries(st.text(max_size=4), hostile_json))
         def hostile(tree: Any) -> None:
             # The decoder meets what the canonical parser let through, never Raw text.
