@@ -59,7 +59,8 @@ def serve() -> None:
     import importlib
 
     for name in PRELOAD:
-        importlib.import_module(name)
+        with contextlib.suppress(ImportError):  # an extra not installed: its tests skip
+            importlib.import_module(name)
     children: dict[int, int] = {}  # pid -> job id
     selector = selectors.DefaultSelector()
     selector.register(0, selectors.EVENT_READ)
@@ -120,6 +121,7 @@ class Zygote:
         )
         self.children: dict[int, dict[str, Any]] = {}
         self.changed = threading.Condition()
+        self.dead = False
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -129,6 +131,9 @@ class Zygote:
             with self.changed:
                 self.children.setdefault(message["id"], {}).update(message)
                 self.changed.notify_all()
+        with self.changed:  # the zygote is gone: nobody waits for an answer in vain
+            self.dead = True
+            self.changed.notify_all()
 
     def start(self, job: dict[str, Any]) -> Child:
         """Fork a child that runs ``job`` (see ``crash_worker``); this process's state
@@ -150,8 +155,13 @@ class Zygote:
 
     def _wait(self, job_id: int, key: str, timeout: float) -> dict[str, Any]:
         with self.changed:
-            self.changed.wait_for(lambda: key in self.children.get(job_id, {}), timeout)
+            self.changed.wait_for(
+                lambda: self.dead or key in self.children.get(job_id, {}), timeout
+            )
             info = self.children.get(job_id, {})
+        if key not in info and self.dead:
+            log = (self.workdir / "zygote.log").read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"the zygote exited: {log}")
         if key not in info:
             raise TimeoutError(f"zygote: no {key} for run {job_id} within {timeout} s")
         return info

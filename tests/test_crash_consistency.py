@@ -1,16 +1,25 @@
 """Crash consistency: SIGKILL saves, restores, replication and gc at random moments.
 
 Every scenario kills a real process (forked fresh from the harness's zygote,
-``crash_harness``) again and again; after each kill a fresh process restores and
-checks that it got at least the last step whose save had completed (synchronous:
-``save()`` returned; asynchronous: the handle's future resolved, i.e. published),
-at most the newest step a save began, bit-exactly the state of that step
-(``crash_state``), without skipping a damaged generation, and that
-``ckptvault verify --all`` passes on every tier. Zero failures are allowed.
+``crash_harness``) again and again, half the time after a random delay and half the
+time at a random store mutation (``crash_trials``). After each kill a fresh process
+restores (the restarted trainer, or a check process) and the harness checks:
 
-CI runs the bounded budget (64 kills); ``make reliability`` and ``make crash`` the
-long one (``CKPTVAULT_RELIABILITY_LONG=1``). The seed is printed and each failure
-names it; ``CKPTVAULT_CRASH_SEED=N`` replays a run's choices.
+- it restored at least the last *completed* save: synchronous, ``save()`` returned
+  (the generation is durable then); asynchronous, the ``SaveHandle``'s future
+  resolved with the published generation (``handle.result()`` returns it), the
+  README's contract; a step a restore already saw counts as completed too;
+- at most the newest step a save began (one newer than the last completed is the
+  kill landing after the publish, before ``save()`` returned: retention and the
+  catalog run in between), restored from nothing only if nothing had completed;
+- bit-exactly that step's state (``crash_state``), without skipping a damaged
+  generation, and ``ckptvault verify --all`` (and ``audit verify`` when the audit
+  log is on) passes on every tier.
+
+Zero failures are allowed. CI runs the bounded budget (64 kills); ``make crash`` and
+``make reliability`` the long one (``CKPTVAULT_RELIABILITY_LONG=1``). The seed is
+printed and each failure names it; ``CKPTVAULT_CRASH_SEED=N`` replays a run's choices
+(the timing of timer kills varies).
 """
 
 from __future__ import annotations
