@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,7 +29,7 @@ from typing import Any, TypeVar
 import torch
 
 from ckptvault.durable import atomic_path
-from ckptvault.errors import FormatError, NoValidCheckpoint, UsageError
+from ckptvault.errors import FormatError, NoValidCheckpoint, StorageFullError, UsageError
 from ckptvault.format.manifest import Manifest
 from ckptvault.io.load import saved_world_size
 from ckptvault.io.verified_ranges import VerifiedRanges
@@ -144,6 +145,7 @@ def _write_entry(
     aliases = tensor_aliases(view, key, manifest.dcp["tensors"], where)  # tied weights
     tensors = prefixed_tensors(manifest, prefix, target, aliases)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    _ensure_room(out_path, sum(t.nbytes for t in tensors), len(aliases))
     metadata = _file_metadata(manifest, ckptvault_entry=key)
     with atomic_path(out_path) as temporary:
         advance = meter(progress, tensors)
@@ -154,6 +156,20 @@ def _write_entry(
         stale.unlink(missing_ok=True)
     origin = (manifest.run_id, manifest.step, manifest.generation_id)
     return ExportResult(out_path, len(tensors), size, digest, *origin, manifest_path=None)
+
+
+def _ensure_room(out_path: Path, nbytes: int, aliases: int) -> None:
+    """StorageFullError before anything is written when ``out_path``'s filesystem
+    cannot hold the export. Each tied name gets its tensor's bytes, so a (hostile)
+    tree referring to one tensor many times claims many times its size: refused
+    here, not by filling the disk."""
+    usage = shutil.disk_usage(out_path.parent)
+    if usage.total > 0 and nbytes > usage.free:
+        tied = f", {aliases} of its names tied to other tensors" if aliases else ""
+        raise StorageFullError(
+            f"the export to {out_path} needs {nbytes} bytes{tied}, and its filesystem has "
+            f"{usage.free} free; free space, export elsewhere, or export a narrower entry"
+        )
 
 
 def _open(

@@ -21,7 +21,7 @@ from ckptvault.errors import UsageError
 from ckptvault.io.load import LoadedGeneration, load_verified
 from ckptvault.restoring.lineage import Lineage
 from ckptvault.restoring.restorer import RestoreInfo
-from ckptvault.restoring.selector import CandidateSelector
+from ckptvault.restoring.selector import CandidateSelector, SkippedGeneration
 from ckptvault.state.apply import checked_plan
 from ckptvault.state.names import ApplyOptions
 from ckptvault.storage import StoreLocation, open_store
@@ -45,9 +45,12 @@ class WarmStartSource:
     s3: S3Options | None = None
 
 
-def load_source(source: WarmStartSource, threads: int) -> LoadedGeneration:
+def load_source(
+    source: WarmStartSource, threads: int
+) -> tuple[LoadedGeneration, list[SkippedGeneration]]:
     """The newest generation of the source run (of ``source.step``) that passes every
-    check under the source's trust policy, verified and decoded. Reads only."""
+    check under the source's trust policy, verified and decoded, and the newer ones
+    skipped on the way (each with its reason). Reads only."""
     if not isinstance(source.run_id, str) or not source.run_id:
         raise UsageError("warm_start needs source_run_id=, the run id of the source run")
     step = None if source.step is None else validate_step(source.step)
@@ -61,7 +64,7 @@ def load_source(source: WarmStartSource, threads: int) -> LoadedGeneration:
     def attempt(ref: GenerationRef, policy: TrustPolicy) -> LoadedGeneration:
         return load_verified(store, ref, policy, keystore, threads, keystore is not None)
 
-    return selector.first_verified(selection, attempt)[1]
+    return selector.first_verified(selection, attempt)[1], selection.skipped
 
 
 def warm_start(
@@ -73,7 +76,7 @@ def warm_start(
 ) -> RestoreInfo:
     """Load the source generation and apply what matches to ``state``, all or
     nothing as a restore; ``RestoreInfo.lineage`` names the source."""
-    loaded = load_source(source, threads)
+    loaded, skipped = load_source(source, threads)
     ref = loaded.ref
     where = f"generation {ref.generation_id} (step {ref.step}) of run {source.run_id}"
     plan = checked_plan(state, loaded.saved, loaded.reset, options, strict, where)
@@ -82,6 +85,7 @@ def warm_start(
         step=ref.step,
         generation_id=ref.generation_id,
         path=ref.location,
+        skipped=skipped,  # a fallback past a damaged newest is said, as restore says it
         missing=plan.missing,
         unexpected=plan.unexpected,
         mismatched=plan.mismatched,

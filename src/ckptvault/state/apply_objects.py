@@ -28,6 +28,7 @@ from ckptvault.state.capture import (
     type_name,
 )
 from ckptvault.state.codec import KeyPath, format_path, parse_device
+from ckptvault.state.gradients import GradientSlots
 from ckptvault.state.restore_plan import Action, RestorePlan
 from ckptvault.state.rng import RNGState
 
@@ -153,6 +154,8 @@ def plan_generic_stateful(
             for key in live
             if key not in state
         ]
+    if isinstance(obj, GradientSlots):  # include_grads=True: shapes the live None hides
+        problems += obj.restore_problems(state, path)
     if problems:
         plan.mismatched += problems
         return

@@ -44,8 +44,16 @@ def environment_versions() -> dict[str, Any]:
 
 
 def _shown(value: Any) -> str:
-    text = "none" if value is None else str(value)
-    return text if len(text) <= 40 else text[:40] + "..."  # the stored side is untrusted
+    """At most 40 characters of ``value``, control characters escaped: the stored side
+    is untrusted, and these lines reach logs and terminals (no escape sequences)."""
+    if value is None:
+        return "none"
+    if not isinstance(value, (str, int, float, bool)):
+        return f"a {type(value).__name__}"  # not a version: never str() a whole tree
+    text = str(value)
+    cut = text[:40]
+    shown = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in cut)
+    return shown if len(text) <= 40 else shown + "..."
 
 
 def environment_differences(contract: Any) -> list[str]:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ckptvault.errors import UsageError
+from ckptvault.state.codec_names import KeyPath, format_path
 
 logger = logging.getLogger("ckptvault")
 
@@ -49,6 +50,29 @@ class GradientSlots:
             if param.requires_grad
         }
 
+    def restore_problems(self, state: Mapping[str, Any], path: KeyPath) -> list[str]:
+        """What :meth:`load_state_dict` could not set, found before anything is applied
+        (the live ``.grad`` is often None, so the planner has no shape to compare): each
+        saved gradient must be None or a floating-point tensor of its parameter's shape.
+        Names the module lacks are the planner's to report."""
+        params = dict(self.module.named_parameters())
+        problems = []
+        for name, grad in state.items():
+            param = params.get(name)
+            if param is None or grad is None:
+                continue
+            if not isinstance(grad, torch.Tensor):
+                saved = f"a {type(grad).__name__}"
+            elif grad.shape != param.shape or not grad.dtype.is_floating_point:
+                saved = f"{list(grad.shape)} {str(grad.dtype).removeprefix('torch.')}"
+            else:
+                continue
+            problems.append(
+                f"{format_path((*path, name))}: checkpoint gradient {saved}, parameter "
+                f"{list(param.shape)} {str(param.dtype).removeprefix('torch.')}"
+            )
+        return problems
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         params = dict(self.module.named_parameters())
         for name, grad in state.items():
@@ -57,8 +81,8 @@ class GradientSlots:
                 param.grad = None
             elif param.grad is not None and param.grad.shape == grad.shape:
                 param.grad.copy_(grad)
-            else:
-                param.grad = grad.detach().to(param.dtype).clone()
+            else:  # .grad must live on its parameter's device, in its dtype
+                param.grad = grad.detach().to(device=param.device, dtype=param.dtype).clone()
 
 
 def _top_level(state: Mapping[str, Any], kind: type) -> dict[str, Any]:
