@@ -58,9 +58,8 @@ def test_a_hostile_gradient_slot_is_refused_before_anything_is_applied(store: Pa
     torch.manual_seed(1)
     live = torch.nn.Linear(4, 4)
     before = {k: v.clone() for k, v in live.state_dict().items()}
-    with cv.CheckpointManager(store, run_id="r") as mgr:
-        with pytest.raises(StateMismatchError) as caught:
-            mgr.restore({"Model": live})
+    with cv.CheckpointManager(store, run_id="r") as mgr, pytest.raises(StateMismatchError) as caught:
+        mgr.restore({"Model": live})
     assert "['Model']['weight']: checkpoint gradient" in str(caught.value)
     assert "partially restored" not in str(caught.value)
     assert all(torch.equal(before[k], v) for k, v in live.state_dict().items())
@@ -120,3 +119,22 @@ def test_an_export_whose_tied_names_outgrow_the_disk_is_refused_before_writing(
     with pytest.raises(StorageFullError, match="tied to other tensors"):
         export_weights(store, 1, out, key="model")
     assert list(out.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"global_step": "7"}, {"global_step": 3}, {"max_steps": [1]}, {"epoch": {"a": 1}}],
+    ids=["step-text", "step-other", "max-steps-list", "epoch-dict"],
+)
+def test_a_hostile_trainer_state_is_refused_before_trainer_reads_it(change: dict):
+    pytest.importorskip("transformers")
+    import dataclasses
+
+    from transformers import TrainerState
+
+    from ckptvault.integrations.huggingface import _trainer_state
+
+    saved = dataclasses.asdict(TrainerState(global_step=7, max_steps=10, epoch=0.5))
+    assert _trainer_state(saved, 7).global_step == 7
+    with pytest.raises(StateMismatchError, match="TrainerState of the generation of step 7"):
+        _trainer_state({**saved, **change}, 7)

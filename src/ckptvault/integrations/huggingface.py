@@ -331,7 +331,37 @@ def _trainer_state(saved: Mapping[str, Any], step: int) -> TrainerState:
             "saved it",
             mismatched=["trainer_state"],
         )
+    problems = [
+        f"{name}={str(saved[name])[:40]!r}"
+        for name, kinds in _SCALARS.items()
+        if name in saved and not (type(saved[name]) in kinds or (None in kinds and saved[name] is None))
+    ]
+    if saved.get("global_step") != step:  # Trainer resumes at global_step: it must be this one
+        problems.append(f"global_step={str(saved.get('global_step'))[:40]!r} (expected {step})")
+    if problems:
+        raise StateMismatchError(
+            f"the TrainerState of the generation of step {step} is malformed: "
+            f"{', '.join(problems[:5])}; resume from another step, or fix the store",
+            mismatched=["trainer_state"],
+        )
     return TrainerState(**saved)
+
+
+# The scalar fields Trainer computes with, and the types each may hold (JSON numbers).
+_SCALARS: dict[str, tuple[Any, ...]] = {
+    "global_step": (int,),
+    "max_steps": (int,),
+    "logging_steps": (int,),
+    "eval_steps": (int,),
+    "save_steps": (int,),
+    "num_train_epochs": (int,),
+    "num_input_tokens_seen": (int,),
+    "train_batch_size": (int, None),
+    "epoch": (int, float, None),
+    "total_flos": (int, float),
+    "best_metric": (int, float, None),
+    "best_global_step": (int, None),
+}
 
 
 def _load_into(name: str, target: Any, state: Mapping[str, Any]) -> None:
