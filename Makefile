@@ -29,7 +29,7 @@ lint: $(STAMP)
 
 # The crash harness at its long budget (several hundred SIGKILLs over saves sync and
 # async, POSIX and S3, one rank and two, restores, replication and gc; CI runs 64).
-# About 10 minutes here; `make reliability` runs it too, with everything else.
+# About 600 kills, 7-13 minutes here; `make reliability` runs it too, with the rest.
 crash: $(STAMP)
 	CKPTVAULT_RELIABILITY_LONG=1 $(PY) -m pytest -q -s --timeout 3600 tests/test_crash_consistency.py
 

@@ -5,8 +5,9 @@ one job (a dict) and runs one mode:
 
 - ``save``: restore the newest generation (reporting its step and whether it is
   bit-exact; with ``verify``, then everything ``check`` does: the restarted trainer
-  is the fresh process that checks the last kill), then fill and save step after step (``fill`` makes the state a
-  function of the step) until killed, or for ``more`` steps;
+  is the fresh process that checks the last kill), then fill and save step after
+  step (``fill`` makes the state a function of the step) until killed, or for
+  ``more`` steps;
 - ``check``: restore into a blank state (also from each of ``restore_tiers`` alone),
   run ``ckptvault verify --all`` on every tier (the command's own code, in this
   process), list the generations, exit;
@@ -22,8 +23,9 @@ A child reports what it did as JSON lines in its events file, each written with 
 ``ready``, ``begin``/``saved`` (synchronous), ``staged``/``durable`` (asynchronous:
 durable once the handle's future resolved), ``error`` (a typed ckptvault error),
 ``crash`` (any other exception) and ``finished``. With ``kill_at`` set, the child
-SIGKILLs itself at that numbered filesystem mutation (rename, unlink, rmdir, fsync,
-...) once ``armed``: a kill at an exact, random point inside a short operation.
+SIGKILLs itself at that numbered store mutation (rename, unlink, rmdir, fsync, ...,
+or an S3 request that writes or deletes) once ``armed``: a kill at an exact, random
+point inside a short operation (:class:`KillSwitch`).
 """
 
 from __future__ import annotations
