@@ -253,3 +253,14 @@ def test_a_signed_s3_run_restores_with_trusted_keys(s3_bucket, keys):
     with cv.CheckpointManager(url, run_id="r", trusted_keys=[keys["a"][1]]) as mgr:
         assert mgr.restore(empty(2)).step == 2
         assert mgr.restore(empty(1), allow_rollback_to=1).step == 1
+
+
+def test_a_planted_generation_of_another_run_is_never_taken_for_the_run(store, keys):
+    """Signing the newest (or one step) infers the run from the whole store, so a
+    generation of another run planted as the newest is refused, not signed."""
+    save_run(store, steps=(1, 2), run_id="mine")
+    save_run(store, steps=(3,), run_id="evil")
+    for step in (None, 3):
+        with pytest.raises(UsageError, match=r"'evil', 'mine'.*Nothing was signed"):
+            sign_generations(store, keys["a"][0], step=step)
+    assert not list(store.glob(f"step-*/{SIGNATURE_NAME}"))

@@ -112,7 +112,7 @@ def sign_generations(
     """Sign the newest generation of ``store``, those of ``step``, or all of them
     (``every``), each only after verifying it completely (see the module docstring).
 
-    ``run_id`` defaults to the one run the chosen generations belong to (several:
+    ``run_id`` defaults to the one run the store's generations belong to (several:
     ``UsageError``). A generation signed by another key is refused unless
     ``replace_signatures`` and its signature verifies with one of ``trusted_keys``.
     ``progress(done, total)`` counts generations. The report's ``ok`` is False when a
@@ -180,16 +180,21 @@ def _the_run(
     store: Store, chosen: list[GenerationRef], run_id: str | None, trust: TrustContext
 ) -> str:
     """The run whose generations are signed, and the refusals before anything is
-    signed: several runs without ``run_id``, encrypted generations without a key store."""
+    signed: several runs without ``run_id``, encrypted generations without a key store.
+
+    Without ``run_id`` the run is inferred from every generation in the store, not
+    only the chosen ones: a generation of another run planted at the chosen step
+    would otherwise be taken for the run and signed with the operator's key."""
     runs: set[str] = set()
     encrypted: list[GenerationRef] = []
-    for ref in chosen:
+    targets = set(chosen)
+    for ref in chosen if run_id is not None else store.list_generations():
         try:
             manifest = check_structure(store, ref, TrustPolicy(run_id=run_id)).manifest
         except GenerationRejected:
             continue  # reported when it is verified for signing
         runs.add(manifest.run_id)
-        if manifest.encryption is not None and trust.keystore is None:
+        if ref in targets and manifest.encryption is not None and trust.keystore is None:
             encrypted.append(ref)
     if run_id is None and len(runs) > 1:
         found = ", ".join(repr(run[:80]) for run in sorted(runs)[:5])
