@@ -10,6 +10,7 @@ callers see ckptvault's typed errors.
 from __future__ import annotations
 
 import errno
+import logging
 import math
 import warnings
 from collections.abc import Callable
@@ -32,6 +33,26 @@ from ckptvault.trust.envelope import FileEncryption
 warnings.filterwarnings(
     "ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized"
 )
+
+
+
+def _quiet_unheard_dcp_logger() -> None:
+    """DCP logs the start and end of every planning call per tensor at DEBUG on a
+    logger of its own that only has a ``NullHandler``: at 10,000 tensors that is
+    20,000 log records built for nobody. When nobody listens there (every handler
+    a ``NullHandler``), raise its level so the records are not built; a handler a
+    user added for DCP's telemetry leaves it untouched."""
+    for logger in (logging.getLogger(name) for name in list(logging.root.manager.loggerDict)):
+        if (
+            logger.name.startswith("c10d-")
+            and logger.level == logging.DEBUG
+            and logger.handlers
+            and all(type(h) is logging.NullHandler for h in logger.handlers)
+        ):
+            logger.setLevel(logging.WARNING)
+
+
+_quiet_unheard_dcp_logger()
 
 
 def _reraise(
