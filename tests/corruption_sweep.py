@@ -136,18 +136,23 @@ class Flip:
 
 
 def choose_flips(
-    regions: Sequence[Region], patterns: Sequence[int], ci: int, rng: random.Random
+    regions: Sequence[Region],
+    patterns: Sequence[int],
+    ci: int,
+    rng: random.Random,
+    long_cap: int | None = None,
 ) -> list[Flip]:
-    """Every byte of ``regions`` with every pattern under the long budget; ``ci``
-    flips otherwise: the first and last byte of each region with every pattern,
-    the rest drawn by ``rng`` from the remaining bytes and patterns."""
+    """Every byte of ``regions`` with every pattern under the long budget (at most
+    ``long_cap`` flips there, for bulk tensor bytes: a sample); ``ci`` flips
+    otherwise: the first and last byte of each region with every pattern, the rest
+    drawn by ``rng`` from the remaining bytes and patterns."""
     every = [
         Flip(r.file, offset, pattern)
         for r in regions
         for offset in range(r.start, r.end)
         for pattern in patterns
     ]
-    count = budget(ci, len(every))
+    count = budget(ci, len(every) if long_cap is None else min(len(every), long_cap))
     if count >= len(every):
         return every
     ends = {(r.file, offset) for r in regions for offset in (r.start, r.end - 1)}
