@@ -9,7 +9,7 @@ fall back bit-exactly to the older good generation beside it (reporting the skip
 see ``corruption_sweep``. ``make test`` runs a sample (the first and last byte of
 every region with every pattern, plus random ones; the seed is printed,
 ``CKPTVAULT_CORRUPTION_SEED`` replays it); ``make reliability`` flips every byte
-of every manifest, signature and tensor header with every pattern, and 3,000
+of every manifest, signature and tensor header once (the patterns taking turns), and 3,000
 sampled flips each of tensor data and encrypted containers (every byte of those
 took over an hour). Targeted tamper tests live in test_restore.py,
 test_hostile_inputs.py and test_encryption.py; this is the sweep.
