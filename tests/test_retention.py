@@ -347,6 +347,19 @@ def test_pins_floor_in_flight_and_leases_are_kept():
     assert reasons(p, 5) == (IN_FLIGHT,)
 
 
+def test_uncounted_generations_are_kept_and_take_no_rules_place():
+    """One policy over two tiers: what is not yet copied to the replica is kept, and
+    the rules choose among the copied ones (else the replica would lose them all)."""
+    gens = [gen(s) for s in (1, 2, 3, 4, 5)]
+    uncopied = [g.generation_id for g in gens[2:]]  # 3, 4 and 5 wait for their copies
+    counted = plan(gens, Retention(keep_last=2, delete_delay=0), in_flight=uncopied)
+    assert actions(counted) == {5: KEEP, 4: KEEP, 3: KEEP, 2: DELETE, 1: DELETE}
+    p = plan(gens, Retention(keep_last=2, delete_delay=0), uncounted=uncopied)
+    assert actions(p) == {5: KEEP, 4: KEEP, 3: KEEP, 2: KEEP, 1: KEEP}
+    assert reasons(p, 2) == ("keep_last=2",) and reasons(p, 1) == ("keep_last=2",)
+    assert reasons(p, 3) == (IN_FLIGHT,)
+
+
 def test_nothing_goes_until_a_verified_generation_and_a_fallback_are_known():
     gens = [gen(s, verified=None) for s in (1, 2, 3)]
     p = plan(gens)

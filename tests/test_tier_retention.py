@@ -202,3 +202,48 @@ def test_replica_retention_usage_errors(tmp_path: Path):
             replicate_to=tmp_path / "remote",
             replica_retention={"keep_last": 1},  # type: ignore[typeddict-item]
         )
+
+
+def test_one_policy_never_leaves_the_replica_without_a_generation_while_copies_lag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Found by the crash harness: with one policy for both tiers, generations not yet
+    copied counted toward ``keep_last``, so the older, copied ones were marked and
+    deleted in both tiers, and the durable tier held nothing restorable while copies
+    lagged (a node lost then lost the run). Until a copy lands, it does not count."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    gate = threading.Event()
+    real_copy = replication.copy_generation
+
+    def gated_copy(source, ref, target, policy=None, keystore=None):  # type: ignore[no-untyped-def]
+        if ref.step > 1:
+            assert gate.wait(60), "the test never opened the gate"
+        return real_copy(source, ref, target, policy, keystore)
+
+    monkeypatch.setattr(replication, "copy_generation", gated_copy)
+    keep_one = cv.Retention(keep_last=1, delete_delay=0)
+    try:
+        with tiered(local, remote, retention=keep_one) as mgr:
+            mgr.save(1, {"w": torch.ones(8)})
+            assert mgr.replicator is not None
+            mgr.replicator.wait()
+            for step in (2, 3, 4):
+                mgr.save(step, {"w": torch.full((8,), float(step))})
+            # The replica still holds step 1, unmarked: a new node restores it.
+            assert steps_in(remote) == [1] and steps_in(remote, "--all") == [1]
+            with cv.CheckpointManager(remote, run_id="r") as reader:
+                restored = {"w": torch.zeros(8)}
+                info = reader.restore(restored)
+                assert (
+                    info is not None
+                    and info.step == 1
+                    and torch.equal(restored["w"], torch.ones(8))
+                )
+            assert steps_in(local) == [4, 3, 2, 1]  # nothing copied yet: nothing dropped
+            gate.set()
+            mgr.replicator.wait()
+    finally:
+        gate.set()  # a failing check must not leave the copy thread waiting
+    # Once the copies landed, the policy applies to both tiers again.
+    assert steps_in(local) == [4, 3]  # keep_last=1, and the fallback
+    assert steps_in(remote) == [4, 3]

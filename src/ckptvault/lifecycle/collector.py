@@ -123,15 +123,18 @@ class GarbageCollector:
         now: datetime | None = None,
         floor: RestoreFloor | None = None,
         in_flight: Iterable[str] = (),
+        uncounted: Iterable[str] = (),
     ) -> RetentionPlan:
-        """The plan for now. When it is held back only because a generation's
+        """The plan for now (``in_flight`` and ``uncounted``: see
+        :func:`~ckptvault.lifecycle.plan.plan_retention`). When it is held back only because a generation's
         verification is unknown (no verified newest, no fallback yet) and something
         would go otherwise, that generation is verified and the plan made again."""
         now = now or datetime.now(timezone.utc)
         in_flight = frozenset(in_flight)
+        uncounted = frozenset(uncounted)
         transient: dict[GenerationName, str] = {}  # could not be checked in this pass
         while True:
-            plan, refs = self._plan_once(now, floor, in_flight, transient)
+            plan, refs = self._plan_once(now, floor, in_flight, uncounted, transient)
             # A generation a rule keeps takes a rule's place: only if it is sound.
             unchecked = [
                 refs[name]
@@ -159,6 +162,7 @@ class GarbageCollector:
         now: datetime,
         floor: RestoreFloor | None,
         in_flight: frozenset[str],
+        uncounted: frozenset[str],
         transient: dict[GenerationName, str],
     ) -> tuple[RetentionPlan, dict[GenerationName, GenerationRef]]:
         refs = self.store.list_generations()
@@ -190,6 +194,7 @@ class GarbageCollector:
             floor=floor,
             in_flight=in_flight,
             orphan_marks=orphans,
+            uncounted=uncounted,
         )
         return plan, {ref.name: ref for ref in refs}
 

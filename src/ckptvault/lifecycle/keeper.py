@@ -42,7 +42,10 @@ class RetentionKeeper:
     ``unreplicated`` (the replicator's) names generations not yet copied to the
     replica tier: they count as in flight, so the local tier never deletes one
     before its copy exists; when such a copy lands, the local keeper plans again.
-    Passes never overlap (a lock), whichever thread runs them.
+    With ``count_only_copied`` (one policy over both tiers) they also do not count
+    toward the rules until copied, so the replica keeps what the policy asks of the
+    generations it holds (see :mod:`ckptvault.lifecycle.tiers`). Passes never overlap
+    (a lock), whichever thread runs them.
     """
 
     def __init__(
@@ -53,6 +56,7 @@ class RetentionKeeper:
         *,
         unreplicated: Callable[[], Collection[str]] | None = None,
         after_replication: bool = False,
+        count_only_copied: bool = False,
     ) -> None:
         if not isinstance(retention, Retention):
             raise UsageError(f"retention must be a ckptvault.Retention, got {type(retention)!r}")
@@ -70,6 +74,7 @@ class RetentionKeeper:
         self.locations = frozenset(store.location for store in self.collector.applier.stores)
         self.unreplicated = unreplicated
         self.after_replication = after_replication
+        self.count_only_copied = count_only_copied
         self.last_plan: RetentionPlan | None = None
         self.last_applied: AppliedPlan | None = None
         self._pass = threading.Lock()
@@ -112,7 +117,11 @@ class RetentionKeeper:
             waiting = frozenset(self.unreplicated()) if self.unreplicated else frozenset()
             try:
                 floor = self.run.trust.floor(self.run.run_id)
-                plan = self.collector.plan(floor=floor, in_flight={*in_flight, *waiting})
+                plan = self.collector.plan(
+                    floor=floor,
+                    in_flight={*in_flight, *waiting},
+                    uncounted=waiting if self.count_only_copied else (),
+                )
                 applied = self.collector.apply(plan)
             except AuditError:
                 raise
@@ -126,10 +135,14 @@ class RetentionKeeper:
                     exc_info=not isinstance(exc, (OSError, CheckpointError)),
                 )
                 return None
-            self._awaiting = frozenset(
-                d.generation_id
-                for d in plan.decisions
-                if d.generation_id in waiting and _only_in_flight(d)
+            self._awaiting = (
+                waiting  # each copy that lands changes what the rules count: plan again
+                if self.count_only_copied
+                else frozenset(
+                    d.generation_id
+                    for d in plan.decisions
+                    if d.generation_id in waiting and _only_in_flight(d)
+                )
             )
             self.last_plan, self.last_applied = plan, applied
             return applied

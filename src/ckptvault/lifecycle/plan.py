@@ -24,6 +24,10 @@ Never deleted or marked, whatever the rules say:
   "a checkpoint that has never been loaded is not a checkpoint yet"; it loses a mark);
 - generations in flight and generations a reader holds an unexpired lease on
   (their deletion waits; a mark stays);
+- generations ``uncounted`` names (with one policy over two tiers: those not yet
+  copied to the replica) are kept, and no rule counts them: otherwise, while copies
+  lag, the newest uncopied generations would take the rules' places and the copied
+  ones would go from both tiers, leaving the replica nothing to restore;
 - a generation that fails the structure checks (its manifest does not name it, is
   not this run's, is unsigned, ...; :attr:`GenerationFacts.rejected`) while a rule
   would keep it were it sound: it never verifies and no rule counts it (so planted
@@ -121,19 +125,24 @@ def plan_retention(
     floor: RestoreFloor | None = None,
     in_flight: Iterable[str] = (),
     orphan_marks: Iterable[OrphanMark] = (),
+    uncounted: Iterable[str] = (),
 ) -> RetentionPlan:
     """Decide, for every generation, whether it stays, is marked, unmarked or deleted.
 
     ``rules`` empty keeps every unmarked generation (``ckptvault gc`` without rule
-    options only finishes what was marked before). ``in_flight`` holds generation ids.
+    options only finishes what was marked before). ``in_flight`` holds generation ids;
+    ``uncounted`` too: those are kept as in flight, and no rule counts them.
     ``orphan_marks`` are marks whose generation the store no longer lists: their
     deletion is finished in the tier that carries each (its copy there, the mark).
     """
     gens = sorted(generations, key=lambda g: g.name, reverse=True)
-    ids_in_flight = frozenset(in_flight)
+    ids_uncounted = frozenset(uncounted)
+    ids_in_flight = frozenset(in_flight) | ids_uncounted
     abandoned = _abandoned(gens, floor)
     eligible = [g for g in gens if g.name not in abandoned]
-    counted = [g for g in eligible if g.rejected is None]  # what takes a rule's place
+    counted = [  # what takes a rule's place
+        g for g in eligible if g.rejected is None and g.generation_id not in ids_uncounted
+    ]
     verdicts = _rule_verdicts(gens, counted, rules, now)
     kept = frozenset(name for name, verdict in verdicts.items() if verdict.keep)
     spared = _spared(eligible, rules, now)

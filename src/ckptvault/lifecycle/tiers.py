@@ -3,6 +3,9 @@
 ``CheckpointManager(..., retention=R)`` with ``replicate_to=`` applies ``R`` to both
 tiers: the plan is made from the local tier, and its marks and deletions reach the
 replica too (one :class:`~ckptvault.lifecycle.keeper.RetentionKeeper` over both).
+A generation not yet copied is kept and does not count toward ``R``'s rules until
+its copy lands: while copies lag, the copied generations the rules would keep stay
+in both tiers, so the replica always holds what a new node can restore.
 
 ``replica_retention=Q`` gives the replica tier its own policy, for example the last
 two locally and the milestones remotely. Then each tier has its own keeper, and
@@ -58,7 +61,11 @@ def attach_retention(
         if retention is None:
             return None
         shared = RetentionKeeper(
-            run, retention, [run.store, replicator.target], unreplicated=replicator.unreplicated
+            run,
+            retention,
+            [run.store, replicator.target],
+            unreplicated=replicator.unreplicated,
+            count_only_copied=True,
         )
         run.events.subscribe(shared)
         return shared
