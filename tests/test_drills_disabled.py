@@ -180,6 +180,7 @@ def test_slow_storage_fails_without_async_or_backpressure(
 
 NON_ATOMIC_PUBLISH = """
 import os
+import time
 from ckptvault.format.layout import generation_dirname, parse_generation_dirname
 from ckptvault.saving import generation_writer
 from ckptvault.storage import posix_publish
@@ -201,6 +202,9 @@ def in_place(self, store, generation_id, joined=False):
     final = generation_dirname(steps["step"], generation_id)
     os.rename(generation_id, final, src_dir_fd=self.staging_fd, dst_dir_fd=root)
     os.close(root)
+    # Visible and still empty for a while: the drill's kill (a tenth of a save's
+    # duration after it began) lands here, not before or after the save.
+    time.sleep(1.5)
 
 def publish(self, area, step, manifest, signature):
     posix_publish._write_new_file(area, "manifest.json", manifest)
