@@ -41,9 +41,10 @@ def test_every_manifest_records_the_environment(store: Path):
 def test_a_different_environment_is_listed_and_warned_about(store, monkeypatch, caplog):
     saved = save_as_if(store, monkeypatch, torch="2.12.0", cuda_devices=8, cuda="12.4")
     live = torch.nn.Linear(3, 3)
-    with caplog.at_level(logging.WARNING, logger="ckptvault"), cv.CheckpointManager(
-        store, run_id="env"
-    ) as mgr:
+    with (
+        caplog.at_level(logging.WARNING, logger="ckptvault"),
+        cv.CheckpointManager(store, run_id="env") as mgr,
+    ):
         info = mgr.restore({"model": live})
     assert info is not None
     now = environment_versions()
@@ -59,9 +60,10 @@ def test_strict_env_refuses_and_touches_nothing(store, monkeypatch):
     save_as_if(store, monkeypatch, numpy="1.0.0")
     live = torch.nn.Linear(3, 3)
     before = live.weight.detach().clone()
-    with cv.CheckpointManager(store, run_id="env") as mgr, pytest.raises(
-        EnvironmentMismatch, match=r"NumPy: 1\.0\.0"
-    ) as raised:
+    with (
+        cv.CheckpointManager(store, run_id="env") as mgr,
+        pytest.raises(EnvironmentMismatch, match=r"NumPy: 1\.0\.0") as raised,
+    ):
         mgr.restore({"model": live}, strict_env=True)
     assert raised.value.differences[0].startswith("NumPy: 1.0.0 (saved)")
     assert torch.equal(live.weight, before)
@@ -81,7 +83,8 @@ def test_cuda_rng_states_of_other_devices_are_never_dropped(store, monkeypatch):
     with cv.CheckpointManager(store, run_id="env") as mgr:
         mgr.save(1, {"rng": cv.RNGState()})
     monkeypatch.undo()
-    with cv.CheckpointManager(store, run_id="env") as mgr, pytest.raises(
-        StateMismatchError, match="8 CUDA devices"
+    with (
+        cv.CheckpointManager(store, run_id="env") as mgr,
+        pytest.raises(StateMismatchError, match="8 CUDA devices"),
     ):
         mgr.restore({"rng": cv.RNGState()}, strict=False)

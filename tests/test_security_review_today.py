@@ -58,7 +58,10 @@ def test_a_hostile_gradient_slot_is_refused_before_anything_is_applied(store: Pa
     torch.manual_seed(1)
     live = torch.nn.Linear(4, 4)
     before = {k: v.clone() for k, v in live.state_dict().items()}
-    with cv.CheckpointManager(store, run_id="r") as mgr, pytest.raises(StateMismatchError) as caught:
+    with (
+        cv.CheckpointManager(store, run_id="r") as mgr,
+        pytest.raises(StateMismatchError) as caught,
+    ):
         mgr.restore({"Model": live})
     assert "['Model']['weight']: checkpoint gradient" in str(caught.value)
     assert "partially restored" not in str(caught.value)

@@ -79,7 +79,10 @@ def test_warm_start_restores_what_matches_and_never_touches_the_source(tmp_path,
         assert info.step == 1000 and info.signer is not None
         assert info.lineage is not None
         assert info.lineage.run_id == "pretrain" and info.lineage.step == 1000
-        assert sorted(info.unexpected) == ["state['model']['head.bias']", "state['model']['head.weight']"]
+        assert sorted(info.unexpected) == [
+            "state['model']['head.bias']",
+            "state['model']['head.weight']",
+        ]
         assert sorted(info.missing) == [
             "state['model']['classifier.bias']",
             "state['model']['classifier.weight']",
@@ -102,8 +105,14 @@ def test_the_lineage_survives_a_restart_of_the_new_run(tmp_path, pretrained):
     store = tmp_path / "finetune"
     state = fine_tune_state()
     with cv.CheckpointManager(store, run_id="finetune") as mgr:
-        mgr.warm_start({"model": state["model"]}, source, source_run_id="pretrain",
-                       rename={"encoder.": "backbone."}, strict=False, step=900)
+        mgr.warm_start(
+            {"model": state["model"]},
+            source,
+            source_run_id="pretrain",
+            rename={"encoder.": "backbone."},
+            strict=False,
+            step=900,
+        )
         mgr.save(1, state)
     resumed = fine_tune_state()
     with cv.CheckpointManager(store, run_id="finetune") as mgr:
@@ -124,11 +133,17 @@ def test_the_source_is_held_to_its_own_trust_policy(tmp_path, pretrained):
     before = state["model"].backbone.weight.detach().clone()
     with cv.CheckpointManager(tmp_path / "finetune", run_id="finetune") as mgr:
         with pytest.raises(NoValidCheckpoint):
-            mgr.warm_start({"model": state["model"]}, source, source_run_id="pretrain",
-                           trusted_keys=[tmp_path / "other.pub"], strict=False)
+            mgr.warm_start(
+                {"model": state["model"]},
+                source,
+                source_run_id="pretrain",
+                trusted_keys=[tmp_path / "other.pub"],
+                strict=False,
+            )
         with pytest.raises(NoValidCheckpoint):  # a run the source store does not hold
-            mgr.warm_start({"model": state["model"]}, source, source_run_id="elsewhere",
-                           strict=False)
+            mgr.warm_start(
+                {"model": state["model"]}, source, source_run_id="elsewhere", strict=False
+            )
         assert mgr.generations() == []
     assert torch.equal(state["model"].backbone.weight, before)
 
@@ -136,7 +151,8 @@ def test_the_source_is_held_to_its_own_trust_policy(tmp_path, pretrained):
 def test_warm_start_without_rename_refuses_a_model_nothing_matches(tmp_path, pretrained):
     source, _ = pretrained
     state = fine_tune_state()
-    with cv.CheckpointManager(tmp_path / "finetune", run_id="finetune") as mgr, pytest.raises(
-        cv.errors.StateMismatchError, match="none of the checkpoint's"
+    with (
+        cv.CheckpointManager(tmp_path / "finetune", run_id="finetune") as mgr,
+        pytest.raises(cv.errors.StateMismatchError, match="none of the checkpoint's"),
     ):
         mgr.warm_start({"model": state["model"]}, source, source_run_id="pretrain", strict=False)

@@ -269,9 +269,7 @@ class CheckpointManager:
         ``EnvironmentMismatch`` instead.
         """
         self._check_open()
-        options = ApplyOptions(
-            rename=rename, strict_dtypes=strict_dtypes, strict_env=strict_env
-        )
+        options = ApplyOptions(rename=rename, strict_dtypes=strict_dtypes, strict_env=strict_env)
         info = self._restorer.restore(
             state, step, strict, allow_contract_change, allow_rollback_to, options
         )

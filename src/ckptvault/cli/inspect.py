@@ -118,6 +118,7 @@ def _print_report(report: dict[str, Any]) -> None:
         title="files",
     )
 
+
 def _describe(value: Any, tensors: dict[str, Any]) -> Any:
     """The tagged state tree with tensor references replaced by a short description."""
     if isinstance(value, list):

@@ -334,7 +334,8 @@ def _trainer_state(saved: Mapping[str, Any], step: int) -> TrainerState:
     problems = [
         f"{name}={str(saved[name])[:40]!r}"
         for name, kinds in _SCALARS.items()
-        if name in saved and not (type(saved[name]) in kinds or (None in kinds and saved[name] is None))
+        if name in saved
+        and not (type(saved[name]) in kinds or (None in kinds and saved[name] is None))
     ]
     if saved.get("global_step") != step:  # Trainer resumes at global_step: it must be this one
         problems.append(f"global_step={str(saved.get('global_step'))[:40]!r} (expected {step})")

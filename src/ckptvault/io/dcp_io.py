@@ -35,7 +35,6 @@ warnings.filterwarnings(
 )
 
 
-
 def _quiet_unheard_dcp_logger() -> None:
     """DCP logs the start and end of every planning call per tensor at DEBUG on a
     logger of its own that only has a ``NullHandler``: at 10,000 tensors that is

@@ -43,7 +43,9 @@ class _Markers(Mapping[str, torch.Tensor]):
         return len(self._keys)
 
 
-def tensor_aliases(tree: Mapping[str, Any], entry: str, keys: Mapping[str, Any], where: str) -> dict[str, str]:
+def tensor_aliases(
+    tree: Mapping[str, Any], entry: str, keys: Mapping[str, Any], where: str
+) -> dict[str, str]:
     """Names under entry ``entry`` that refer to a tensor stored under another key:
     ``{"lm_head.weight": "model/transformer.wte.weight"}``. ``keys``: the
     generation's tensor keys; ``tree``: its (already checked) state tree."""

@@ -90,9 +90,7 @@ def _check_tensors(
             )
             drop.add(key)
         elif _shape(value) is not None and _shape(expected) not in (None, _shape(value)):
-            plan.mismatched.append(
-                f"{where}: checkpoint {_shape(value)}, model {_shape(expected)}"
-            )
+            plan.mismatched.append(f"{where}: checkpoint {_shape(value)}, model {_shape(expected)}")
             drop.add(key)
         elif (
             isinstance(value, torch.Tensor)

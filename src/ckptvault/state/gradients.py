@@ -135,7 +135,9 @@ class GradientWatch:
                     if grad is None or versions.get(id(param)) == grad._version:
                         continue
                     if bool(grad.detach().ne(0).any()):
-                        found.append(names.get(id(param), f"a parameter of {type(optimizer).__name__}"))
+                        found.append(
+                            names.get(id(param), f"a parameter of {type(optimizer).__name__}")
+                        )
         return found
 
     def check(self, step: int, state: Mapping[str, Any], include_grads: bool, strict: bool) -> None:
@@ -147,7 +149,9 @@ class GradientWatch:
         pending = self.pending(state)
         if not pending:
             return
-        shown = ", ".join(pending[:5]) + (f", ... ({len(pending)} in all)" if len(pending) > 5 else "")
+        shown = ", ".join(pending[:5]) + (
+            f", ... ({len(pending)} in all)" if len(pending) > 5 else ""
+        )
         message = (
             f"the save of step {step} comes between backward() and optimizer.step(): "
             f"{shown} hold gradients accumulated since the last step, which the checkpoint "
@@ -166,7 +170,9 @@ def with_gradients(state: Mapping[str, Any]) -> dict[str, Any]:
         raise UsageError(f"state must be a dict of named entries, not {type(state).__name__}")
     if GRADIENTS in state:
         raise UsageError(f"{GRADIENTS!r} is reserved for include_grads=True; rename that entry")
-    slots = {key: GradientSlots(module) for key, module in _top_level(state, torch.nn.Module).items()}
+    slots = {
+        key: GradientSlots(module) for key, module in _top_level(state, torch.nn.Module).items()
+    }
     return {**state, GRADIENTS: slots}
 
 
