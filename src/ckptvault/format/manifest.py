@@ -35,7 +35,7 @@ from blake3 import blake3
 
 from ckptvault.errors import FormatError
 from ckptvault.format.bounded_json import MAX_DOCUMENT_DEPTH, scan_json
-from ckptvault.format.canonical import dumps_canonical, loads_canonical
+from ckptvault.format.canonical import dumps_canonical, join_canonical_object, loads_canonical
 from ckptvault.format.layout import MANIFEST_NAME, MAX_STEP, SIGNATURE_NAME, is_generation_id
 from ckptvault.format.records import (
     MANIFEST_MAC,
@@ -96,6 +96,11 @@ class Manifest:
     encryption: EncryptionSection | None = None
     format_version: int = FORMAT_VERSION
     metrics: dict[str, int | float] | None = None
+    # (the ``dcp`` object, its canonical bytes): a writer that keeps one layout for
+    # many saves encodes that section once. Used only while ``dcp`` is that object.
+    encoded_dcp: tuple[dict[str, Any], bytes] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     @property
     def total_bytes(self) -> int:
@@ -124,14 +129,30 @@ class Manifest:
 
     def authenticated_bytes(self) -> bytes:
         """What the MAC of this manifest covers (see :func:`authenticated_bytes`)."""
-        return authenticated_bytes(self.to_json())
+        document = self.to_json()
+        members = self._encoded_members(document)
+        encryption = document.get("encryption")
+        if isinstance(encryption, dict):
+            unsealed = {k: v for k, v in encryption.items() if k != MANIFEST_MAC}
+            members["encryption"] = dumps_canonical(unsealed)
+        return join_canonical_object(members)
+
+    def _encoded_members(self, document: dict[str, Any]) -> dict[str, bytes]:
+        """Each top-level member of ``document`` as canonical bytes, each encoded once."""
+        encoded = self.encoded_dcp
+        reuse = encoded is not None and encoded[0] is self.dcp
+        return {
+            key: encoded[1] if reuse and key == "dcp" and encoded else dumps_canonical(value)
+            for key, value in document.items()
+        }
 
     def to_bytes(self) -> bytes:
         """Canonical bytes, with the BLAKE3 of everything else as ``manifest_blake3``
         so that corruption of the manifest itself is caught even when unsigned."""
-        document = self.to_json()
-        document[SELF_DIGEST_KEY] = blake3(dumps_canonical(document)).hexdigest()
-        data = dumps_canonical(document)
+        members = self._encoded_members(self.to_json())
+        digest = blake3(join_canonical_object(members)).hexdigest()
+        members[SELF_DIGEST_KEY] = dumps_canonical(digest)
+        data = join_canonical_object(members)
         # Never publish what parse_manifest would refuse to read back.
         if len(data) > MAX_MANIFEST_BYTES:
             raise FormatError(

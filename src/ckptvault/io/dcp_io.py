@@ -23,9 +23,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ckptvault.errors import CheckpointError, FormatError, SaveFailedError
 from ckptvault.format.manifest import Manifest
 from ckptvault.io.dcp_metadata import metadata_from_json, tensor_metadata
+from ckptvault.io.direct_write import DirectWriter
 from ckptvault.io.planners import TensorOnlyLoadPlanner, TensorOnlySavePlanner
 from ckptvault.io.reader import VaultStorageReader
-from ckptvault.io.writer import VaultStorageWriter
+from ckptvault.io.writer import VaultStorageWriter, default_threads
 from ckptvault.storage.base import GenerationRef, StagingArea, Store
 from ckptvault.trust.envelope import FileEncryption
 
@@ -81,6 +82,7 @@ def write_tensors(
     rank: int = 0,
     process_group: Any = None,
     ranks: int = 1,
+    direct: DirectWriter | None = None,
 ) -> VaultStorageWriter:
     """Write tensors as safetensors files (or encrypted containers of them), named
     after ``rank``; the returned writer holds the DCP metadata JSON, file records and
@@ -88,7 +90,15 @@ def write_tensors(
 
     With ``process_group`` (a job of ``ranks`` ranks) this is collective: every rank
     calls it, DCP plans globally (sharded tensors by their shards, replicated ones
-    written once) and a failure on any rank raises on every rank."""
+    written once) and a failure on any rank raises on every rank. Without one,
+    ``direct`` (the caller's :class:`DirectWriter`, which keeps its layout between
+    saves) writes plain tensors without DCP's planner; same files, same metadata."""
+    if direct is not None and process_group is None:
+        written = direct.write(
+            tensors, staging, chunk_size, threads or default_threads(), encryption, rank
+        )
+        if written is not None:
+            return written
     writer = VaultStorageWriter(
         staging, chunk_size=chunk_size, threads=threads, encryption=encryption, rank=rank
     )

@@ -28,6 +28,7 @@ from ckptvault.format.layout import (
 from ckptvault.format.manifest import Manifest
 from ckptvault.format.records import EncryptionSection
 from ckptvault.io.dcp_io import write_tensors
+from ckptvault.io.direct_write import DirectWriter
 from ckptvault.io.planners import forget_cached_plans
 from ckptvault.io.state_file import ENCRYPTED_STATE_TAG, write_state_file
 from ckptvault.io.writer import VaultStorageWriter
@@ -82,6 +83,7 @@ class GenerationWriter:
         self.settings = settings
         self.parent: str | None = None  # the generation last saved or restored
         self._plan_cache_key = secrets.token_hex(8)
+        self._direct = DirectWriter()  # one process: no DCP planning, the layout kept
 
     def write(
         self,
@@ -212,6 +214,7 @@ class GenerationWriter:
             self.encryption(generation_id),
             plan_cache_key=self._plan_cache_key,
             rank=self.coordinator.rank,
+            direct=self._direct,
         )
 
     def write_state(
@@ -265,6 +268,11 @@ class GenerationWriter:
             writer={"ckptvault": __version__, "world_size": self.coordinator.world_size},
             encryption=section,
             metrics=metrics,
+            encoded_dcp=(
+                (tensors.dcp_json, tensors.dcp_bytes)
+                if tensors.dcp_json is not None and tensors.dcp_bytes is not None
+                else None
+            ),
         )
         return manifest if mac_key is None else seal_manifest(manifest, mac_key)
 

@@ -86,16 +86,11 @@ def _identity(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     meta or empty tensors): those are always written apart."""
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.numel() == 0:
         return None
-    if tensor.device.type == "meta":
+    if tensor.is_meta:
         return None
-    return (
-        tensor.untyped_storage().data_ptr(),
-        tensor.storage_offset(),
-        tuple(tensor.shape),
-        tensor.stride(),
-        tensor.dtype,
-        str(tensor.device),
-    )
+    # data_ptr() is the storage's address plus the offset in bytes: with the dtype
+    # and the device it tells the same as (storage address, storage offset).
+    return (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
 
 
 class _TensorCollector:
@@ -119,7 +114,7 @@ class _TensorCollector:
         identity = _identity(tensor)
         if identity is not None and identity in self._by_identity:
             return self._by_identity[identity]
-        self.tensors[key] = tensor.detach()
+        self.tensors[key] = tensor.detach() if tensor.requires_grad else tensor
         self._paths[key] = path
         if identity is not None:
             self._by_identity[identity] = key

@@ -140,11 +140,11 @@ class Encoder:
             raise UnsupportedValueError(
                 format_path(path), tensor, "only dense (strided) tensors can be checkpointed"
             )
-        if tensor.device.type == "meta":
+        if tensor.is_meta:
             raise UnsupportedValueError(
                 format_path(path), tensor, "meta tensors hold no data; materialize them first"
             )
-        if str(tensor.dtype).removeprefix("torch.") not in DTYPES:
+        if tensor.dtype not in _SAVABLE_DTYPES:
             raise UnsupportedValueError(
                 format_path(path),
                 tensor,
@@ -247,6 +247,13 @@ def _encode_torch_size(encoder: Encoder, value: torch.Size, path: KeyPath) -> An
         )
     return {"$torch_size": list(value)}
 
+
+# The dtypes a tensor file can hold, as torch.dtype objects (a set lookup per tensor).
+_SAVABLE_DTYPES = frozenset(
+    dtype
+    for dtype in (getattr(torch, name, None) for name in DTYPES)
+    if isinstance(dtype, torch.dtype)
+)
 
 _BY_EXACT_TYPE: dict[type, _Branch] = {
     type(None): _as_is,

@@ -108,6 +108,8 @@ def format_path(path: KeyPath) -> str:
 
 
 def _escape_segment(segment: Any) -> str:
+    if type(segment) is str and "~" not in segment and "/" not in segment:
+        return segment  # the common case, and the hot one: one call per tensor per level
     return _spelled(segment, str).replace("~", "~0").replace("/", "~1")
 
 
