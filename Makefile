@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint crash reliability fuzz bench clean
+.PHONY: demo test lint crash reliability fuzz bench bench-scale clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,14 @@ bench: $(STAMP)
 	$(PY) -m bench.save_restore --size-gb 1 --reps 7
 	$(PY) -m bench.s3_save --size-gb 1 --reps 3
 	$(PY) -m bench.multirank_save --size-gb 1 --ranks 2 --reps 5
+	$(PY) -m bench.scale
+
+# How costs grow (about 10 minutes here): save and restore against tensor count
+# (1k/10k/100k, disk and tmpfs), DCP metadata against simulated ranks (1-1,024),
+# listing against generations (10-1,000), each against torch.save / DCP on the same
+# sizes. Tables in bench-out/scale.md, plot in bench-out/scale.png.
+bench-scale: $(STAMP)
+	$(PY) -m bench.scale
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
