@@ -42,7 +42,7 @@ def test_every_axis_runs_and_reports(tmp_path: Path):
         assert f"| {row} | flat |" in text and f"| {row} | module |" in text
     assert "| **ckptvault save / torch.save+fsync** | flat |" in text
     assert "## Simulated ranks" in text and "## Generations" in text
-    assert "grows with ranks: slope" in text and "| generations()" in text
+    assert "grows with ranks (1-2 ranks): slope" in text and "| generations()" in text
     assert (out / "scale.md").read_text() == text
     results = json.loads((out / "scale.json").read_text())
     for point in results["tensors"]:
