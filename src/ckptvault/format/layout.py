@@ -27,6 +27,8 @@ ENCRYPTED_STATE_SUFFIX = "-state.json" + ENCRYPTED_SUFFIX
 _GENERATION_ID = r"[0-9]{8}T[0-9]{12}Z-[0-9a-f]{8}"
 _GENERATION_ID_RE = re.compile(rf"^{_GENERATION_ID}$")
 _GENERATION_DIR_RE = re.compile(rf"^step-([0-9]{{12,}})\.({_GENERATION_ID})$")
+_STAMP_FORMAT = "%Y%m%dT%H%M%S%f"
+_STAMP_RE = re.compile(r"([0-9]{4})([0-9]{2})([0-9]{2})T([0-9]{2})([0-9]{2})([0-9]{2})([0-9]{6})")
 
 
 @dataclass(frozen=True, order=True)
@@ -83,9 +85,17 @@ def is_generation_id(text: str) -> bool:
 
 
 def generation_id_time(generation_id: str) -> datetime:
-    """The UTC creation time encoded in a generation id."""
+    """The UTC creation time encoded in a generation id; ``ValueError`` when it holds
+    no time that exists."""
     stamp = generation_id.split("Z-", 1)[0]
-    return datetime.strptime(stamp, "%Y%m%dT%H%M%S%f").replace(tzinfo=timezone.utc)
+    fields = _STAMP_RE.fullmatch(stamp)
+    if fields is None:  # not the fixed-width form ids have: strptime judges it, as always
+        return datetime.strptime(stamp, _STAMP_FORMAT).replace(tzinfo=timezone.utc)
+    # Listing parses every id of a store (twice): strptime took half of an ``ls``. On
+    # these fixed-width digits it reads the same fields, and datetime() refuses the
+    # same impossible ones (month 13, second 60).
+    year, month, day, hour, minute, second, micro = map(int, fields.groups())
+    return datetime(year, month, day, hour, minute, second, micro, tzinfo=timezone.utc)
 
 
 def generation_created_at(generation_id: str) -> str:

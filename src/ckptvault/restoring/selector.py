@@ -142,8 +142,11 @@ class CandidateSelector:
         are the reason (restore must not start over quietly from an empty-looking store)."""
         if not refs:
             return refs
+        # Only the candidates' own marks are read: marks of other names (planted by
+        # the thousand, say) are never opened, only listed.
+        dirnames = {ref.name.dirname for ref in refs}
         try:
-            marked = set(self.store.list_records(DELETION_MARK))
+            marked = set(self.store.list_records(DELETION_MARK, dirnames.__contains__))
         except (OSError, CheckpointError) as exc:  # marks only ever withhold: go on without
             logger.warning("cannot read the deletion marks of %s: %s", self.store.location, exc)
             return refs

@@ -19,6 +19,7 @@ Rules every backend keeps (DESIGN rule 5, the store is hostile ground):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from io import RawIOBase
 from pathlib import Path
@@ -110,6 +111,23 @@ class PublishRule(Protocol[AreaT]):
     def publish(
         self, area: AreaT, step: int, manifest: bytes, signature: bytes | None
     ) -> GenerationRef: ...
+
+
+@runtime_checkable
+class ListsManyGenerations(Protocol):
+    """A store that lists the entries of many generations at once for less than one
+    listing each: an object store lists its whole key space in pages of 1,000 keys,
+    where listing one generation costs a request per key prefix it spreads over.
+    ``ckptvault ls`` and ``generations()`` use it when a store offers it; a store
+    without it is listed generation by generation with :meth:`Store.list_entries`."""
+
+    def list_entries_of(
+        self, refs: Sequence[GenerationRef]
+    ) -> dict[GenerationName, dict[str, EntryInfo]]:
+        """What :meth:`Store.list_entries` reports for each of ``refs`` (the same
+        entries, sizes and ``unsafe`` verdicts); a generation nothing was found of maps
+        to ``{}``. Raises ``OSError`` (or a ``CheckpointError``) when the store cannot
+        be listed."""
 
 
 @runtime_checkable

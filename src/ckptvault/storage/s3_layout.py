@@ -26,6 +26,7 @@ store only ever serves the one key where ckptvault itself writes a name.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import blake3
@@ -151,6 +152,38 @@ class S3Layout:
         if digit != spread_digit(generation_id, rank_of(file_name)):
             return None
         return digit, generation_id
+
+
+Listing = list[tuple[str, int]]  # (key below a prefix, size), in the store's key order
+
+
+def listings_by_generation(
+    layout: S3Layout,
+    names: Iterable[GenerationName],
+    generation_objects: Iterable[tuple[str, int]],
+    data_objects: Iterable[tuple[str, int]],
+) -> dict[GenerationName, dict[str, Listing]]:
+    """Each generation's listings, place by place, cut out of one listing of every
+    key under ``generations/`` and one under ``data/`` (``(key, size)`` pairs): for
+    each of ``names``, exactly the objects the 17 prefix listings of that generation
+    would return, in the same order, so that :func:`classify_entries` judges them as
+    it judges a generation listed on its own. Any other key is passed over."""
+    wanted = list(names)
+    own: dict[str, Listing] = {name.dirname: [] for name in wanted}
+    data: dict[str, dict[str, Listing]] = {
+        name.generation_id: {digit: [] for digit in SPREAD_DIGITS} for name in wanted
+    }
+    for key, size in generation_objects:
+        dirname, slash, rest = key[len(layout.generations_prefix) :].partition("/")
+        if slash and key.startswith(layout.generations_prefix) and dirname in own:
+            own[dirname].append((rest, size))
+    for key, size in data_objects:
+        digit, slash, below = key[len(layout.data_root) :].partition("/")
+        generation_id, slash_too, rest = below.partition("/")
+        places = data.get(generation_id) if slash and slash_too else None
+        if places is not None and key.startswith(layout.data_root) and digit in places:
+            places[digit].append((rest, size))
+    return {name: {OWN_PREFIX: own[name.dirname], **data[name.generation_id]} for name in wanted}
 
 
 @dataclass
