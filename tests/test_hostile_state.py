@@ -507,8 +507,9 @@ def test_plan_apply_order_loads_then_contents_then_rng(store):
 
 def test_allocation_failure_skips_the_generation(store, two_steps, monkeypatch):
     """An allocator that cannot serve the declared tensors (what a terabyte-sized
-    claim does on a real machine) rejects that generation with a reason."""
-    from ckptvault.io import dcp_io
+    claim does on a real machine) rejects that generation with a reason. Both
+    allocating paths: DCP's (``dcp_io``) and the planner-free one (``whole_read``)."""
+    from ckptvault.io import dcp_io, whole_read
 
     calls = {"n": 0}
 
@@ -524,7 +525,9 @@ def test_allocation_failure_skips_the_generation(store, two_steps, monkeypatch):
                 )
             return torch.empty(*args, **kwargs)
 
-    monkeypatch.setattr(dcp_io, "torch", OutOfMemory())
+    allocator = OutOfMemory()
+    monkeypatch.setattr(dcp_io, "torch", allocator)
+    monkeypatch.setattr(whole_read, "torch", allocator)
     _, weights = two_steps
     fresh = restore_skipping(store, "unreadable", "cannot allocate")
     assert_same_tensors(model_snapshot(fresh["model"]), weights[1])

@@ -11,7 +11,7 @@ store, so its size and nesting depth are bounded before ``json.loads`` runs.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NoReturn
 
 from ckptvault.errors import FormatError
 from ckptvault.format.bounded_json import MAX_DOCUMENT_DEPTH, loads_bounded
@@ -46,10 +46,36 @@ def loads_canonical(
     Raises :class:`FormatError` when the bytes are longer than ``max_bytes``, nest
     deeper than ``max_depth``, are not UTF-8 JSON, or are not canonical.
     """
-    value = loads_bounded(data, what, max_depth=max_depth, max_bytes=max_bytes)
+    value = loads_bounded(data, what, max_depth=max_depth, max_bytes=max_bytes, unique_keys=False)
     if dumps_canonical(value) != data:
-        raise FormatError(
-            f"{what} is not in canonical form (sorted keys, no whitespace); it was edited "
-            "or written by another tool"
-        )
+        _refuse(data, what, max_depth, max_bytes)
     return value
+
+
+def loads_canonical_members(
+    data: bytes, what: str, *, max_depth: int = MAX_DOCUMENT_DEPTH, max_bytes: int | None = None
+) -> tuple[Any, dict[str, bytes] | None]:
+    """:func:`loads_canonical`, and for a JSON object the canonical bytes of each of
+    its top-level members (key -> encoded value; None for any other value): the
+    canonical bytes of the object less some members are then a join away
+    (:func:`join_canonical_object`), without encoding the document a second time."""
+    value = loads_bounded(data, what, max_depth=max_depth, max_bytes=max_bytes, unique_keys=False)
+    if not isinstance(value, dict):
+        if dumps_canonical(value) != data:
+            _refuse(data, what, max_depth, max_bytes)
+        return value, None
+    members = {key: dumps_canonical(member) for key, member in value.items()}
+    if join_canonical_object(members) != data:
+        _refuse(data, what, max_depth, max_bytes)
+    return value, members
+
+
+def _refuse(data: bytes, what: str, max_depth: int, max_bytes: int | None) -> NoReturn:
+    """Why parsed ``data`` is not canonical. A repeated key is the one thing the
+    quick parse let through (it keeps the last value, so the re-encoding differs):
+    the careful parse names it; anything else is a plain non-canonical form."""
+    loads_bounded(data, what, max_depth=max_depth, max_bytes=max_bytes, unique_keys=True)
+    raise FormatError(
+        f"{what} is not in canonical form (sorted keys, no whitespace); it was edited "
+        "or written by another tool"
+    )

@@ -35,7 +35,12 @@ from blake3 import blake3
 
 from ckptvault.errors import FormatError
 from ckptvault.format.bounded_json import MAX_DOCUMENT_DEPTH, scan_json
-from ckptvault.format.canonical import dumps_canonical, join_canonical_object, loads_canonical
+from ckptvault.format.canonical import (
+    dumps_canonical,
+    join_canonical_object,
+    loads_canonical,
+    loads_canonical_members,
+)
 from ckptvault.format.layout import MANIFEST_NAME, MAX_STEP, SIGNATURE_NAME, is_generation_id
 from ckptvault.format.records import (
     MANIFEST_MAC,
@@ -99,6 +104,11 @@ class Manifest:
     # (the ``dcp`` object, its canonical bytes): a writer that keeps one layout for
     # many saves encodes that section once. Used only while ``dcp`` is that object.
     encoded_dcp: tuple[dict[str, Any], bytes] | None = field(
+        default=None, compare=False, repr=False
+    )
+    # (the stored bytes, what their MAC covers): kept by parse_manifest for an
+    # encrypted manifest, so that checking its MAC parses the bytes no second time.
+    parsed_authenticated: tuple[bytes, bytes] | None = field(
         default=None, compare=False, repr=False
     )
 
@@ -187,9 +197,13 @@ def authenticated_bytes(document: Mapping[str, Any]) -> bytes:
     return dumps_canonical(body)
 
 
-def stored_authenticated_bytes(data: bytes, where: str) -> bytes:
+def stored_authenticated_bytes(data: bytes, where: str, parsed: Manifest | None = None) -> bytes:
     """:func:`authenticated_bytes` of a stored manifest, from its exact bytes (the
-    ones :func:`parse_manifest` accepted, so this parses them the same way)."""
+    ones :func:`parse_manifest` accepted, so this parses them the same way). When
+    ``parsed`` was parsed from exactly these bytes, what that parse kept is used."""
+    kept = parsed.parsed_authenticated if parsed is not None else None
+    if kept is not None and (kept[0] is data or kept[0] == data):
+        return kept[1]
     raw = loads_canonical(
         data, f"{where}/{MANIFEST_NAME}", max_depth=MAX_MANIFEST_DEPTH, max_bytes=MAX_MANIFEST_BYTES
     )
@@ -281,20 +295,15 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     """
     if len(data) > MAX_MANIFEST_BYTES:
         raise FormatError(manifest_too_large(len(data), where))
-    raw = loads_canonical(
+    # One parse, one encoding: each top-level member is encoded once, for the
+    # canonical check, the self-digest and an encrypted manifest's MAC.
+    raw, members = loads_canonical_members(
         data, f"{where}/{MANIFEST_NAME}", max_depth=MAX_MANIFEST_DEPTH, max_bytes=MAX_MANIFEST_BYTES
     )
-    if not isinstance(raw, dict):
+    if not isinstance(raw, dict) or members is None:
         raise FormatError(f"{where}: manifest is not a JSON object")
     version = check_format_version(raw.get("format_version"), where)
-    recorded = raw.pop(SELF_DIGEST_KEY, None)
-    if not isinstance(recorded, str):
-        raise FormatError(f"{where}: manifest has no {SELF_DIGEST_KEY} self-digest")
-    if blake3(dumps_canonical(raw)).hexdigest() != recorded:
-        raise ManifestDigestError(
-            f"{where}: manifest.json does not match its own digest; it was corrupted or edited "
-            "after it was written"
-        )
+    authenticated = _check_self_digest(raw, members, where)
     generation_id = _require(raw, "generation_id", str, where)
     if not is_generation_id(generation_id):
         raise FormatError(f"{where}: generation_id {generation_id!r} is malformed")
@@ -327,4 +336,25 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
             else None
         ),
         metrics=check_metrics(raw["metrics"], where) if raw.get("metrics") is not None else None,
+        parsed_authenticated=(data, authenticated) if authenticated is not None else None,
     )
+
+
+def _check_self_digest(raw: dict[str, Any], members: dict[str, bytes], where: str) -> bytes | None:
+    """Take the self-digest out of ``raw`` (parsed manifest) and check it against the
+    canonical bytes of the rest (``members``: each member's encoding); for an
+    encrypted manifest, return what its MAC covers (:func:`authenticated_bytes`)."""
+    recorded = raw.pop(SELF_DIGEST_KEY, None)
+    members.pop(SELF_DIGEST_KEY, None)
+    if not isinstance(recorded, str):
+        raise FormatError(f"{where}: manifest has no {SELF_DIGEST_KEY} self-digest")
+    if blake3(join_canonical_object(members)).hexdigest() != recorded:
+        raise ManifestDigestError(
+            f"{where}: manifest.json does not match its own digest; it was corrupted or edited "
+            "after it was written"
+        )
+    encryption = raw.get("encryption")
+    if not isinstance(encryption, dict):
+        return None
+    unsealed = {key: value for key, value in encryption.items() if key != MANIFEST_MAC}
+    return join_canonical_object({**members, "encryption": dumps_canonical(unsealed)})

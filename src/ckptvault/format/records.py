@@ -24,7 +24,6 @@ from ckptvault.format.tensorfile import (
     MAX_TENSOR_BYTES,
     MAX_TENSOR_RANK,
     checked_shape,
-    is_count,
 )
 
 _HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -180,8 +179,10 @@ def check_dcp_section(raw: Any, where: str) -> dict[str, Any]:
                 isinstance(chunk, dict)
                 and isinstance(chunk.get("file"), str)
                 and isinstance(chunk.get("name"), str)
-                and all(_is_bounded(chunk.get(key)) for key in ("start", "length"))
-                and all(_is_index(chunk.get(key)) for key in ("offsets", "sizes"))
+                and _is_bounded(chunk.get("start"))
+                and _is_bounded(chunk.get("length"))
+                and _is_index(chunk.get("offsets"))
+                and _is_index(chunk.get("sizes"))
             ):
                 raise FormatError(
                     f"{at}: a chunk is malformed (offsets and sizes must be lists of "
@@ -192,12 +193,13 @@ def check_dcp_section(raw: Any, where: str) -> dict[str, Any]:
 
 
 def _is_bounded(value: Any) -> bool:
-    return is_count(value) and value <= MAX_TENSOR_BYTES
+    """A plain int (never bool) in 0..MAX_TENSOR_BYTES, as :func:`is_count` and bounded."""
+    return type(value) is int and 0 <= value <= MAX_TENSOR_BYTES
 
 
 def _is_index(value: Any) -> bool:
     return (
         isinstance(value, list)
         and len(value) <= MAX_TENSOR_RANK
-        and all(_is_bounded(item) for item in value)
+        and all(type(item) is int and 0 <= item <= MAX_TENSOR_BYTES for item in value)
     )

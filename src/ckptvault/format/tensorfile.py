@@ -169,7 +169,7 @@ def checked_shape(value: Any, dtype: str, where: str) -> tuple[int, ...]:
     bound = MAX_TENSOR_BYTES // element_size(dtype)
     span = 1
     for dim in value:
-        if not is_count(dim):
+        if type(dim) is not int or dim < 0:  # is_count, inline: once per dimension
             raise FormatError(
                 f"{where}: shape {str(value)[:200]} holds {str(dim)[:40]!r}, not a "
                 "non-negative integer"
@@ -215,7 +215,7 @@ def parse_header(
             or code not in _FROM_SAFETENSORS
             or not isinstance(offsets, list)
             or len(offsets) != 2
-            or not all(is_count(x) for x in offsets)
+            or not (is_count(offsets[0]) and is_count(offsets[1]))
         ):
             raise FormatError(f"{where}: tensor {name!r} has a malformed entry")
         dtype = _FROM_SAFETENSORS[code]

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptvault.errors import CheckpointError, FormatError, SaveFailedError
 from ckptvault.format.manifest import Manifest
@@ -26,6 +27,7 @@ from ckptvault.io.dcp_metadata import metadata_from_json, tensor_metadata
 from ckptvault.io.direct_write import DirectWriter
 from ckptvault.io.planners import TensorOnlyLoadPlanner, TensorOnlySavePlanner
 from ckptvault.io.reader import VaultStorageReader
+from ckptvault.io.whole_read import plan_whole_tensors, whole_tensor_layout
 from ckptvault.io.writer import VaultStorageWriter, default_threads
 from ckptvault.storage.base import GenerationRef, StagingArea, Store
 from ckptvault.trust.envelope import FileEncryption
@@ -164,9 +166,19 @@ def read_tensors(
     """Load every tensor of a structurally checked generation, verifying every byte.
 
     Returns fresh CPU tensors owned by the caller; raises IntegrityError when a
-    digest or size does not match.
+    digest or size does not match. When every tensor is stored as one whole chunk,
+    its bytes are read straight into its tensor without DCP's planner
+    (:mod:`ckptvault.io.whole_read`); any other layout goes through ``dcp.load``.
     """
     where = f"generation {ref.generation_id}"
+    layout = whole_tensor_layout(manifest, where)
+    if layout is not None:  # every tensor stored whole: nothing for DCP to plan
+        destinations, file_plans = plan_whole_tensors(manifest, layout, where)
+        reader = VaultStorageReader(
+            store, ref, manifest, Metadata(state_dict_metadata={}), {}, threads, on_bytes, data_keys
+        )
+        reader.read_files(file_plans)  # every file, every chunk verified
+        return destinations
     destinations, metadata, locations = allocate_destinations(manifest, where)
     reader = VaultStorageReader(
         store, ref, manifest, metadata, locations, threads, on_bytes, data_keys

@@ -10,6 +10,7 @@ restore's private tensors, never the caller's objects.
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Callable
 from typing import Any
@@ -57,10 +58,12 @@ def read_plain_direct(
         _advise(fd, hi, 2 * chunk_size, "POSIX_FADV_WILLNEED")
         while first < len(direct) and direct[first].end <= lo:
             first += 1
-        pieces = _chunk_pieces(direct, first, lo, hi, bounce_view)
-        fallback = len(pieces) > MAX_PIECES  # too many iovecs: one plain read, then copy
+        # Too many iovecs for one preadv (many small tensors): one plain read, then copy.
+        fallback = 2 * _overlapping(direct, first, hi) + 1 > MAX_PIECES
         if fallback:
             pieces = [bounce_view[: hi - lo]]
+        else:
+            pieces = _chunk_pieces(direct, first, lo, hi, bounce_view)
         count = _preadv_full(fd, pieces, lo)
         if count != hi - lo:
             raise IntegrityError(
@@ -103,6 +106,12 @@ def _chunk_pieces(
     if position < hi:
         pieces.append(bounce_view[position - lo : hi - lo])
     return pieces
+
+
+def _overlapping(direct: list[Target], first: int, hi: int) -> int:
+    """How many direct targets from ``first`` on start before ``hi``: the chunk's
+    pieces are at most one per target, one per gap before it, and one after."""
+    return bisect.bisect_left(direct, hi, lo=first, key=lambda t: t.start) - first
 
 
 def _advise(fd: int, offset: int, length: int, advice: str) -> None:

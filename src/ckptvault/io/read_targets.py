@@ -38,16 +38,33 @@ class Scatter:
         self._first = 0  # the first target that may still receive bytes
 
     def put(self, offset: int, data: torch.Tensor) -> None:
+        """Copy ``data``, the file's bytes from ``offset`` on, into every target it
+        overlaps (targets are put in file order, so each put starts where the last
+        one left off)."""
         end = offset + data.numel()
         targets = self.targets
         while self._first < len(targets) and targets[self._first].end <= offset:
             self._first += 1
         index = self._first
+        destinations: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
         while index < len(targets) and targets[index].start < end:
             target = targets[index]
             lo, hi = max(target.start, offset), min(target.end, end)
             if hi > lo:
-                target.buffer[lo - target.start : hi - target.start].copy_(
-                    data[lo - offset : hi - offset]
+                whole = lo == target.start and hi == target.end
+                destinations.append(
+                    target.buffer if whole else target.buffer[lo - target.start : hi - target.start]
                 )
+                sources.append(data[lo - offset : hi - offset])
             index += 1
+        copy_all(destinations, sources)
+
+
+def copy_all(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``d.copy_(s)`` for each pair; many small tensors in one call, which costs a
+    fraction of a Python-level call per tensor."""
+    if len(destinations) > 1:
+        torch._foreach_copy_(destinations, sources)
+    elif destinations:
+        destinations[0].copy_(sources[0])

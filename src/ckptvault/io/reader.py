@@ -109,7 +109,14 @@ class VaultStorageReader(StorageReader):
             file_plans[location.file].targets.append(self._target(location, items, planner))
         if self.needed_files_only:
             file_plans = {name: fp for name, fp in file_plans.items() if fp.targets}
+        self.read_files(file_plans)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
+    def read_files(self, file_plans: dict[str, FilePlan]) -> None:
+        """Read each named file whole, verifying every chunk before its bytes land in
+        the file's targets; files in parallel on the reader's threads."""
         names = sorted(file_plans)
         if self.threads == 1 or len(names) <= 1:
             for name in names:
@@ -120,9 +127,6 @@ class VaultStorageReader(StorageReader):
             ) as pool:
                 for future in [pool.submit(self._read_file, n, file_plans[n]) for n in names]:
                     future.result()
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
 
     # -- helpers -----------------------------------------------------------------------
 

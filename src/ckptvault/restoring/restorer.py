@@ -27,6 +27,7 @@ from ckptvault.events import Refused, Restored, RollbackApplied
 from ckptvault.format.layout import GenerationName
 from ckptvault.io.load import LoadedGeneration, load_verified, saved_world_size
 from ckptvault.lifecycle.leases import reading_lease
+from ckptvault.restoring.gc_pause import cyclic_gc_paused
 from ckptvault.restoring.lineage import Lineage
 from ckptvault.restoring.selector import CandidateSelector, Selection, SkippedGeneration
 from ckptvault.run_context import RunContext
@@ -152,15 +153,16 @@ class Restorer:
         """See :meth:`ckptvault.CheckpointManager.restore`."""
         clock = StageClock()
         try:
-            return self._restore(
-                state,
-                step,
-                strict,
-                allow_contract_change,
-                allow_rollback_to,
-                clock,
-                options or ApplyOptions(),
-            )
+            with cyclic_gc_paused():
+                return self._restore(
+                    state,
+                    step,
+                    strict,
+                    allow_contract_change,
+                    allow_rollback_to,
+                    clock,
+                    options or ApplyOptions(),
+                )
         except CheckpointError as exc:
             if not isinstance(exc, AuditError):
                 self._report_refusal(exc, clock)

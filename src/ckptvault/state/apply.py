@@ -67,6 +67,7 @@ from ckptvault.state.rng import RNGState
 __all__ = ["Action", "RestorePlan", "checked_plan", "plan_restore"]
 
 _MISSING = object()
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _PLACEHOLDERS = (StatefulPayload, RngPayload, NumpyGeneratorPayload, TorchGeneratorPayload)
 
 
@@ -101,6 +102,10 @@ class _Planner:
     # Each resolve_* returns the value the parent container should hold afterwards.
 
     def resolve(self, current: Any, saved: Any, path: KeyPath) -> Any:
+        if type(saved) is torch.Tensor and type(current) in _PLAIN_TENSORS:
+            # The hot case (one per tensor): a tensor onto a tensor. The checks below
+            # would come to the same: a plain tensor is no stateful object or RNG.
+            return self._tensor(current, saved, path)
         if isinstance(saved, StatefulPayload):
             return self._stateful(current, saved, path)
         if isinstance(saved, RngPayload):
@@ -197,12 +202,7 @@ class _Planner:
                 return current
             self.plan.casts.append(cast)
         self.plan.loaded.append(where)
-
-        def copy_in_place() -> None:
-            with torch.no_grad():
-                current.copy_(saved)
-
-        self.plan.actions.append(Action(format_path(path), copy_in_place))
+        self.plan.copy_tensor(where, current, saved)
         return current
 
     def _stateful(self, current: Any, saved: StatefulPayload, path: KeyPath) -> Any:

@@ -78,6 +78,12 @@ class Decoder:
 
     def _decode_tag(self, tag: str, payload: Any, path: KeyPath) -> Any:
         # Each payload is checked for exactly the type and shape the encoder writes.
+        if tag == "$tensor":  # first: one per tensor, the tag met most by far
+            if type(payload) is not str:
+                raise self.fail(path, "$tensor must name a tensor")
+            if self.tensors is None or payload not in self.tensors:
+                raise self.fail(path, f"tensor {payload[:200]!r} is not in the checkpoint")
+            return self.tensors[payload]
         if tag == "$float":
             if type(payload) is not str or payload not in _SPECIAL_FLOATS:
                 raise self.fail(path, f"$float must be one of {', '.join(_SPECIAL_FLOATS)}")
@@ -98,12 +104,6 @@ class Decoder:
             if type(payload) is not str:
                 raise self.fail(path, "$bytes must be a base64 string")
             return base64.b64decode(payload, validate=True)
-        if tag == "$tensor":
-            if type(payload) is not str:
-                raise self.fail(path, "$tensor must name a tensor")
-            if self.tensors is None or payload not in self.tensors:
-                raise self.fail(path, f"tensor {payload[:200]!r} is not in the checkpoint")
-            return self.tensors[payload]
         if tag == "$ndarray":
             return self._decode_ndarray(payload, path)
         if tag == "$np_scalar":

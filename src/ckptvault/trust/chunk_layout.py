@@ -185,6 +185,13 @@ def _tiling_problem(
     """Why ``chunks`` do not cover ``shape`` exactly once (or None), and the corner
     marks that took. See the module docstring for the test."""
     rank = len(shape)
+    if len(chunks) == 1 and budget >= 1:
+        # One chunk spanning the whole shape (every tensor a single process saves):
+        # the general test below would find no split dimension and one matching
+        # corner; same answer, same cost, without building them.
+        offsets, sizes = chunks[0]["offsets"], chunks[0]["sizes"]
+        if sizes == shape and len(offsets) == rank and not any(offsets):
+            return None, 1 if all(sizes) else 0
     boxes = []
     for chunk in chunks:
         offsets, sizes = chunk["offsets"], chunk["sizes"]

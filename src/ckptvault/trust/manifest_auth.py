@@ -86,7 +86,7 @@ def authenticate_manifest(
     mac_key = keystore.unwrap(manifest.run_id, section.kek_id, section.wrapped_mac_key, context)
     if len(mac_key) != DATA_KEY_BYTES:
         raise KeyUnavailableError(f"{where}: the manifest MAC key is not a 256-bit key")
-    expected = manifest_mac(mac_key, stored_authenticated_bytes(manifest_bytes, where))
+    expected = manifest_mac(mac_key, stored_authenticated_bytes(manifest_bytes, where, manifest))
     if not hmac.compare_digest(expected, section.manifest_mac):
         raise ManifestAuthenticationError(
             f"{where}: the manifest's MAC does not match its contents: it was edited after "
