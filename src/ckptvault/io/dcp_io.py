@@ -9,7 +9,6 @@ callers see ckptvault's typed errors.
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import warnings
@@ -27,7 +26,7 @@ from ckptvault.io.dcp_metadata import metadata_from_json, tensor_metadata
 from ckptvault.io.direct_write import DirectWriter
 from ckptvault.io.planners import TensorOnlyLoadPlanner, TensorOnlySavePlanner
 from ckptvault.io.reader import VaultStorageReader
-from ckptvault.io.whole_read import plan_whole_tensors, whole_tensor_layout
+from ckptvault.io.whole_read import cannot_allocate, plan_whole_tensors, whole_tensor_layout
 from ckptvault.io.writer import VaultStorageWriter, default_threads
 from ckptvault.storage.base import GenerationRef, StagingArea, Store
 from ckptvault.trust.envelope import FileEncryption
@@ -145,13 +144,7 @@ def allocate_destinations(
             for fqn, info in infos.items()
         }
     except (RuntimeError, MemoryError) as exc:  # the allocator's own error, untyped
-        # An OSError, so that the loader skips the generation as unreadable here.
-        raise OSError(
-            errno.ENOMEM,
-            f"{where}: cannot allocate the {needed} bytes its tensors take "
-            f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); restore it on a "
-            "machine with more memory, or check that the generation is genuine",
-        ) from exc
+        raise cannot_allocate(where, needed, exc) from exc
     return destinations, metadata, locations
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import math
-from typing import Any
 
 import torch
 
@@ -91,12 +90,13 @@ def plan_whole_tensors(
             flat = (tensor if len(shape) == 1 else tensor.view(-1)).view(torch.uint8)
             plan.targets.append(Target(start, start + length, flat, direct=True))
     except (RuntimeError, MemoryError) as exc:  # the allocator's own error, untyped
-        raise _cannot_allocate(where, needed, exc) from exc
+        raise cannot_allocate(where, needed, exc) from exc
     return destinations, plans
 
 
-def _cannot_allocate(where: str, needed: int, exc: Any) -> OSError:
-    """An OSError, so that the loader skips the generation as unreadable here."""
+def cannot_allocate(where: str, needed: int, exc: BaseException) -> OSError:
+    """The error for an allocator that cannot serve a generation's tensors: an
+    OSError, so that the loader skips the generation as unreadable here."""
     return OSError(
         errno.ENOMEM,
         f"{where}: cannot allocate the {needed} bytes its tensors take "
