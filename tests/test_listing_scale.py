@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +46,7 @@ from ckptvault.storage.posix import PosixStore
 from ckptvault.storage.s3 import S3Store
 from ckptvault.storage.s3_layout import spread_digit
 from ckptvault.trust.signing import generate_keypair
-from conftest import only_tensor_file, writable
+from conftest import REPO, only_tensor_file, writable
 from s3_server import s3_client
 
 LISTINGS = ("list_generations", "list_entries", "list_entries_of", "list_records")
@@ -372,3 +373,27 @@ def test_s3_entries_cut_from_one_listing_are_judged_like_one_generation_listed_a
     one_by_one = {ref.name: store.list_entries(ref) for ref in refs}
     assert store.list_entries_of(refs) == one_by_one
     assert any(entry.unsafe for entry in one_by_one[refs[1].name].values())
+
+
+# -- the benchmark -----------------------------------------------------------------------
+
+
+def test_the_listing_benchmark_runs(tmp_path):
+    """``bench/listing_scale.py`` still runs (tiny: 3 generations); ``bench/scale.py``
+    imports :func:`measure_listing` from it."""
+    if str(REPO) not in sys.path:  # bench/ is a package at the repository root
+        sys.path.insert(0, str(REPO))
+    from bench.listing_scale import measure_listing
+
+    figures = measure_listing(3, tmp_path)
+    assert set(figures) == {
+        "ls (subprocess)",
+        "ls",
+        "ls --json",
+        "ls --all",
+        "generations()",
+        "discovery",
+        "restore",
+    }
+    assert all(seconds > 0 for seconds in figures.values())
+    assert len(open_store(str(tmp_path / "store-3")).list_generations()) == 3
