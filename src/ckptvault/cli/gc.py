@@ -50,7 +50,7 @@ from ckptvault.trust.checks import VerificationReport
 from ckptvault.trust.context import TrustContext
 from ckptvault.trust.ledger import RestoreFloor
 
-_DURATION_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([smhdw]?)$")
+_DURATION_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([smhdw]?)\Z")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _RECORD_OPTIONS = ("--undelete", "--pin", "--unpin")
 _DEFAULT_DELETE_DELAY = format_seconds(DEFAULT_DELETE_DELAY)

@@ -25,8 +25,8 @@ MAX_STEP = 2**63 - 1  # steps are stored as signed 64-bit integers (SQLite, JSON
 ENCRYPTED_STATE_SUFFIX = "-state.json" + ENCRYPTED_SUFFIX
 
 _GENERATION_ID = r"[0-9]{8}T[0-9]{12}Z-[0-9a-f]{8}"
-_GENERATION_ID_RE = re.compile(rf"^{_GENERATION_ID}$")
-_GENERATION_DIR_RE = re.compile(rf"^step-([0-9]{{12,}})\.({_GENERATION_ID})$")
+_GENERATION_ID_RE = re.compile(rf"^{_GENERATION_ID}\Z")
+_GENERATION_DIR_RE = re.compile(rf"^step-([0-9]{{12,}})\.({_GENERATION_ID})\Z")
 _STAMP_FORMAT = "%Y%m%dT%H%M%S%f"
 _STAMP_RE = re.compile(r"([0-9]{4})([0-9]{2})([0-9]{2})T([0-9]{2})([0-9]{2})([0-9]{2})([0-9]{6})")
 

@@ -62,10 +62,10 @@ MAX_MANIFEST_DEPTH = MAX_DOCUMENT_DEPTH
 
 # A file name inside a generation: one plain path component, never hidden, never a
 # traversal, never one of the reserved names.
-_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}\Z")
 RESERVED_NAMES = frozenset({MANIFEST_NAME, SIGNATURE_NAME})
 MAX_METRICS = 256
-_METRIC_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:/-]{0,127}$")
+_METRIC_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:/-]{0,127}\Z")
 _MAX_METRIC_INT = 2**63
 
 

@@ -26,7 +26,7 @@ from ckptvault.format.tensorfile import (
     checked_shape,
 )
 
-_HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
+_HEX64_RE = re.compile(r"^[0-9a-f]{64}\Z")
 MAX_WRAPPED_KEY_CHARS = 4096
 # The encryption section's manifest-authentication fields (see EncryptionSection).
 WRAPPED_MAC_KEY = "wrapped_mac_key"

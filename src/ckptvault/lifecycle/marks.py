@@ -40,7 +40,7 @@ from ckptvault.storage.retained import RetainingStore
 logger = logging.getLogger("ckptvault")
 
 _TIMESTAMP = "%Y-%m-%dT%H:%M:%S.%fZ"
-_LEASE_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_LEASE_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 # How far ahead of this machine another host's clock may be: a record dated further
 # in the future than that was not written by a ckptvault with a sane clock.
 MAX_CLOCK_SKEW = timedelta(minutes=10)

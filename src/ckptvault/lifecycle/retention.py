@@ -29,7 +29,7 @@ from ckptvault.format.layout import GenerationName
 
 DEFAULT_DELETE_DELAY = 86400.0  # one day between marking a generation and deleting it
 MODES = ("min", "max")
-_METRIC_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:/-]{0,127}$")
+_METRIC_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:/-]{0,127}\Z")
 
 
 @dataclass(frozen=True)

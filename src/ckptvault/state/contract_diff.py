@@ -20,7 +20,7 @@ MAX_CHANGES = 20  # listed in a message; the rest are counted
 MAX_DEPTH = 16  # below this, a differing sub-tree is shown whole
 MAX_SHOWN = 60  # characters of one value or name
 ABSENT = "absent"
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 _PAIRS = ("$dict", "$odict")
 
 

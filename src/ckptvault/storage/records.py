@@ -42,8 +42,8 @@ RecordFilter = Callable[[str], bool]
 
 logger = logging.getLogger("ckptvault")
 
-_KIND_RE = re.compile(r"^[a-z][a-z0-9-]{0,31}$")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+_KIND_RE = re.compile(r"^[a-z][a-z0-9-]{0,31}\Z")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}\Z")
 
 
 def check_record_key(kind: str, name: str) -> None:

@@ -23,9 +23,9 @@ DEFAULT_MAX_CONCURRENCY = 8
 DEFAULT_LEASE_SECONDS = 60.0
 
 # Lowercase S3 bucket names (dots allowed, as S3 does for older buckets).
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]\Z")
 # One prefix component: plain characters, never "." or "..", never hidden.
-_PREFIX_PART_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._=-]{0,127}$")
+_PREFIX_PART_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._=-]{0,127}\Z")
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,9 @@ CONTEXT_BINDING = "ckptvault:binding"
 CONTEXT_PURPOSE = "ckptvault:purpose"
 PURPOSE = "key-wrap v1"
 
-ALIAS_PREFIX_RE = re.compile(r"^alias/[A-Za-z0-9/_-]{0,200}/$")
+ALIAS_PREFIX_RE = re.compile(r"^alias/[A-Za-z0-9/_-]{0,200}/\Z")
 # What ckptvault records as a KEK id: the key's ARN, as Encrypt returns it.
-KEY_ARN_RE = re.compile(r"^arn:aws[a-z-]*:kms:[a-z0-9-]{1,32}:[0-9]{12}:key/[A-Za-z0-9-]{1,128}$")
+KEY_ARN_RE = re.compile(r"^arn:aws[a-z-]*:kms:[a-z0-9-]{1,32}:[0-9]{12}:key/[A-Za-z0-9-]{1,128}\Z")
 _UNREADABLE_ALIAS_CHARS = re.compile(r"[^A-Za-z0-9_-]")
 _MAX_TAG_VALUE = 256
 
