@@ -256,6 +256,14 @@ def manifest_bytes_for(manifest: Manifest, rank: int = 0) -> dict[str, int]:
     return {name: len(data) for name, data in manifest_documents(manifest, rank).items()}
 
 
+def manifest_sections(manifest: Manifest, total: int) -> dict[str, int]:
+    """Bytes of the manifest's ``files`` (sizes, file and chunk digests) and ``state``
+    sections; the rest is ``dcp`` (chunk metadata) and a few small keys."""
+    files = len(dumps_canonical({n: r.to_json() for n, r in manifest.files.items()}))
+    state = len(dumps_canonical(manifest.state))
+    return {"files": files, "state": state, "dcp and the rest": total - files - state}
+
+
 @contextlib.contextmanager
 def _read_cap_lifted(size: int) -> Iterator[None]:
     """Let ``parse_manifest`` read ``size`` bytes, for this measurement only."""
@@ -290,6 +298,7 @@ class RankPoint:
     plan_s: float  # the coordinator's global plan
     encode_s: float  # building and encoding the manifest
     documents: dict[str, int]  # what rank 0 reads, name -> bytes
+    sections: dict[str, int]  # where those bytes go: files, dcp, state (today's format)
     parse_s: float
     writable: bool  # under the read cap: ckptvault would save it
 
@@ -312,6 +321,7 @@ def measure_ranks(ranks: int, model: torch.nn.Module | None = None) -> RankPoint
     documents = manifest_documents(manifest)
     encode_s = time.perf_counter() - started
     writable = all(len(d) <= manifest_format.MAX_MANIFEST_BYTES for d in documents.values())
+    sections = manifest_sections(manifest, sum(len(d) for d in documents.values()))
     parse_s = parse_documents(documents)
     return RankPoint(
         ranks=ranks,
@@ -325,4 +335,5 @@ def measure_ranks(ranks: int, model: torch.nn.Module | None = None) -> RankPoint
         documents={name: len(data) for name, data in documents.items()},
         parse_s=parse_s,
         writable=writable,
+        sections=sections,
     )

@@ -136,15 +136,18 @@ def memory_table(results: list[dict[str, int]]) -> list[str]:
 def rank_table(points: list[RankPoint]) -> list[str]:
     lines = [
         "| ranks | parameters | write items | files | chunk digests | global plan s "
-        "| manifest build+encode s | read by each rank before restoring | parse s | saveable |",
-        "|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
+        "| manifest build+encode s | read by each rank before restoring | of which (MB) | parse s "
+        "| saveable |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---|",
     ]
     for p in points:
         docs = ", ".join(f"{name} {size / 1e6:.1f} MB" for name, size in p.documents.items())
+        parts = ", ".join(f"{name} {size / 1e6:.1f}" for name, size in p.sections.items())
         saveable = "yes" if p.writable else "no: over the 64 MiB read cap"
         lines.append(
             f"| {p.ranks:,} | {p.parameters} | {p.items:,} | {p.files:,} | {p.chunk_digests:,} "
-            f"| {p.plan_s:.3f} | {p.encode_s:.3f} | {docs} | {p.parse_s:.3f} | {saveable} |"
+            f"| {p.plan_s:.3f} | {p.encode_s:.3f} | {docs} | {parts} | {p.parse_s:.3f} "
+            f"| {saveable} |"
         )
     lines.append("")
     # Growth at scale: one rank writes plain tensors (nothing to dedup or validate).
