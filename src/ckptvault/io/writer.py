@@ -283,8 +283,9 @@ def _write_pieces(
 ) -> None:
     """Each tensor's bytes in the header's order. Small tensors are gathered into one
     buffer and written together (10,000 tensors of 1 KB are 10 writes, not 10,000);
-    large ones go straight from tensor memory, in pieces."""
-    buffer = bytearray(COALESCE_BYTES)
+    large ones go straight from tensor memory, in pieces. The buffer is made only
+    for a file that holds a small tensor."""
+    buffer = bytearray()  # made full size for the first small tensor
     filled = 0
     position = header.data_start
     for name, data in pieces:
@@ -297,19 +298,20 @@ def _write_pieces(
         if entry.start != position:  # a bug here, never the user's: refuse to save
             raise FormatError(f"tensor {name!r} came out of its file's order; nothing saved")
         position = entry.end
-        if len(data) <= COALESCE_BYTES - filled:
-            buffer[filled : filled + len(data)] = data
-            filled += len(data)
+        if len(data) >= COALESCE_BYTES:
+            if filled:
+                out.write(memoryview(buffer)[:filled])
+                filled = 0
+            for start in range(0, len(data), WRITE_PIECE):
+                out.write(data[start : start + WRITE_PIECE])
             continue
-        if filled:
+        if not buffer:
+            buffer = bytearray(COALESCE_BYTES)
+        if len(data) > COALESCE_BYTES - filled:
             out.write(memoryview(buffer)[:filled])
             filled = 0
-        if len(data) < COALESCE_BYTES:
-            buffer[: len(data)] = data
-            filled = len(data)
-            continue
-        for start in range(0, len(data), WRITE_PIECE):
-            out.write(data[start : start + WRITE_PIECE])
+        buffer[filled : filled + len(data)] = data
+        filled += len(data)
     if filled:
         out.write(memoryview(buffer)[:filled])
 
