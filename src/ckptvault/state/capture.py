@@ -89,8 +89,18 @@ def _identity(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     if tensor.is_meta:
         return None
     # data_ptr() is the storage's address plus the offset in bytes: with the dtype
-    # and the device it tells the same as (storage address, storage offset).
-    return (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
+    # and the device it tells the same as (storage address, storage offset). The
+    # conjugate and negative bits are part of how the memory is seen: ``z.conj()``
+    # shares everything else with ``z`` and holds other values.
+    return (
+        tensor.data_ptr(),
+        tensor.shape,
+        tensor.stride(),
+        tensor.dtype,
+        tensor.device,
+        tensor.is_conj(),
+        tensor.is_neg(),
+    )
 
 
 class _TensorCollector:

@@ -1,0 +1,118 @@
+"""Security review of the scale work (bulk S3 listing, the planner-free restore, the
+single-process write path, retention over two tiers): regressions for what it found.
+
+Each test plays a writer of the store (an unsigned store takes any generation a
+writer makes) or a user with an unusual but valid state, and checks the contract:
+what comes back is what was saved, and a candidate that fails costs nothing once it
+has been skipped.
+"""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptvault as cv
+from ckptvault.format.layout import MANIFEST_NAME
+from ckptvault.format.manifest import parse_manifest
+from ckptvault.io import dcp_io
+from conftest import writable
+
+# -- the write path: what counts as one tensor written once ----------------------------
+
+
+def _complex() -> torch.Tensor:
+    return torch.complex(torch.arange(4.0), torch.arange(4.0) + 10)
+
+
+@pytest.mark.parametrize(
+    "views",
+    [
+        lambda z: {"z": z, "conjugate": z.conj()},  # a lazily conjugated view
+        lambda z: {"im": z.imag, "negated": z.conj().imag},  # a lazily negated view
+    ],
+    ids=["conj", "neg"],
+)
+def test_a_conjugate_or_negative_view_is_not_taken_for_its_base(store: Path, views):
+    """``z.conj()`` shares ``z``'s memory, shape, strides, dtype and device, and holds
+    other values (its conjugate bit flips every imaginary part); so does the negative
+    view ``z.conj().imag`` of ``z.imag``. Written once as if tied, the view came back
+    as its base: silently wrong values."""
+    state = views(_complex())
+    want = {k: v.resolve_conj().resolve_neg().clone() for k, v in state.items()}
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        mgr.save(1, state)
+    live = {k: torch.zeros_like(v.resolve_conj().resolve_neg()) for k, v in state.items()}
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        assert mgr.restore(live) is not None
+    for key, value in want.items():
+        assert torch.equal(live[key], value), key
+
+
+def test_a_tensor_and_its_detached_alias_are_still_written_once(store: Path):
+    """What the identity must keep: the same memory seen the same way is one tensor
+    (tied weights), however it is reached."""
+    weight = torch.nn.Parameter(torch.randn(3, 4))
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        generation = Path(mgr.save(1, {"a": weight, "b": weight.detach()}).result().path)
+    manifest = parse_manifest((generation / MANIFEST_NAME).read_bytes(), "test")
+    assert len(manifest.dcp["tensors"]) == 1
+
+
+# -- the restore: a rejected candidate frees what it allocated -------------------------
+
+
+def _flip_last_byte(generation: Path) -> None:
+    """Flip a bit of the last tensor byte of every tensor file (past the header, which
+    the structure checks verify themselves): found only while reading."""
+    for path in sorted(generation.glob("*.safetensors")):
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x01
+        writable(path).write_bytes(bytes(data))
+
+
+class _Allocations:
+    """Watches (without changing) what each candidate's planner-free read allocates."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.candidates: list[list[weakref.ref[torch.Tensor]]] = []
+        self.alive_at_each_read: list[int] = []
+        original = dcp_io.plan_whole_tensors
+
+        def watching(*args: Any, **kwargs: Any) -> Any:
+            # What earlier (rejected) candidates allocated must be gone by now.
+            self.alive_at_each_read.append(
+                sum(ref() is not None for refs in self.candidates for ref in refs)
+            )
+            destinations, plans = original(*args, **kwargs)
+            self.candidates.append([weakref.ref(t) for t in destinations.values()])
+            return destinations, plans
+
+        monkeypatch.setattr(dcp_io, "plan_whole_tensors", watching)
+
+
+def test_a_rejected_candidate_frees_its_tensors_before_the_next_is_read(store, monkeypatch):
+    """The collector is paused during a restore. The error that rejects a candidate
+    holds, through its traceback, the frames that allocated the candidate's tensors,
+    in a reference cycle only the collector breaks: paused, every rejected candidate
+    stayed in memory until the restore ended, so a store with a few damaged (or
+    planted) newer generations made a restore need that many times the model's
+    memory, and die of it, where it should fall back."""
+    weights = {"w": torch.randn(256, 1024), "b": torch.randn(1024)}
+    # Many chunks: the structure checks verify the header's, the read finds the last.
+    with cv.CheckpointManager(store, run_id="r", chunk_size=1 << 16) as mgr:
+        mgr.save(1, {"weights": weights})
+        damaged = [Path(mgr.save(step, {"weights": weights}).result().path) for step in (2, 3, 4)]
+    for generation in damaged:
+        _flip_last_byte(generation)
+    allocations = _Allocations(monkeypatch)
+    live = {"weights": {k: torch.zeros_like(v) for k, v in weights.items()}}
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        info = mgr.restore(live)
+    assert info is not None and info.step == 1 and len(info.skipped) == 3
+    assert all(torch.equal(live["weights"][k], v) for k, v in weights.items())
+    assert allocations.alive_at_each_read == [0, 0, 0, 0]
