@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import ckptvault as cv
+from ckptvault.errors import StateMismatchError
 from ckptvault.format.layout import MANIFEST_NAME
 from ckptvault.format.manifest import parse_manifest
 from ckptvault.io import dcp_io
@@ -116,3 +117,68 @@ def test_a_rejected_candidate_frees_its_tensors_before_the_next_is_read(store, m
     assert info is not None and info.step == 1 and len(info.skipped) == 3
     assert all(torch.equal(live["weights"][k], v) for k, v in weights.items())
     assert allocations.alive_at_each_read == [0, 0, 0, 0]
+
+
+# -- apply: all or nothing -------------------------------------------------------------
+
+
+def _inference_zeros(*shape: int) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.zeros(*shape)
+
+
+def _inference_linear() -> torch.nn.Linear:
+    with torch.inference_mode():
+        return torch.nn.Linear(3, 3)
+
+
+@pytest.mark.parametrize(
+    "unwritable",
+    [
+        lambda: {"b": _inference_zeros(4)},  # made under torch.inference_mode
+        lambda: {"c": torch.zeros(1).expand(3)},  # every element one memory location
+        lambda: {"m": _inference_linear()},  # a module's parameters, the same
+    ],
+    ids=["inference-tensor", "expanded-view", "inference-module"],
+)
+def test_a_live_tensor_that_cannot_be_written_is_refused_before_anything_is_applied(
+    store: Path, unwritable
+):
+    """``copy_`` refuses some live tensors (inference tensors outside inference mode,
+    views whose elements share memory). Found only while applying, the restore had
+    already loaded every entry before it: the state was left half restored, when a
+    restore either applies a whole generation or leaves the state untouched."""
+    torch.manual_seed(0)
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        mgr.save(
+            1,
+            {
+                "a": torch.nn.Linear(3, 3),
+                "b": torch.ones(4),
+                "c": torch.ones(3),
+                "m": torch.nn.Linear(3, 3),
+                "z": torch.ones(2),
+            },
+        )
+    torch.manual_seed(1)
+    live: dict[str, Any] = {
+        "a": torch.nn.Linear(3, 3),
+        "b": torch.zeros(4),
+        "c": torch.zeros(3),
+        "m": torch.nn.Linear(3, 3),
+        "z": torch.zeros(2),
+    }
+    live.update(unwritable())
+    before = {k: v.clone() for k, v in live["a"].state_dict().items()}
+    with (
+        cv.CheckpointManager(store, run_id="r") as mgr,
+        pytest.raises(StateMismatchError, match="cannot be written in place"),
+    ):
+        mgr.restore(live)
+    assert all(torch.equal(live["a"].state_dict()[k], v) for k, v in before.items())
+    assert not live["z"].any()
+    # strict=False loads everything else and says what it left out.
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        info = mgr.restore(live, strict=False)
+    assert info is not None and any("cannot be written in place" in m for m in info.mismatched)
+    assert live["z"].all()

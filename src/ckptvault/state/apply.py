@@ -61,7 +61,7 @@ from ckptvault.state.capture import (
 from ckptvault.state.codec import KeyPath, format_path
 from ckptvault.state.names import ApplyOptions
 from ckptvault.state.ranks import PerRank
-from ckptvault.state.restore_plan import Action, RestorePlan
+from ckptvault.state.restore_plan import Action, RestorePlan, unwritable
 from ckptvault.state.rng import RNGState
 
 __all__ = ["Action", "RestorePlan", "checked_plan", "plan_restore"]
@@ -192,6 +192,10 @@ class _Planner:
                 f"{where}: checkpoint {saved.dtype} {list(saved.shape)}, "
                 f"state {current.dtype} {list(current.shape)}"
             )
+            return current
+        refusal = unwritable(current)
+        if refusal is not None:
+            self.plan.mismatched.append(f"{where}: {refusal}")
             return current
         if current.dtype != saved.dtype:
             # One rule for every tensor, as load_state_dict: copy_ casts; every cast is

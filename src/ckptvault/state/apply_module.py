@@ -20,7 +20,7 @@ import torch
 from ckptvault.state.capture import StatefulPayload
 from ckptvault.state.codec import KeyPath, format_path
 from ckptvault.state.names import ApplyOptions, plain_name
-from ckptvault.state.restore_plan import Action, RestorePlan
+from ckptvault.state.restore_plan import Action, RestorePlan, unwritable
 
 
 def _shape(value: Any) -> list[int] | None:
@@ -91,6 +91,9 @@ def _check_tensors(
             drop.add(key)
         elif _shape(value) is not None and _shape(expected) not in (None, _shape(value)):
             plan.mismatched.append(f"{where}: checkpoint {_shape(value)}, model {_shape(expected)}")
+            drop.add(key)
+        elif isinstance(expected, torch.Tensor) and (refusal := unwritable(expected)):
+            plan.mismatched.append(f"{where}: {refusal}")
             drop.add(key)
         elif (
             isinstance(value, torch.Tensor)

@@ -28,6 +28,23 @@ class Action:
         self.run()
 
 
+def unwritable(live: torch.Tensor) -> str | None:
+    """Why ``live.copy_(...)`` would refuse ``live``, or None: found while planning,
+    so that a restore refuses before it changes anything rather than half-way
+    through applying. (Inside ``torch.inference_mode`` an inference tensor takes
+    writes; a contiguous tensor never shares memory between its elements.)"""
+    if live.is_inference() and not torch.is_inference_mode_enabled():
+        return (
+            "cannot be written in place: it is an inference tensor (made under "
+            "torch.inference_mode); build it outside inference mode, or clone it"
+        )
+    if not live.is_contiguous() and any(
+        stride == 0 and size > 1 for size, stride in zip(live.shape, live.stride(), strict=True)
+    ):
+        return "cannot be written in place: its elements share memory (an expanded view); clone it"
+    return None
+
+
 class TensorCopies:
     """Many in-place tensor copies as one action: one ``torch.no_grad()`` for all of
     them rather than one each (at 10,000 tensors, a third of applying them).
