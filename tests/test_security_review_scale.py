@@ -9,7 +9,10 @@ has been skipped.
 
 from __future__ import annotations
 
+import os
 import weakref
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,11 @@ from ckptvault.errors import StateMismatchError
 from ckptvault.format.layout import MANIFEST_NAME
 from ckptvault.format.manifest import parse_manifest
 from ckptvault.io import dcp_io
+from ckptvault.storage import s3 as s3_module
+from ckptvault.storage.s3 import S3Store
+from ckptvault.storage.s3_client import S3Client
 from conftest import writable
+from s3_server import s3_client
 
 # -- the write path: what counts as one tensor written once ----------------------------
 
@@ -182,3 +189,43 @@ def test_a_live_tensor_that_cannot_be_written_is_refused_before_anything_is_appl
         info = mgr.restore(live, strict=False)
     assert info is not None and any("cannot be written in place" in m for m in info.mismatched)
     assert live["z"].all()
+
+
+# -- S3 listing: what other keys cost ---------------------------------------------------
+
+
+def test_s3_ls_reads_no_more_keys_than_listing_each_generation_would(s3_bucket, monkeypatch):
+    """``ls`` cuts every generation's entries out of one listing of all of ``data/``.
+    Keys under ``data/`` that belong to no listed generation (planted by the million,
+    or at a bucket's root another application's objects) were all listed and held:
+    ``ls`` cost grew with them, without bound. Past what listing each generation
+    alone costs (17 listings of up to 1,000 keys each), it lists each generation
+    alone instead: the same entries, the same verdicts."""
+    url = f"s3://{s3_bucket}/p"
+    torch.manual_seed(0)
+    with cv.CheckpointManager(url, run_id="r", catalog=False, metrics=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.randn(8)})
+    client = s3_client(os.environ["AWS_ENDPOINT_URL"])
+
+    def plant(index: int) -> None:
+        client.put_object(Bucket=s3_bucket, Key=f"p/data/other/{index:05d}", Body=b"x")
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(plant, range(300)))
+    store = S3Store(url)
+    refs = store.list_generations()
+    one_by_one = {ref.name: store.list_entries(ref) for ref in refs}
+    # The budget scaled down (17,000 keys a generation) to what a test can plant.
+    monkeypatch.setattr(s3_module, "BULK_LISTING_KEYS_PER_GENERATION", 50)
+    consumed: Counter[str] = Counter()
+    listing = S3Client.list_objects
+
+    def counted(self, prefix):
+        for item in listing(self, prefix):
+            consumed[prefix] += 1
+            yield item
+
+    monkeypatch.setattr(S3Client, "list_objects", counted)
+    assert store.list_entries_of(refs) == one_by_one
+    assert consumed["p/data/"] <= 2 * 50 + 1

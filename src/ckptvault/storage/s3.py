@@ -76,6 +76,15 @@ logger = logging.getLogger("ckptvault")
 # once, then opens every file (twice); listing 17 prefixes per open would dominate.
 # Reads stay safe either way: only the one key a name maps to is ever served.
 ENTRY_CACHE_SECONDS = 30.0
+# Keys one bulk listing (``list_entries_of``) reads per generation it lists before it
+# lists each generation alone instead: what that costs, 17 prefixes of up to 1,000
+# keys. Other keys under ``data/`` (planted, or another application's at a bucket's
+# root) then cost at most about that, never their number.
+BULK_LISTING_KEYS_PER_GENERATION = 17 * 1000
+
+
+class _ListingOverBudget(Exception):
+    """A bulk listing met more keys than listing each generation alone would read."""
 
 
 class S3Store:
@@ -185,18 +194,49 @@ class S3Store:
         """Every generation's entries from one paginated listing of ``generations/``
         and one of ``data/`` (in parallel), instead of 17 listings per generation:
         ``ls`` of 1,000 generations costs pages of 1,000 keys, not 17,000 requests.
-        Each generation's objects are judged as :meth:`list_entries` judges them."""
+        Each generation's objects are judged as :meth:`list_entries` judges them.
+        Other keys are passed over as they are listed; past
+        :data:`BULK_LISTING_KEYS_PER_GENERATION` keys a generation (planted by the
+        million, or another application's under a bucket's root ``data/``) each
+        generation is listed alone instead, so other keys never cost more than that."""
+        if not refs:
+            return {}
         own, data = self.layout.generations_prefix, self.layout.data_root
-        listed = self.list_prefixes([own, data])
+        budget = BULK_LISTING_KEYS_PER_GENERATION * len(refs)
+        # Only keys below a listed generation's name or id are kept (a superset of what
+        # listings_by_generation takes); every other key is counted and passed over.
+        kept = {own: {ref.name.dirname for ref in refs}, data: {ref.generation_id for ref in refs}}
+        position = {own: 0, data: 1}  # of the name or id among a key's components
+        try:
+            listed = self.read_pool.map(
+                lambda p: self._listed(p, budget, kept[p], position[p]), [own, data]
+            )
+            generation_objects, data_objects = listed
+        except _ListingOverBudget:
+            logger.info("%s holds many other keys: listing each generation alone", self.location)
+            return {ref.name: self.list_entries(ref) for ref in refs}
         listings = listings_by_generation(
-            self.layout,
-            [ref.name for ref in refs],
-            ((str(o["Key"]), int(o["Size"])) for o in listed[own]),
-            ((str(o["Key"]), int(o["Size"])) for o in listed[data]),
+            self.layout, [ref.name for ref in refs], generation_objects, data_objects
         )
         return {
             name: classify_entries(name.generation_id, places) for name, places in listings.items()
         }
+
+    def _listed(
+        self, prefix: str, budget: int, kept: set[str], position: int
+    ) -> list[tuple[str, int]]:
+        """``(key, size)`` of the objects under ``prefix`` whose ``position``-th key
+        component (below ``prefix``) is in ``kept``, in key order;
+        ``_ListingOverBudget`` once more than ``budget`` objects were listed."""
+        found = []
+        for count, item in enumerate(self.client.list_objects(prefix), 1):
+            if count > budget:
+                raise _ListingOverBudget(prefix)
+            key = str(item["Key"])
+            parts = key[len(prefix) :].split("/", position + 1)
+            if len(parts) > position + 1 and parts[position] in kept:
+                found.append((key, int(item["Size"])))
+        return found
 
     def forget_entries(self, ref: GenerationRef) -> None:
         with self._mutex:
