@@ -290,9 +290,11 @@ def test_a_restore_sets_off_no_collection_and_leaves_the_collector_as_it_was(sto
         with cv.CheckpointManager(store, run_id="r") as mgr:
             collections.clear()
             mgr.restore({"weights": {}})
-            # At most the young collection the restore's allocations leave due when
-            # the collector resumes (unpaused: dozens, full ones among them).
-            assert collections in ([], [0]) and gc.isenabled()
+            # At most the one collection the restore's allocations leave due when the
+            # collector resumes (unpaused: dozens, full ones among them). Which
+            # generation that one is depends on the counts the process had before: in a
+            # long test session it may be a full one.
+            assert len(collections) <= 1 and gc.isenabled()
             with pytest.raises(NoValidCheckpoint):
                 mgr.restore({"weights": {}}, step=7)
             assert gc.isenabled()
