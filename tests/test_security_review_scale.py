@@ -145,8 +145,9 @@ def _inference_linear() -> torch.nn.Linear:
         lambda: {"b": _inference_zeros(4)},  # made under torch.inference_mode
         lambda: {"c": torch.zeros(1).expand(3)},  # every element one memory location
         lambda: {"m": _inference_linear()},  # a module's parameters, the same
+        lambda: {"c": torch.zeros(3).to_sparse()},  # not dense
     ],
-    ids=["inference-tensor", "expanded-view", "inference-module"],
+    ids=["inference-tensor", "expanded-view", "inference-module", "sparse"],
 )
 def test_a_live_tensor_that_cannot_be_written_is_refused_before_anything_is_applied(
     store: Path, unwritable

@@ -29,10 +29,15 @@ class Action:
 
 
 def unwritable(live: torch.Tensor) -> str | None:
-    """Why ``live.copy_(...)`` would refuse ``live``, or None: found while planning,
+    """Why ``live.copy_(...)`` of a dense tensor would refuse ``live`` (not dense, an
+    inference tensor, elements sharing memory), or None: found while planning,
     so that a restore refuses before it changes anything rather than half-way
     through applying. (Inside ``torch.inference_mode`` an inference tensor takes
     writes; a contiguous tensor never shares memory between its elements.)"""
+    if live.layout != torch.strided:
+        return (
+            f"cannot be written in place: it is a {live.layout} tensor, the checkpoint's is dense"
+        )
     if live.is_inference() and not torch.is_inference_mode_enabled():
         return (
             "cannot be written in place: it is an inference tensor (made under "
