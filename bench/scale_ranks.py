@@ -11,30 +11,27 @@ DCP makes for such DTensor shards; then, as the coordinator of a real save would
   only) runs ``create_global_plan`` over the N local plans: dedup, the global
   ``Metadata``, its validation. Timed.
 - **the generation's metadata**: every rank's items laid out in files as ckptvault's
-  writer lays them out (at most 8 files a rank, none under 64 MiB, safetensors
-  headers), one file record per file with one digest per 4 MiB chunk, the DCP
-  metadata as ckptvault stores it (``metadata_to_json``), the state tree, and a real
-  :class:`~ckptvault.format.manifest.Manifest` encoded to its canonical bytes.
-- **what a rank reads**: :func:`manifest_bytes_for` is the one function that says
-  which documents a rank reads before restoring and how large they are; today that
-  is the single ``manifest.json``. When the format becomes a small root plus
-  per-file indexes, it changes there and the axis measures the new format.
-- **parse**: the time to parse and check those documents
-  (:func:`ckptvault.format.manifest.parse_manifest`).
+  writer lays them out (at most 8 files a rank, fewer past 512 ranks so that a
+  generation has at most 4,096; none under 64 MiB; safetensors headers), one file
+  record per file with one digest per 4 MiB chunk, and a real format-3
+  :class:`~ckptvault.format.manifest.Manifest`: its per-rank indexes written by
+  ckptvault's own index writer (into memory) and its root encoded to canonical bytes.
+- **what a rank reads**: :func:`manifest_documents` says which documents rank 0
+  reads and verifies before restoring its shards: the root, and the indexes the
+  restore's own selection picks for its shards.
+- **parse**: the time to parse and check those documents as a restore does (the
+  root, then each index matched against its digest, parsed, checked against the
+  root's tensor table).
 
-A manifest over ckptvault's 64 MiB read cap cannot be saved today
-(``Manifest.to_bytes`` refuses it); its size is still measured (the same canonical
-bytes, uncapped) and its parse time with the cap lifted for the measurement only,
-and the row says so.
+A root over ckptvault's cap cannot be saved (``Manifest.to_bytes`` refuses it); its
+size is still measured (the same canonical bytes, uncapped) and the row says so.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,16 +53,26 @@ from torch.distributed.checkpoint.planner import (
 import ckptvault.format.manifest as manifest_format
 from ckptvault import __version__
 from ckptvault.format.canonical import dumps_canonical
-from ckptvault.format.layout import generation_created_at, new_generation_id, tensor_file_name
-from ckptvault.format.manifest import Manifest, parse_manifest
+from ckptvault.format.layout import (
+    MANIFEST_NAME,
+    GenerationName,
+    generation_created_at,
+    new_generation_id,
+    tensor_file_name,
+)
+from ckptvault.format.manifest import MAX_ROOT_BYTES, Manifest, parse_manifest
 from ckptvault.format.records import FileRecord
+from ckptvault.format.tensor_table import Box
 from ckptvault.format.tensorfile import build_header
 from ckptvault.io.dcp_metadata import StoredChunk, dtype_name, metadata_to_json
 from ckptvault.io.planners import TensorOnlySavePlanner
-from ckptvault.io.writer import MIN_FILE_BYTES, chunk_name
+from ckptvault.io.writer import MIN_FILE_BYTES, chunk_name, files_per_rank
+from ckptvault.saving.indexes import IndexWriter
 from ckptvault.state.capture import capture_state
 from ckptvault.state.ranks import compose
-from ckptvault.trust.digests import DEFAULT_CHUNK_SIZE
+from ckptvault.storage.base import GenerationRef
+from ckptvault.trust.digests import DEFAULT_CHUNK_SIZE, derived_file_digest
+from ckptvault.trust.indexes import indexes_for_regions, load_indexes
 
 WRITER_FILES = 8  # a GPU node's writer: default_threads() is min(8, cores)
 MANIFEST_TARGET = 1_000_000  # the issue's bound on the root manifest at 1,024 x 723
@@ -162,10 +169,11 @@ def _nbytes(item: WriteItem) -> int:
     return math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
 
 
-def _files_of(items: list[WriteItem]) -> list[list[WriteItem]]:
+def _files_of(items: list[WriteItem], ranks: int) -> list[list[WriteItem]]:
     """A rank's items split over its files, largest first (as ckptvault's writer)."""
     total = sum(_nbytes(i) for i in items)
-    count = max(1, min(WRITER_FILES, len(items), math.ceil(total / MIN_FILE_BYTES)))
+    most = files_per_rank(WRITER_FILES, ranks)
+    count = max(1, min(most, len(items), math.ceil(total / MIN_FILE_BYTES)))
     bins: list[list[WriteItem]] = [[] for _ in range(count)]
     loads = [0] * count
     for item in sorted(items, key=lambda i: -_nbytes(i)):
@@ -178,17 +186,17 @@ def _files_of(items: list[WriteItem]) -> list[list[WriteItem]]:
 def _record(size: int) -> FileRecord:
     """A file record with real-looking digests (one per 4 MiB chunk)."""
     chunks = tuple(os.urandom(32).hex() for _ in range(-(-size // DEFAULT_CHUNK_SIZE)))
-    return FileRecord(size=size, blake3=os.urandom(32).hex(), chunks=chunks)
+    return FileRecord(size=size, blake3=derived_file_digest(size, chunks), chunks=chunks)
 
 
 def lay_out(
-    plans: list[SavePlan],
+    plans: list[SavePlan], ranks: int
 ) -> tuple[dict[MetadataIndex, StoredChunk], dict[str, FileRecord]]:
     """Where every chunk's bytes would live, and the record of every file."""
     locations: dict[MetadataIndex, StoredChunk] = {}
     records: dict[str, FileRecord] = {}
     for rank, plan in enumerate(plans):
-        for index, items in enumerate(_files_of(list(plan.items))):
+        for index, items in enumerate(_files_of(list(plan.items), ranks)):
             name = tensor_file_name(rank, index)
             header = build_header(
                 ((chunk_name(i), dtype_name(_data(i).properties.dtype), tuple(_data(i).chunk.sizes))
@@ -229,58 +237,97 @@ def build_manifest(
 # -- what a rank reads -----------------------------------------------------------------
 
 
-def encode(manifest: Manifest) -> tuple[bytes, bool]:
-    """The manifest's canonical bytes, and whether ckptvault would write them (False:
-    over the read cap, ``to_bytes`` refuses; the bytes are what it would have been)."""
+class _MemoryFile:
+    def __init__(self, files: dict[str, bytes], name: str) -> None:
+        self.files, self.name, self.data = files, name, bytearray()
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        self.data += data
+        return len(memoryview(data))
+
+    def commit(self) -> None:
+        self.files[self.name] = bytes(self.data)
+
+    def abort(self) -> None:
+        pass
+
+
+class MemoryGeneration:
+    """A staging area and a store of one generation, in memory: what the index
+    writer writes, and what the restore checks read back."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, bytes] = {}
+
+    def create_file(self, name: str) -> _MemoryFile:
+        return _MemoryFile(self.files, name)
+
+    def read_bytes(self, _ref: object, name: str, limit: int) -> bytes:
+        return self.files[name][:limit]
+
+
+def encode(manifest: Manifest, generation: MemoryGeneration) -> tuple[Manifest, bytes, bool]:
+    """The manifest with its indexes written into ``generation``, its root's canonical
+    bytes, and whether ckptvault would write them (False: over the cap, ``to_bytes``
+    refuses; the bytes are what it would have been)."""
+    manifest = IndexWriter().write(generation, manifest)  # type: ignore[arg-type]
     try:
-        return manifest.to_bytes(), True
+        return manifest, manifest.to_bytes(), True
     except manifest_format.FormatError:
         document = manifest.to_json()
         document[manifest_format.SELF_DIGEST_KEY] = blake3(dumps_canonical(document)).hexdigest()
         data = dumps_canonical(document)
-        if len(data) <= manifest_format.MAX_MANIFEST_BYTES:
+        if len(data) <= manifest_format.MAX_ROOT_BYTES:
             raise  # refused for another reason: not a size measurement
-        return data, False
+        return manifest, data, False
 
 
-def manifest_documents(manifest: Manifest, rank: int = 0) -> dict[str, bytes]:
+def rank_regions(manifest: Manifest, ranks: int, rank: int) -> dict[str, list[Box] | None]:
+    """The part of every tensor rank ``rank`` restores: its own dim-0 shard."""
+    assert manifest.tensor_table is not None
+    regions: dict[str, list[Box] | None] = {}
+    for fqn, layout in manifest.tensor_table.tensors.items():
+        shape = layout.shape
+        offset, length = _shard(shape[0], ranks, rank) if shape else (0, 0)
+        regions[fqn] = [((offset, *([0] * (len(shape) - 1))), (length, *shape[1:]))]
+    return regions
+
+
+def manifest_documents(
+    manifest: Manifest, root: bytes, generation: MemoryGeneration, ranks: int, rank: int = 0
+) -> dict[str, bytes]:
     """The metadata documents ``rank`` reads and verifies before it can restore, by
-    name. Format versions 1-2: the one ``manifest.json``, whatever the rank. (The
-    seam for the next format: a small root plus the indexes of the rank's files.)"""
-    data, _written = encode(manifest)
-    return {manifest_format.MANIFEST_NAME: data}
-
-
-def manifest_bytes_for(manifest: Manifest, rank: int = 0) -> dict[str, int]:
-    """Size in bytes of every document ``rank`` reads before restoring."""
-    return {name: len(data) for name, data in manifest_documents(manifest, rank).items()}
+    name: the root, and the indexes the restore's own selection
+    (:func:`ckptvault.trust.indexes.indexes_for_regions`) picks for its shards."""
+    parsed = parse_manifest(root, "scale-bench") if len(root) <= MAX_ROOT_BYTES else manifest
+    wanted = indexes_for_regions(parsed, rank_regions(parsed, ranks, rank))
+    return {MANIFEST_NAME: root, **{name: generation.files[name] for name in sorted(wanted)}}
 
 
 def manifest_sections(manifest: Manifest, total: int) -> dict[str, int]:
-    """Bytes of the manifest's ``files`` (sizes, file and chunk digests) and ``state``
-    sections; the rest is ``dcp`` (chunk metadata) and a few small keys."""
-    files = len(dumps_canonical({n: r.to_json() for n, r in manifest.files.items()}))
-    state = len(dumps_canonical(manifest.state))
-    return {"files": files, "state": state, "dcp and the rest": total - files - state}
+    """Bytes of the root's ``files`` (sizes and file digests), ``indexes`` and tensor
+    table; the rest is the rank's indexes (chunk metadata and digests), the state and
+    a few small keys."""
+    assert manifest.tensor_table is not None and manifest.indexes is not None
+    files = len(dumps_canonical({n: [r.size, r.blake3] for n, r in manifest.files.items()}))
+    listed = len(dumps_canonical({n: r.to_json() for n, r in manifest.indexes.items()}))
+    table = len(manifest.tensor_table.encoded())
+    return {
+        "files": files,
+        "index list": listed,
+        "tensor table": table,
+        "own indexes and the rest": total - files - listed - table,
+    }
 
 
-@contextlib.contextmanager
-def _read_cap_lifted(size: int) -> Iterator[None]:
-    """Let ``parse_manifest`` read ``size`` bytes, for this measurement only."""
-    cap = manifest_format.MAX_MANIFEST_BYTES
-    manifest_format.MAX_MANIFEST_BYTES = max(cap, size)
-    try:
-        yield
-    finally:
-        manifest_format.MAX_MANIFEST_BYTES = cap
-
-
-def parse_documents(documents: dict[str, bytes]) -> float:
-    """Seconds to parse and check every document (the cap lifted where needed)."""
+def parse_documents(generation: MemoryGeneration, documents: dict[str, bytes]) -> float:
+    """Seconds to parse and check every document as a rank's restore does: the root,
+    then its indexes, each matched against the root's digest first."""
     started = time.perf_counter()
-    for name, data in documents.items():
-        with _read_cap_lifted(len(data)):
-            parse_manifest(data, f"scale-bench/{name}")
+    root = parse_manifest(documents[MANIFEST_NAME], "scale-bench")
+    ref = GenerationRef(GenerationName(root.step, root.generation_id), "memory")
+    wanted = [name for name in documents if name != MANIFEST_NAME]
+    load_indexes(generation, ref, root, wanted)  # type: ignore[arg-type]
     return time.perf_counter() - started
 
 
@@ -300,7 +347,10 @@ class RankPoint:
     documents: dict[str, int]  # what rank 0 reads, name -> bytes
     sections: dict[str, int]  # where those bytes go: files, dcp, state (today's format)
     parse_s: float
-    writable: bool  # under the read cap: ckptvault would save it
+    writable: bool  # under the root's cap: ckptvault would save it
+    root_bytes: int = 0  # manifest.json
+    index_bytes: int = 0  # every rank's index together
+    indexes: int = 0
 
     @property
     def read_bytes(self) -> int:
@@ -315,14 +365,15 @@ def measure_ranks(ranks: int, model: torch.nn.Module | None = None) -> RankPoint
     final_plans, metadata = global_plan(plans)
     plan_s = time.perf_counter() - started
     del plans
-    locations, records = lay_out(final_plans)
+    locations, records = lay_out(final_plans, ranks)
     started = time.perf_counter()
+    generation = MemoryGeneration()
     manifest = build_manifest(captured.tree, metadata, locations, records, ranks)
-    documents = manifest_documents(manifest)
+    manifest, root, writable = encode(manifest, generation)
     encode_s = time.perf_counter() - started
-    writable = all(len(d) <= manifest_format.MAX_MANIFEST_BYTES for d in documents.values())
+    documents = manifest_documents(manifest, root, generation, ranks)
     sections = manifest_sections(manifest, sum(len(d) for d in documents.values()))
-    parse_s = parse_documents(documents)
+    parse_s = parse_documents(generation, documents) if writable else float("nan")
     return RankPoint(
         ranks=ranks,
         parameters=len(captured.tensors),
@@ -336,4 +387,7 @@ def measure_ranks(ranks: int, model: torch.nn.Module | None = None) -> RankPoint
         parse_s=parse_s,
         writable=writable,
         sections=sections,
+        root_bytes=len(root),
+        index_bytes=sum(len(d) for n, d in generation.files.items()),
+        indexes=len(generation.files),
     )

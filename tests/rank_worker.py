@@ -219,6 +219,24 @@ def fsdp_restore(store: str, out: dict[str, Any]) -> None:
     out["after_step"] = full_state(model, optimizer)
 
 
+def recording_reads(scenario: Any) -> Any:
+    """``scenario``, with every file name this rank opens recorded in ``out["opened"]``
+    (an audit hook: the store opens entries relative to a directory descriptor)."""
+
+    def run(store: str, out: dict[str, Any]) -> None:
+        opened: list[str] = []
+
+        def hook(event: str, args: tuple[Any, ...]) -> None:
+            if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+                opened.append(os.path.basename(os.fsdecode(args[0])))
+
+        sys.addaudithook(hook)
+        scenario(store, out)
+        out["opened"] = sorted(set(opened))
+
+    return run
+
+
 def replicas_disagree(store: str, out: dict[str, Any]) -> None:
     """Rank 1's copy of the replicated bias went bad (a flipped value)."""
     from torch.distributed.tensor import Replicate
@@ -251,8 +269,8 @@ def restore_diverging_manifest(store: str, out: dict[str, Any]) -> None:
 
     original = collective.prepare_load
 
-    def diverging(store_: Any, ref: Any, *args: Any) -> Any:
-        prepared = original(store_, ref, *args)
+    def diverging(store_: Any, ref: Any, *args: Any, **kwargs: Any) -> Any:
+        prepared = original(store_, ref, *args, **kwargs)
         if RANK == 1 and ref.step == 2:
             checked = replace(
                 prepared.checked, manifest_bytes=prepared.checked.manifest_bytes + b" "
@@ -325,6 +343,8 @@ SCENARIOS = {
     "restore_diverging_manifest": restore_diverging_manifest,
     "replicas_disagree": replicas_disagree,
     "fsdp_restore": fsdp_restore,
+    "fsdp_restore_recording_reads": recording_reads(fsdp_restore),
+    "restore_recording_reads": recording_reads(restore),
 }
 
 

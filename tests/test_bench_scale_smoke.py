@@ -17,7 +17,9 @@ if str(REPO) not in sys.path:  # bench/ is a package at the repository root, not
 from bench import scale
 from bench.scale_memory import measure_memory
 from bench.scale_ranks import (
+    MemoryGeneration,
     build_manifest,
+    encode,
     global_plan,
     gpt_model,
     lay_out,
@@ -27,8 +29,11 @@ from bench.scale_ranks import (
 )
 from bench.scale_tensors import RESTORES, SAVES
 
+from ckptvault.format.layout import GenerationName
 from ckptvault.format.manifest import parse_manifest
 from ckptvault.state.capture import capture_state
+from ckptvault.storage.base import GenerationRef
+from ckptvault.trust.indexes import load_indexes
 
 
 def test_every_axis_runs_and_reports(tmp_path: Path):
@@ -68,24 +73,33 @@ def test_the_memory_measurement_runs(tmp_path: Path):
 
 
 def test_the_simulated_manifest_is_one_ckptvault_reads():
-    """The rank axis measures a real manifest: parse_manifest accepts it, and its DCP
-    metadata holds every rank's shard of every parameter, laid out in ranks' files."""
+    """The rank axis measures a real format-3 generation: the root parses, rank 0
+    reads only its own index beside it, and all indexes together hold every rank's
+    shard of every parameter, laid out in the ranks' files."""
     model = gpt_model(layers=1, width=64, vocab=96)
     point = measure_ranks(3, model)
     params = len(capture_state({"model": model}).tensors)
     assert point.parameters == params == 15 and point.items == 3 * params
     assert point.writable and point.read_bytes > 0 and point.parse_s > 0
+    assert point.indexes == 3 and sorted(point.documents) == ["manifest.json", "r00000-index.json"]
 
     plans = local_plans(capture_state({"model": model}).tensors, 3)
     assert [len(p.items) for p in plans] == [params] * 3
     final, metadata = global_plan(plans)
-    locations, records = lay_out(final)
+    locations, records = lay_out(final, 3)
     tree = capture_state({"model": model}).tree
-    manifest = build_manifest(tree, metadata, locations, records, 3)
-    [(name, data)] = manifest_documents(manifest).items()
-    parsed = parse_manifest(data, "smoke")
-    assert name == "manifest.json" and parsed.writer["world_size"] == 3
-    tensors = parsed.dcp["tensors"]
+    generation = MemoryGeneration()
+    manifest, root, writable = encode(
+        build_manifest(tree, metadata, locations, records, 3), generation
+    )
+    documents = manifest_documents(manifest, root, generation, 3, rank=1)
+    assert writable and sorted(documents) == ["manifest.json", "r00001-index.json"]
+    parsed = parse_manifest(root, "smoke")
+    assert parsed.writer["world_size"] == 3 and parsed.format_version == 3
+    ref = GenerationRef(GenerationName(parsed.step, parsed.generation_id), "memory")
+    own = load_indexes(generation, ref, parsed, ["r00001-index.json"])  # type: ignore[arg-type]
+    assert {c["file"][:6] for t in own.dcp["tensors"].values() for c in t["chunks"]} == {"r00001"}
+    tensors = load_indexes(generation, ref, parsed).dcp["tensors"]  # type: ignore[arg-type]
     assert len(tensors) == params and all(len(t["chunks"]) == 3 for t in tensors.values())
     assert {c["file"][:6] for t in tensors.values() for c in t["chunks"]} == {
         "r00000",

@@ -11,6 +11,7 @@ import torch
 
 import ckptvault as cv
 from conftest import run_cli
+from forging import read_logical
 from multirank import launch
 
 
@@ -39,7 +40,8 @@ def test_two_ranks_publish_one_generation_with_every_ranks_files(two_rank_store)
     manifest = json.loads((newest / "manifest.json").read_text())
     assert manifest["writer"]["world_size"] == 2
     assert sorted(manifest["files"]) == ["r00000-000.safetensors", "r00001-000.safetensors"]
-    chunks = manifest["dcp"]["tensors"]["model/w"]["chunks"]
+    assert sorted(manifest["indexes"]) == ["r00000-index.json", "r00001-index.json"]
+    chunks = read_logical(newest)["dcp"]["tensors"]["model/w"]["chunks"]
     assert [c["offsets"] for c in chunks] == [[0, 0], [5, 0]]  # one shard from each rank
     assert set(manifest["state"]) == {"global", "ranks"} and len(manifest["state"]["ranks"]) == 2
     assert not list((store / ".staging").iterdir())
@@ -148,7 +150,8 @@ def test_an_encrypted_two_rank_run_restores_on_one_process(tmp_path, monkeypatch
     ok(*launch("save", store, 2, tmp_path / "save"))
     newest = sorted(store.glob("step-*"))[-1]
     names = sorted(p.name for p in newest.iterdir())
-    assert all(n.endswith(".enc") for n in names if n.startswith("r0")), names
+    data = [n for n in names if n.startswith("r0") and not n.endswith("-index.json")]
+    assert all(n.endswith(".enc") for n in data), names  # indexes: digests and shapes only
     assert "tokens_seen" not in (newest / "manifest.json").read_text()  # state encrypted
     (after,) = ok(*launch("restore", store, 1, tmp_path / "restore"))
     assert after["step"] == 2 and after["weight_exact"] and after["meta"] == {"tokens_seen": 2000}

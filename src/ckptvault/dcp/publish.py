@@ -19,6 +19,7 @@ from ckptvault.format.manifest import Manifest
 from ckptvault.io.state_file import ENCRYPTED_STATE_TAG, write_state_file
 from ckptvault.io.writer import VaultStorageWriter
 from ckptvault.saving.generation_writer import encryption_section
+from ckptvault.saving.indexes import IndexWriter
 from ckptvault.storage.base import StagingArea
 from ckptvault.storage.listing import GenerationInfo
 from ckptvault.trust.context import TrustContext
@@ -58,7 +59,7 @@ def publish_generation(
             trust.keystore, settings.run_id, generation_id, settings.segment_size
         )
     state = _state(area, written, settings, encryption)
-    manifest = _manifest(written, settings, generation_id, state, world_size, encryption)
+    manifest = _manifest(area, written, settings, generation_id, state, world_size, encryption)
     manifest_bytes = manifest.to_bytes()
     ref = area.publish(settings.step, manifest_bytes, trust.sign_manifest(manifest_bytes))
     return GenerationInfo(
@@ -83,6 +84,7 @@ def _state(
 
 
 def _manifest(
+    area: StagingArea,
     written: VaultStorageWriter,
     settings: SaveSettings,
     generation_id: str,
@@ -110,4 +112,5 @@ def _manifest(
         writer={"ckptvault": __version__, "world_size": world_size, "via": PLUGIN_NAME},
         encryption=section,
     )
+    manifest = IndexWriter().write(area, manifest)  # before the root that covers them
     return manifest if mac_key is None else seal_manifest(manifest, mac_key)

@@ -36,6 +36,7 @@ from ckptvault.coordinator import Coordinator
 from ckptvault.errors import CheckpointError, FormatError
 from ckptvault.format.layout import GenerationName, parse_generation_dirname
 from ckptvault.format.manifest import Manifest
+from ckptvault.format.tensor_table import Box
 from ckptvault.io.dcp_metadata import metadata_from_json, tensor_metadata
 from ckptvault.io.load import (
     LoadedGeneration,
@@ -50,7 +51,8 @@ from ckptvault.io.ranged_reader import RangedStorageReader
 from ckptvault.state.codec import tensor_key
 from ckptvault.state.ranks import tensor_references, tree_for_rank
 from ckptvault.storage.base import GenerationRef, Store
-from ckptvault.trust.checks import TrustPolicy
+from ckptvault.trust.checks import TrustPolicy, extend_checked
+from ckptvault.trust.indexes import indexes_for_regions
 from ckptvault.trust.keystore import KeyStore
 from ckptvault.trust.problems import (
     MANIFEST_INVALID,
@@ -224,7 +226,11 @@ class CollectiveLoader:
     ) -> PreparedLoad:
         if not listed:
             raise OSError(f"{store.location} does not list {ref.name.dirname}, which rank 0 chose")
-        return prepare_load(store, ref, policy, self.keystore, self.keystore is not None)
+        # A format-3 generation: only the root now; each rank loads the indexes of
+        # the chunks it needs once it knows them (_read).
+        return prepare_load(
+            store, ref, policy, self.keystore, self.keystore is not None, indexes=lambda m: ()
+        )
 
     def _read(
         self,
@@ -240,8 +246,11 @@ class CollectiveLoader:
         error: BaseException | None = None
         reader: RangedStorageReader | None = None
         try:
-            metadata, locations = metadata_from_json(manifest.dcp, where)
             live = {**_hinted(keys, self.param_hints), **self.live}
+            if manifest.indexed:  # the indexes holding what this rank reads, and no other
+                wanted = indexes_for_regions(manifest, _regions(keys, live, manifest))
+                manifest = extend_checked(store, prepared.checked, wanted).manifest
+            metadata, locations = metadata_from_json(manifest.dcp, where)
             destinations = _destinations(metadata, keys, live, manifest, where)
             # Each rank reads (and verifies) only the byte ranges its shards need.
             reader = RangedStorageReader(
@@ -349,6 +358,28 @@ def _hinted(keys: set[str], hints: dict[str, torch.Tensor]) -> dict[str, torch.T
         if param is not None:
             found[key] = param.detach()
     return found
+
+
+def _regions(
+    keys: set[str], live: dict[str, torch.Tensor], manifest: Manifest
+) -> dict[str, list[Box] | None]:
+    """The part of each referenced tensor this rank reads: a live tensor of the saved
+    shape, its own chunks (a DTensor's local shard; a plain tensor whole); any other,
+    all of the saved one (None)."""
+    assert manifest.tensor_table is not None
+    table = manifest.tensor_table.tensors
+    regions: dict[str, list[Box] | None] = {}
+    for key in keys:
+        current, saved = live.get(key), table.get(key)
+        if current is None or saved is None or tuple(current.shape) != saved.shape:
+            regions[key] = None
+            continue
+        chunk_list = getattr(current, "__create_chunk_list__", None)
+        if chunk_list is None:
+            regions[key] = [((0,) * current.dim(), tuple(current.shape))]
+        else:
+            regions[key] = [(tuple(c.offsets), tuple(c.sizes)) for c in chunk_list()]
+    return regions
 
 
 def _destinations(

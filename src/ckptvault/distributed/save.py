@@ -35,7 +35,7 @@ from ckptvault.distributed.replicas import Disagreement, disagreements, replica_
 from ckptvault.errors import CheckpointError, CollectiveError, SaveFailedError
 from ckptvault.format.layout import new_generation_id
 from ckptvault.io.dcp_io import write_tensors
-from ckptvault.io.writer import VaultStorageWriter
+from ckptvault.io.writer import VaultStorageWriter, files_per_rank
 from ckptvault.saving.generation_writer import (
     MANIFEST_ALLOWANCE,
     METADATA_PER_TENSOR,
@@ -169,7 +169,7 @@ class CollectiveSave:
                 captured.tensors,
                 area,
                 settings.chunk_size,
-                settings.threads,
+                files_per_rank(settings.threads, self.coordinator.world_size),
                 self.writer.encryption(generation_id),
                 rank=self.coordinator.rank,
                 process_group=self.coordinator.process_group,
@@ -249,7 +249,7 @@ class CollectiveSave:
         area.adopt([name for entry in ranks[1:] for name in entry["files"]])
         composite = compose(gathered["global"], [entry["tree"] for entry in ranks])
         state = self.writer.write_state(area, generation_id, CapturedState(composite), tensors)
-        manifest = self.writer.build_manifest(step, generation_id, state, tensors, metrics)
+        manifest = self.writer.build_manifest(step, generation_id, state, tensors, area, metrics)
         manifest_bytes = manifest.to_bytes()
         ref = area.publish(step, manifest_bytes, self.writer.trust.sign_manifest(manifest_bytes))
         return {

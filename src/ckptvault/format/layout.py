@@ -149,3 +149,27 @@ def is_tensor_file_name(name: str) -> bool:
 def is_encrypted_name(name: str) -> bool:
     """A file stored as an encrypted container: tensor file or state file."""
     return name.endswith((TENSOR_FILE_SUFFIX + ENCRYPTED_SUFFIX, ENCRYPTED_STATE_SUFFIX))
+
+
+INDEX_SUFFIX = "-index.json"
+_HOLDER_RE = re.compile(r"^r([0-9]{5,7})-")
+
+
+def index_file_name(holder: int) -> str:
+    """Name of the index (format version 3) of the files rank ``holder`` wrote."""
+    return f"r{holder:05d}{INDEX_SUFFIX}"
+
+
+def file_holder(name: str) -> int | None:
+    """The rank whose index covers file ``name`` (its ``r<rank>-`` prefix), or None."""
+    match = _HOLDER_RE.match(name)
+    if match is None:
+        return None
+    holder = int(match.group(1))
+    # One spelling per rank: "r000001-" is not rank 1's.
+    return holder if match.group(0) == f"r{holder:05d}-" else None
+
+
+def is_index_file_name(name: str) -> bool:
+    holder = file_holder(name)
+    return holder is not None and name == index_file_name(holder)

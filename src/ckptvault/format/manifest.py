@@ -5,7 +5,20 @@
 absolute paths: file names are plain names relative to the generation, so a copied
 or moved store stays valid.
 
-Top-level keys (format versions 1 and 2; 2 derives each file's whole-file digest
+Format version 3 (written now) splits the manifest in two levels: this root, which
+is all a reader parses before it has verified anything and whose size grows with
+files and tensors but not with ranks x tensors, and one index per rank
+(:mod:`ckptvault.format.index`) with that rank's chunk metadata and chunk digests,
+listed here with its digest, so a signature over the root covers them all. A root
+has ``files`` of name -> ``{size, blake3}`` only, ``indexes`` (name -> ``{size,
+blake3}``), ``tensors`` (:mod:`ckptvault.format.tensor_table`: each tensor's dtype,
+shape, chunk grid and which index holds each chunk) and ``dcp_version`` in place of
+``dcp``; the other keys are as below, and no other key is accepted. In memory a
+:class:`Manifest` of format 3 is the whole: once its indexes are loaded
+(:mod:`ckptvault.trust.indexes`) ``files`` has chunk digests and ``dcp`` chunks,
+for the indexes loaded.
+
+Top-level keys of format versions 1 and 2 (2 derives each file's whole-file digest
 from its chunk digests, see :mod:`ckptvault.trust.digests`):
 
 - ``format_version``, ``run_id``, ``step``, ``generation_id``, ``created_at``, ``parent``
@@ -41,23 +54,45 @@ from ckptvault.format.canonical import (
     loads_canonical,
     loads_canonical_members,
 )
-from ckptvault.format.layout import MANIFEST_NAME, MAX_STEP, SIGNATURE_NAME, is_generation_id
+from ckptvault.format.index import IndexRecord
+from ckptvault.format.layout import (
+    MANIFEST_NAME,
+    MAX_STEP,
+    SIGNATURE_NAME,
+    file_holder,
+    index_file_name,
+    is_generation_id,
+    is_index_file_name,
+)
 from ckptvault.format.records import (
     MANIFEST_MAC,
     EncryptionSection,
     FileRecord,
     check_dcp_section,
 )
+from ckptvault.format.tensor_table import TensorTable, parse_tensor_table
 
 # 2: whole-file digests are derived from the chunk digests (ckptvault.trust.digests).
-FORMAT_VERSION = 2
+# 3: a root manifest and per-rank indexes (ckptvault.format.index).
+FORMAT_VERSION = 3
+INDEXED_SINCE_FORMAT = 3
 MAX_CHUNK_SIZE = 1 << 30
 SELF_DIGEST_KEY = "manifest_blake3"
-READABLE_FORMAT_VERSIONS = frozenset({1, 2})
+READABLE_FORMAT_VERSIONS = frozenset({1, 2, 3})
 # A manifest is read (and, unsigned, parsed) before anything is verified, so it is
-# capped at what real checkpoints need: a 1 TB checkpoint's chunk digests take about
-# 17 MB. Saving refuses to write a larger one; restore refuses to read it.
+# capped. Formats 1-2 held every chunk digest (a 1 TB checkpoint's take about 17 MB),
+# so a manifest of those may be up to 64 MiB: that is what is read before the format
+# is known. A format-3 root holds no chunk digest and no per-rank chunk: about 130
+# bytes a tensor and 120 a file, so 32 MiB is over 200,000 tensors.
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+MAX_ROOT_BYTES = 32 * 1024 * 1024
+_ROOT_KEYS = frozenset(
+    {
+        "format_version", "run_id", "step", "generation_id", "created_at", "parent",
+        "chunk_size", "files", "indexes", "tensors", "dcp_version", "state", "contract",
+        "writer", "encryption", "metrics", SELF_DIGEST_KEY,
+    }
+)  # fmt: skip
 MAX_MANIFEST_DEPTH = MAX_DOCUMENT_DEPTH
 
 # A file name inside a generation: one plain path component, never hidden, never a
@@ -111,12 +146,44 @@ class Manifest:
     parsed_authenticated: tuple[bytes, bytes] | None = field(
         default=None, compare=False, repr=False
     )
+    # Format 3: the indexes the root lists, the root's tensor table (set when the
+    # indexes are written, or parsed from the root), and the indexes not loaded yet:
+    # the files they cover have no chunk digests here, their chunks are not in ``dcp``.
+    indexes: dict[str, IndexRecord] | None = None
+    tensor_table: TensorTable | None = field(default=None, compare=False, repr=False)
+    pending_indexes: frozenset[str] = frozenset()
 
     @property
     def total_bytes(self) -> int:
         return sum(record.size for record in self.files.values())
 
+    @property
+    def indexed(self) -> bool:
+        """Format 3 or later: a root manifest with per-rank indexes."""
+        return self.format_version >= INDEXED_SINCE_FORMAT
+
+    def covers(self, name: str) -> bool:
+        """Whether this manifest knows file ``name``'s chunk digests (its index, if
+        any, is loaded)."""
+        if name not in self.files:
+            return False
+        if not self.pending_indexes:
+            return True
+        holder = file_holder(name)
+        return holder is None or index_file_name(holder) not in self.pending_indexes
+
     def to_json(self) -> dict[str, Any]:
+        """The manifest document as stored (for format 3, the root), as plain JSON."""
+        document = self._document()
+        if isinstance(document.get("tensors"), TensorTable):
+            document["tensors"] = document["tensors"].to_json()
+        return document
+
+    def _document(self) -> dict[str, Any]:
+        """:meth:`to_json`, with a root's tensor table left as the object that keeps
+        its encoding."""
+        if self.indexed:
+            return self._root_json()
         document = {
             "format_version": self.format_version,
             "run_id": self.run_id,
@@ -131,6 +198,36 @@ class Manifest:
             "contract": self.contract,
             "writer": self.writer,
         }
+        return self._with_optional(document)
+
+    def _root_json(self) -> dict[str, Any]:
+        if self.indexes is None or self.tensor_table is None:
+            raise FormatError(
+                "a format-3 manifest is stored as a root over its indexes: write the indexes "
+                "first (ckptvault.saving.indexes.write_indexes)"
+            )
+        document = {
+            "format_version": self.format_version,
+            "run_id": self.run_id,
+            "step": self.step,
+            "generation_id": self.generation_id,
+            "created_at": self.created_at,
+            "parent": self.parent,
+            "chunk_size": self.chunk_size,
+            "files": {
+                name: {"size": record.size, "blake3": record.blake3}
+                for name, record in sorted(self.files.items())
+            },
+            "indexes": {name: record.to_json() for name, record in sorted(self.indexes.items())},
+            "tensors": self.tensor_table,  # encoded once, by _encoded_members
+            "dcp_version": self.dcp.get("version"),
+            "state": self.state,
+            "contract": self.contract,
+            "writer": self.writer,
+        }
+        return self._with_optional(document)
+
+    def _with_optional(self, document: dict[str, Any]) -> dict[str, Any]:
         if self.encryption is not None:
             document["encryption"] = self.encryption.to_json()
         if self.metrics is not None:
@@ -139,7 +236,7 @@ class Manifest:
 
     def authenticated_bytes(self) -> bytes:
         """What the MAC of this manifest covers (see :func:`authenticated_bytes`)."""
-        document = self.to_json()
+        document = self._document()
         members = self._encoded_members(document)
         encryption = document.get("encryption")
         if isinstance(encryption, dict):
@@ -151,23 +248,29 @@ class Manifest:
         """Each top-level member of ``document`` as canonical bytes, each encoded once."""
         encoded = self.encoded_dcp
         reuse = encoded is not None and encoded[0] is self.dcp
-        return {
-            key: encoded[1] if reuse and key == "dcp" and encoded else dumps_canonical(value)
-            for key, value in document.items()
-        }
+        members = {}
+        for key, value in document.items():
+            if isinstance(value, TensorTable):
+                members[key] = value.encoded()
+            elif reuse and key == "dcp" and encoded:
+                members[key] = encoded[1]
+            else:
+                members[key] = dumps_canonical(value)
+        return members
 
     def to_bytes(self) -> bytes:
         """Canonical bytes, with the BLAKE3 of everything else as ``manifest_blake3``
         so that corruption of the manifest itself is caught even when unsigned."""
-        members = self._encoded_members(self.to_json())
+        members = self._encoded_members(self._document())
         digest = blake3(join_canonical_object(members)).hexdigest()
         members[SELF_DIGEST_KEY] = dumps_canonical(digest)
         data = join_canonical_object(members)
         # Never publish what parse_manifest would refuse to read back.
-        if len(data) > MAX_MANIFEST_BYTES:
+        limit = MAX_ROOT_BYTES if self.indexed else MAX_MANIFEST_BYTES
+        if len(data) > limit:
             raise FormatError(
                 f"the manifest would be {len(data)} bytes; ckptvault reads manifests of up to "
-                f"{MAX_MANIFEST_BYTES} bytes (64 MiB). Keep large values in tensors, not in "
+                f"{limit} bytes ({limit >> 20} MiB). Keep large values in tensors, not in "
                 "JSON leaves, or raise chunk_size so that there are fewer chunk digests"
             )
         refusal = scan_json(data, MAX_MANIFEST_DEPTH)
@@ -279,6 +382,42 @@ def _parse_files(raw_files: dict[str, Any], chunk_size: int, where: str) -> dict
     return files
 
 
+def _parse_root_files(raw_files: dict[str, Any], where: str) -> dict[str, FileRecord]:
+    """A root's ``files``: plain names, each with exactly a size and a digest (its
+    chunk digests are in its index)."""
+    files: dict[str, FileRecord] = {}
+    for name, record in raw_files.items():
+        if not is_safe_file_name(name) or file_holder(name) is None or is_index_file_name(name):
+            raise UnsafeNameError(
+                f"{where}: file name {name!r} is not a plain relative name of a rank's file "
+                "(r<rank>-...; absolute paths, '..', hidden, reserved and index names are "
+                "refused)"
+            )
+        if not isinstance(record, dict) or set(record) != {"size", "blake3"}:
+            raise FormatError(f"{where}: entry for file {name!r} must hold exactly size and blake3")
+        files[name] = FileRecord.parse(name, {**record, "chunks": []}, where)
+    return files
+
+
+def _parse_indexes(
+    raw: dict[str, Any], files: Mapping[str, FileRecord], where: str
+) -> dict[str, IndexRecord]:
+    """A root's ``indexes``: one per rank that wrote a file, and no other."""
+    indexes = {}
+    for name, record in raw.items():
+        if not is_index_file_name(name):
+            raise UnsafeNameError(f"{where}: index name {name!r} is not r<rank>-index.json")
+        indexes[name] = IndexRecord.parse(name, record, where)
+    needed = {index_file_name(file_holder(name) or 0) for name in files}
+    if needed != set(indexes):
+        missing, extra = sorted(needed - set(indexes)), sorted(set(indexes) - needed)
+        raise FormatError(
+            f"{where}: the root lists an index for every rank that wrote a file and no other; "
+            f"missing {missing[:5]}, without files {extra[:5]}"
+        )
+    return indexes
+
+
 def manifest_too_large(size: int, where: str) -> str:
     return (
         f"{where}: manifest.json is {size} bytes; ckptvault reads manifests of up to "
@@ -316,8 +455,34 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     chunk_size = _require(raw, "chunk_size", int, where)
     if not 0 < chunk_size <= MAX_CHUNK_SIZE:
         raise FormatError(f"{where}: chunk_size {chunk_size} is outside 1..{MAX_CHUNK_SIZE}")
-    files = _parse_files(_require(raw, "files", dict, where), chunk_size, where)
+    if version >= INDEXED_SINCE_FORMAT:
+        if len(data) > MAX_ROOT_BYTES:
+            raise FormatError(
+                f"{where}: the root manifest is {len(data)} bytes; format {version} roots are "
+                f"at most {MAX_ROOT_BYTES} bytes ({MAX_ROOT_BYTES >> 20} MiB)"
+            )
+        unknown = set(raw) - _ROOT_KEYS
+        if unknown:
+            raise FormatError(
+                f"{where}: the root manifest has keys format {version} does not define: "
+                f"{sorted(str(k)[:40] for k in unknown)[:5]}"
+            )
+        files = _parse_root_files(_require(raw, "files", dict, where), where)
+        indexes = _parse_indexes(_require(raw, "indexes", dict, where), files, where)
+        holders = sorted(file_holder(name) or 0 for name in indexes)
+        table = parse_tensor_table(_require(raw, "tensors", dict, where), holders, where)
+        dcp_version = raw.get("dcp_version")
+        if dcp_version is not None and not (isinstance(dcp_version, str) and len(dcp_version) < 64):
+            raise FormatError(f"{where}: dcp_version must be a short string or null")
+        dcp: dict[str, Any] = {"version": dcp_version, "tensors": {}}
+    else:
+        files = _parse_files(_require(raw, "files", dict, where), chunk_size, where)
+        dcp = check_dcp_section(_require(raw, "dcp", dict, where), where)
+        indexes, table = None, None
     return Manifest(
+        indexes=indexes,
+        tensor_table=table,
+        pending_indexes=frozenset(indexes or ()),
         format_version=version,
         run_id=_require(raw, "run_id", str, where),
         step=step,
@@ -326,7 +491,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         parent=parent,
         chunk_size=chunk_size,
         files=files,
-        dcp=check_dcp_section(_require(raw, "dcp", dict, where), where),
+        dcp=dcp,
         state=_require(raw, "state", dict, where),
         contract=_require(raw, "contract", dict, where),
         writer=_require(raw, "writer", dict, where),

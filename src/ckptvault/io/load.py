@@ -27,8 +27,9 @@ from ckptvault.state.capture import decode_tree
 from ckptvault.state.ranks import tree_for_rank
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.timing import StageClock
-from ckptvault.trust.checks import CheckedGeneration, TrustPolicy, check_structure
+from ckptvault.trust.checks import CheckedGeneration, IndexChoice, TrustPolicy, check_structure
 from ckptvault.trust.envelope import binding
+from ckptvault.trust.indexes import indexes_for_files
 from ckptvault.trust.keystore import KeyStore
 from ckptvault.trust.manifest_auth import ManifestAuthenticationError, authenticate_manifest
 from ckptvault.trust.problems import (
@@ -106,9 +107,16 @@ def prepare_load(
     policy: TrustPolicy,
     keystore: KeyStore | None,
     require_encryption: bool,
+    indexes: IndexChoice | None = None,
 ) -> PreparedLoad:
-    """The checks before any tensor byte is read; GenerationRejected when one fails."""
-    checked = check_structure(store, ref, policy)
+    """The checks before any tensor byte is read; GenerationRejected when one fails.
+
+    ``indexes`` picks which of a format-3 generation's indexes to load (default: all);
+    the one covering an encrypted state file is always among them."""
+    if indexes is not None:
+        choice = indexes
+        indexes = lambda manifest: {*choice(manifest), *state_file_indexes(manifest)}  # noqa: E731
+    checked = check_structure(store, ref, policy, indexes)
     # Before any key, tensor or state byte is used.
     check_authenticity(checked, keystore, require_encryption)
     data_keys = _data_keys(ref, checked.manifest, keystore)
@@ -117,6 +125,15 @@ def prepare_load(
     except (CheckpointError, OSError) as exc:
         raise rejection(ref, exc) from exc
     return PreparedLoad(checked, data_keys, tree)
+
+
+def state_file_indexes(manifest: Manifest) -> set[str]:
+    """The index covering the file that holds the state (encrypted runs), if any."""
+    try:
+        name = encrypted_state_reference(manifest.state)
+    except FormatError:
+        return set()  # refused where the state is read
+    return indexes_for_files(manifest, [name] if name in manifest.files else [])
 
 
 def rejection(ref: GenerationRef, exc: CheckpointError | OSError) -> CheckpointError:

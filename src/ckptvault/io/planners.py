@@ -8,10 +8,12 @@ an enforced rule rather than a convention.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import (
     ReadItem,
     SavePlan,
@@ -42,6 +44,9 @@ class TensorOnlySavePlanner(DefaultSavePlanner):
         self.reused_plan = not plan.usable
         return plan
 
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        return super()._dedup_save_plans(small_replicas_to_lowest_rank(all_plans))
+
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
         """DCP's hook for serializing non-tensors (with ``torch.save``): refused."""
         if write_item.type == WriteItemType.BYTE_IO:
@@ -49,6 +54,34 @@ class TensorOnlySavePlanner(DefaultSavePlanner):
                 f"{write_item.index.fqn!r} is not a tensor; ckptvault never pickles state"
             )
         return object
+
+
+# Replicated tensors smaller than this are written by the lowest rank holding them.
+SMALL_REPLICA_BYTES = 1 << 20
+
+
+def small_replicas_to_lowest_rank(plans: list[SavePlan]) -> list[SavePlan]:
+    """Each small replicated tensor (optimizer step counters, a bias every rank holds)
+    left in the lowest rank's plan only; DCP's dedup then balances the large ones
+    over the ranks holding them. Spread out, the small ones would weigh nothing in
+    that balance yet put a piece of every rank's index in every restore: a rank of
+    many restoring its shards would read every index for a few scalars."""
+    seen: dict[MetadataIndex, int] = {}
+    for rank, plan in enumerate(plans):
+        for item in plan.items:
+            seen.setdefault(item.index, rank)
+    return [
+        dataclasses.replace(
+            plan,
+            items=[
+                item
+                for item in plan.items
+                if seen[item.index] == rank
+                or (item.tensor_storage_size() or 0) >= SMALL_REPLICA_BYTES
+            ],
+        )
+        for rank, plan in enumerate(plans)
+    ]
 
 
 def forget_cached_plans(cache_key: str) -> None:

@@ -44,8 +44,21 @@ COALESCE_BYTES = 1024 * 1024  # tensors smaller than this are gathered into one 
 MIN_FILE_BYTES = 64 * 1024 * 1024  # don't split a rank's data into files smaller than this
 
 
+# Files of one generation, at most, beyond one a rank: each costs a create, an fsync
+# and a directory entry on a parallel file system's metadata server (an upload on S3)
+# and an entry in the root manifest every rank reads. At 512 ranks and more, a rank
+# writes fewer than its threads' worth of files (4 at 1,024 ranks): the file system,
+# not a rank's threads, is what limits a save at that scale.
+MAX_GENERATION_FILES = 4096
+
+
 def default_threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
+
+
+def files_per_rank(threads: int, world_size: int) -> int:
+    """How many tensor files each of ``world_size`` ranks writes, at most."""
+    return max(1, min(threads, MAX_GENERATION_FILES // max(1, world_size)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,8 @@ from datetime import datetime, timezone
 from functools import partial
 from typing import TYPE_CHECKING
 
+from blake3 import blake3
+
 from ckptvault.errors import (
     CheckpointError,
     FormatError,
@@ -91,8 +93,8 @@ def copy_generation(
     checked = check_structure(source, ref, policy)
     check_authenticity(checked, keystore, require_encryption=keystore is not None)
     manifest = checked.manifest
-    manifest_bytes = source.read_bytes(ref, MANIFEST_NAME, len(manifest.to_bytes()))
-    if manifest_bytes != manifest.to_bytes():  # changed since it was checked
+    manifest_bytes = source.read_bytes(ref, MANIFEST_NAME, len(checked.manifest_bytes))
+    if manifest_bytes != checked.manifest_bytes:  # changed since it was checked
         raise IntegrityError(f"{ref.location}: the manifest changed while it was being copied")
     existing = find_generation(target, ref.name)
     if existing is not None:
@@ -123,6 +125,17 @@ def _copy_files(
     source: Store, ref: GenerationRef, manifest: Manifest, staging: StagingArea, meter: Meter
 ) -> None:
     """Every file of ``ref`` into ``staging``, each block verified before it is written."""
+    for name, index in sorted((manifest.indexes or {}).items()):  # format 3
+        data = source.read_bytes(ref, name, index.size)
+        if len(data) != index.size or blake3(data).hexdigest() != index.blake3:
+            raise IntegrityError(f"{ref.location}: {name} changed while it was being copied")
+        sink = staging.create_file(name)
+        try:
+            sink.write(data)
+        except BaseException:
+            sink.abort()
+            raise
+        sink.commit()
     buffer = memoryview(bytearray(min(COPY_BLOCK, manifest.chunk_size)))
     for name, record in sorted(manifest.files.items()):
         verifier = ChunkVerifier(record, manifest.chunk_size, name, whole_file=False)

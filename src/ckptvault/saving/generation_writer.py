@@ -25,7 +25,7 @@ from ckptvault.format.layout import (
     generation_created_at,
     new_generation_id,
 )
-from ckptvault.format.manifest import Manifest
+from ckptvault.format.manifest import FORMAT_VERSION, Manifest
 from ckptvault.format.records import EncryptionSection
 from ckptvault.io.dcp_io import write_tensors
 from ckptvault.io.direct_write import DirectWriter
@@ -33,6 +33,7 @@ from ckptvault.io.planners import forget_cached_plans
 from ckptvault.io.state_file import ENCRYPTED_STATE_TAG, write_state_file
 from ckptvault.io.writer import VaultStorageWriter
 from ckptvault.run_context import RunContext
+from ckptvault.saving.indexes import IndexWriter
 from ckptvault.state.capture import CapturedState
 from ckptvault.storage.base import StagingArea
 from ckptvault.storage.listing import GenerationInfo
@@ -73,6 +74,9 @@ class WrittenGeneration:
 class GenerationWriter:
     """Writes and publishes generations of one run into one store."""
 
+    # The manifest format written; older ones (1, 2) only by tests of old generations.
+    format_version: int = FORMAT_VERSION
+
     def __init__(self, run: RunContext, contract: dict[str, Any], settings: WriteSettings) -> None:
         self.store = run.store
         self.run_id = run.run_id
@@ -84,6 +88,7 @@ class GenerationWriter:
         self.parent: str | None = None  # the generation last saved or restored
         self._plan_cache_key = secrets.token_hex(8)
         self._direct = DirectWriter()  # one process: no DCP planning, the layout kept
+        self._indexes = IndexWriter()  # format 3: the per-rank indexes, before the root
 
     def write(
         self,
@@ -109,7 +114,7 @@ class GenerationWriter:
         try:
             tensors = self._write_tensors(staging, generation_id, captured)
             state = self.write_state(staging, generation_id, captured, tensors)
-            manifest = self.build_manifest(step, generation_id, state, tensors, metrics)
+            manifest = self.build_manifest(step, generation_id, state, tensors, staging, metrics)
             manifest_bytes = manifest.to_bytes()
             signature = self.trust.sign_manifest(manifest_bytes)
             publishing = time.perf_counter()
@@ -243,10 +248,12 @@ class GenerationWriter:
         generation_id: str,
         state: dict[str, Any],
         tensors: VaultStorageWriter,
+        staging: StagingArea,
         metrics: dict[str, int | float] | None = None,
     ) -> Manifest:
-        """The manifest; an encrypted one sealed with a MAC under a fresh key that only
-        the run's KEK unwraps (``ckptvault.trust.manifest_auth``)."""
+        """The manifest, its indexes written into ``staging`` first (format 3: the
+        root covers them); an encrypted one sealed with a MAC under a fresh key that
+        only the run's KEK unwraps (``ckptvault.trust.manifest_auth``)."""
         encryption = self.encryption(generation_id)
         section, mac_key = None, None
         if encryption is not None:
@@ -267,6 +274,7 @@ class GenerationWriter:
             contract=self.contract,
             writer={"ckptvault": __version__, "world_size": self.coordinator.world_size},
             encryption=section,
+            format_version=self.format_version,
             metrics=metrics,
             encoded_dcp=(
                 (tensors.dcp_json, tensors.dcp_bytes)
@@ -274,6 +282,7 @@ class GenerationWriter:
                 else None
             ),
         )
+        manifest = self._indexes.write(staging, manifest)
         return manifest if mac_key is None else seal_manifest(manifest, mac_key)
 
 

@@ -37,7 +37,8 @@ does anything here need a key: the MAC of an encrypted manifest
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,7 @@ from ckptvault.progress import Meter, Progress
 from ckptvault.storage.base import EntryInfo, GenerationRef, Store
 from ckptvault.trust.digests import derives_file_digest, verify_stream
 from ckptvault.trust.file_formats import check_own_formats
+from ckptvault.trust.indexes import IndexMismatch, load_indexes
 from ckptvault.trust.ledger import RestoreFloor
 from ckptvault.trust.problems import (
     DIGEST_MISMATCH,
@@ -75,6 +77,7 @@ from ckptvault.trust.problems import (
     FILE_SIZE,
     FORMAT_UNSUPPORTED,
     MANIFEST_CORRUPT,
+    MANIFEST_INCONSISTENT,
     MANIFEST_INVALID,
     MANIFEST_MISSING,
     NAME_MISMATCH,
@@ -130,12 +133,27 @@ class CheckedGeneration:
     # The exact manifest bytes that were parsed: an encrypted manifest's MAC is
     # checked against these, never against a second read of the store.
     manifest_bytes: bytes = field(default=b"", repr=False)
+    # Files that passed rule 6 (and the manifest's name once rule 6 ran at all): a
+    # format-3 generation is checked index by index as a reader loads them.
+    formats_checked: frozenset[str] = frozenset()
+
+
+# Which of a format-3 generation's indexes to load, given its root (None: all).
+IndexChoice = Callable[[Manifest], Collection[str]]
 
 
 def check_structure(
-    store: Store, ref: GenerationRef, policy: TrustPolicy | None = None
+    store: Store,
+    ref: GenerationRef,
+    policy: TrustPolicy | None = None,
+    indexes: IndexChoice | None = None,
 ) -> CheckedGeneration:
-    """Apply rules 1-6; raise :class:`GenerationRejected` listing what failed."""
+    """Apply rules 1-6; raise :class:`GenerationRejected` listing what failed.
+
+    A format-3 generation's indexes are loaded (:mod:`ckptvault.trust.indexes`) and
+    rule 6 applies to the files they cover: every index, or those ``indexes`` picks
+    from the root (one rank of many needs only its own; :func:`extend_checked`
+    loads more later)."""
     policy = policy or TrustPolicy()
     entries = _list_entries(store, ref)
     problems = _check_entries(entries)
@@ -147,12 +165,55 @@ def check_structure(
     problems = _check_identity(ref, manifest, policy) + _check_file_set(manifest, entries)
     if problems:
         raise GenerationRejected(ref, problems)
-    problems, headers = check_own_formats(store, ref, manifest)
+    checked = CheckedGeneration(
+        ref=ref, manifest=manifest, signer=signer, manifest_bytes=manifest_bytes
+    )
+    return extend_checked(store, checked, None if indexes is None else indexes(manifest))
+
+
+def extend_checked(
+    store: Store, checked: CheckedGeneration, wanted: Collection[str] | None = None
+) -> CheckedGeneration:
+    """``checked`` with more of its indexes loaded (``wanted``; default: all still
+    pending) and rule 6 applied to the files they cover that it has not checked yet;
+    GenerationRejected when an index or a file fails. Formats 1-2 have no indexes:
+    the first call checks every file."""
+    ref = checked.ref
+    manifest = _load_indexes(store, ref, checked.manifest, wanted)
+    due = [
+        n for n in sorted(manifest.files) if manifest.covers(n) and n not in checked.formats_checked
+    ]
+    if not due and checked.formats_checked:
+        return dataclasses.replace(checked, manifest=manifest)
+    problems, headers = check_own_formats(store, ref, manifest, due)
     if problems:
         raise GenerationRejected(ref, problems)
-    return CheckedGeneration(
-        ref=ref, manifest=manifest, headers=headers, signer=signer, manifest_bytes=manifest_bytes
+    return dataclasses.replace(
+        checked,
+        manifest=manifest,
+        headers={**checked.headers, **headers},
+        formats_checked=checked.formats_checked | frozenset(due) | {MANIFEST_NAME},
     )
+
+
+def _load_indexes(
+    store: Store, ref: GenerationRef, manifest: Manifest, wanted: Collection[str] | None
+) -> Manifest:
+    """:func:`load_indexes`, its failures as the generation's problems."""
+    try:
+        return load_indexes(store, ref, manifest, wanted)
+    except UnsafeEntryError as exc:
+        raise GenerationRejected(ref, [Problem(UNSAFE_ENTRY, str(exc))]) from exc
+    except IntegrityError as exc:
+        raise GenerationRejected(ref, [Problem(DIGEST_MISMATCH, str(exc))]) from exc
+    except IndexMismatch as exc:
+        raise GenerationRejected(ref, [Problem(MANIFEST_INCONSISTENT, str(exc))]) from exc
+    except FormatError as exc:
+        raise GenerationRejected(ref, [Problem(MANIFEST_INVALID, str(exc))]) from exc
+    except OSError as exc:
+        raise GenerationRejected(
+            ref, [Problem(UNREADABLE, f"cannot read an index: {exc}")]
+        ) from exc
 
 
 def _where(ref: GenerationRef) -> str:
@@ -291,15 +352,16 @@ def _check_identity(ref: GenerationRef, manifest: Manifest, policy: TrustPolicy)
 
 def _check_file_set(manifest: Manifest, entries: dict[str, Any]) -> list[Problem]:
     problems = []
-    allowed = set(manifest.files) | {MANIFEST_NAME, SIGNATURE_NAME}
-    for name in sorted(set(manifest.files) - set(entries)):
+    listed: dict[str, Any] = {**manifest.files, **(manifest.indexes or {})}
+    allowed = set(listed) | {MANIFEST_NAME, SIGNATURE_NAME}
+    for name in sorted(set(listed) - set(entries)):
         problems.append(
             Problem(FILE_MISSING, f"{name} is listed in the manifest but missing", name)
         )
     for name in sorted(set(entries) - allowed):
         problems.append(Problem(FILE_EXTRA, f"{name} is not listed in the manifest", name))
-    for name in sorted(set(entries) & set(manifest.files)):
-        entry, record = entries[name], manifest.files[name]
+    for name in sorted(set(entries) & set(listed)):
+        entry, record = entries[name], listed[name]
         if entry.size != record.size:
             problems.append(
                 Problem(

@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from ckptvault.format.manifest import Manifest
@@ -56,11 +56,14 @@ def check_chunk_layout(
     manifest: Manifest,
     headers: Mapping[str, TensorFileHeader],
     regions: Mapping[str, tuple[int, int]],
+    files: Collection[str] | None = None,
 ) -> list[Problem]:
-    """Every rule of this module, for a whole generation.
+    """Every rule of this module, for a whole generation (or the chunks in ``files``).
 
     ``headers`` are the parsed headers of the plain tensor files; ``regions`` maps
     every tensor file to the ``[first, end)`` byte range that may hold tensor data.
+    A format-3 manifest's tiling is proven by its root's tensor table and each index's
+    cells (:mod:`ckptvault.trust.indexes`), so only the other rules apply to it.
     """
     tensors: dict[str, Any] = manifest.dcp["tensors"]
     budget = CORNER_BUDGET_BASE + CORNER_BUDGET_PER_CHUNK * sum(
@@ -69,14 +72,17 @@ def check_chunk_layout(
     problems = []
     spans: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
     for fqn, info in tensors.items():
-        tiling, cost = _tiling_problem(info["shape"], info["chunks"], budget)
-        budget -= cost
-        if tiling is not None:
-            problems.append(Problem(MANIFEST_INCONSISTENT, f"tensor {_label(fqn)}: {tiling}"))
-            continue
+        if not manifest.indexed:
+            tiling, cost = _tiling_problem(info["shape"], info["chunks"], budget)
+            budget -= cost
+            if tiling is not None:
+                problems.append(Problem(MANIFEST_INCONSISTENT, f"tensor {_label(fqn)}: {tiling}"))
+                continue
         item = element_size(info["dtype"])
         for chunk in info["chunks"]:
             file, start, length = chunk["file"], chunk["start"], chunk["length"]
+            if files is not None and file not in files and file in manifest.files:
+                continue  # checked with its own index's files
             if file not in manifest.files:
                 problems.append(
                     Problem(

@@ -9,7 +9,7 @@ file must lie where the file says (``trust.chunk_layout``). Nothing here needs a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from functools import partial
 
 from ckptvault.errors import FormatError, IntegrityError, UnsafeEntryError
@@ -42,9 +42,10 @@ from ckptvault.trust.problems import (
 
 
 def check_own_formats(
-    store: Store, ref: GenerationRef, manifest: Manifest
+    store: Store, ref: GenerationRef, manifest: Manifest, names: Collection[str] | None = None
 ) -> tuple[list[Problem], dict[str, TensorFileHeader]]:
-    """Every file must parse as a tensor file or an encrypted container.
+    """Every file (or those ``names``: the files of the indexes just loaded) must parse
+    as a tensor file or an encrypted container, and hold its chunks where they lie.
 
     A header is bounded and verified before it is parsed: a tensor file's may be no
     larger than the entries the manifest places in it need (``header_size_limit``),
@@ -59,7 +60,10 @@ def check_own_formats(
             entry_names.setdefault(chunk["file"], []).append(chunk["name"])
     regions: dict[str, tuple[int, int]] = {}  # where each tensor file holds tensor bytes
     problems = []
+    checking = set(manifest.files) if names is None else set(names)
     for name, record in sorted(manifest.files.items()):
+        if name not in checking:
+            continue
         try:
             if is_encrypted_name(name):
                 if name not in encrypted:
@@ -95,7 +99,7 @@ def check_own_formats(
             problems.append(Problem(UNREADABLE, f"cannot read {name}: {exc}", name))
     if problems:
         return problems, headers
-    return check_chunk_layout(manifest, headers, regions), headers
+    return check_chunk_layout(manifest, headers, regions, checking), headers
 
 
 def _verified_head(
