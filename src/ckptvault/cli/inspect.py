@@ -67,7 +67,7 @@ def _report(manifest: Manifest, location: str) -> dict[str, Any]:
             "created_at": manifest.created_at,
             "parent": manifest.parent,
             "format_version": manifest.format_version,
-            "bytes": manifest.total_bytes,
+            "bytes": manifest.stored_bytes,
         },
         "tensors": [
             {

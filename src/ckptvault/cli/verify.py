@@ -81,7 +81,7 @@ def _report_json(report: VerificationReport) -> dict[str, Any]:
         "generation_id": report.ref.generation_id,
         "path": report.ref.location,
         "ok": report.ok,
-        "bytes": report.manifest.total_bytes if report.manifest else None,
+        "bytes": report.manifest.stored_bytes if report.manifest else None,
         "signer": report.signer,
         "encrypted": bool(report.manifest and report.manifest.encryption),
         "problems": [{"code": p.code, "file": p.file, "detail": p.detail} for p in report.problems],
@@ -105,7 +105,7 @@ def _notes(report: VerificationReport) -> list[str]:
 def _print_report(report: VerificationReport) -> None:
     ref = report.ref
     if report.ok:
-        size = human_bytes(report.manifest.total_bytes) if report.manifest else "?"
+        size = human_bytes(report.manifest.stored_bytes) if report.manifest else "?"
         files = len(report.manifest.files) if report.manifest else 0
         out.print(
             f"[green]OK[/green]   step {ref.step}  {safe_markup(ref.generation_id)}  "

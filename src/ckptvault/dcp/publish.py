@@ -63,7 +63,7 @@ def publish_generation(
     manifest_bytes = manifest.to_bytes()
     ref = area.publish(settings.step, manifest_bytes, trust.sign_manifest(manifest_bytes))
     return GenerationInfo(
-        settings.step, generation_id, ref.location, manifest.total_bytes, manifest.created_at
+        settings.step, generation_id, ref.location, manifest.stored_bytes, manifest.created_at
     )
 
 

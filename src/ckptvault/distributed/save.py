@@ -254,7 +254,7 @@ class CollectiveSave:
         ref = area.publish(step, manifest_bytes, self.writer.trust.sign_manifest(manifest_bytes))
         return {
             "location": ref.location,
-            "bytes": manifest.total_bytes,
+            "bytes": manifest.stored_bytes,
             "created_at": manifest.created_at,
             "kek_id": manifest.encryption.kek_id if manifest.encryption else None,
         }

@@ -158,6 +158,12 @@ class Manifest:
         return sum(record.size for record in self.files.values())
 
     @property
+    def stored_bytes(self) -> int:
+        """Bytes of every file the generation lists: its data files and (format 3) its
+        indexes; what ``ls`` counts (the manifest and signature aside)."""
+        return self.total_bytes + sum(r.size for r in (self.indexes or {}).values())
+
+    @property
     def indexed(self) -> bool:
         """Format 3 or later: a root manifest with per-rank indexes."""
         return self.format_version >= INDEXED_SINCE_FORMAT

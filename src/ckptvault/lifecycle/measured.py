@@ -44,10 +44,12 @@ def _consistent_size(store: Store, ref: GenerationRef) -> int | str:
         return f"{ref.location}: {exc}"
     if (manifest.step, manifest.generation_id) != (ref.step, ref.generation_id):
         return f"{ref.location}: its manifest names step {manifest.step}, {manifest.generation_id}"
-    for name, record in manifest.files.items():
-        if listed.get(name) != record.size:
-            return f"{ref.location}: {name} is not listed at the {record.size} bytes declared"
-    return manifest.total_bytes
+    sizes = {name: record.size for name, record in manifest.files.items()}
+    sizes.update((name, record.size) for name, record in (manifest.indexes or {}).items())
+    for name, size in sizes.items():
+        if listed.get(name) != size:
+            return f"{ref.location}: {name} is not listed at the {size} bytes declared"
+    return manifest.stored_bytes
 
 
 def measure_checkpoint(store: Store) -> MeasuredGeneration:

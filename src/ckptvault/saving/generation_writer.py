@@ -125,7 +125,7 @@ class GenerationWriter:
         self.parent = generation_id
         published = time.perf_counter()
         info = GenerationInfo(
-            step, generation_id, ref.location, manifest.total_bytes, manifest.created_at
+            step, generation_id, ref.location, manifest.stored_bytes, manifest.created_at
         )
         kek_id = manifest.encryption.kek_id if manifest.encryption else None
         stages = save_stages(started, publishing, published, tensors.commit_seconds)
