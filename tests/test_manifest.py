@@ -12,7 +12,7 @@ from blake3 import blake3
 import ckptvault as cv
 from ckptvault.errors import FormatError, NoValidCheckpoint
 from ckptvault.format.canonical import dumps_canonical
-from ckptvault.format.manifest import parse_manifest
+from ckptvault.format.manifest import FORMAT_VERSION, parse_manifest
 from ckptvault.state.codec import decode_plain
 from conftest import make_training_state, run_cli, train_steps, writable
 
@@ -40,11 +40,15 @@ def test_manifest_is_canonical_and_complete(store: Path):
         "parent",
         "files",
         "chunk_size",
-        "dcp",
+        "indexes",
+        "tensors",
+        "dcp_version",
         "state",
         "contract",
     ):
         assert key in manifest
+    # Format 3: the root holds the tensor table and names the indexes; no DCP chunks.
+    assert manifest["format_version"] == FORMAT_VERSION == 3 and "dcp" not in manifest
     assert manifest["run_id"] == "run42" and manifest["step"] == 1
     assert path.name == f"step-{1:012d}.{manifest['generation_id']}"
     contract = manifest["contract"]
@@ -53,26 +57,43 @@ def test_manifest_is_canonical_and_complete(store: Path):
     assert contract["versions"]["torch"] == torch.__version__
     assert "python" in contract["versions"] and "ckptvault" in contract["versions"]
     assert "code_revision" in contract
-    # The JSON leaves and the DCP metadata live in the manifest.
+    # The JSON leaves and the tensor table live in the root, the DCP chunk metadata
+    # in the index it names.
     assert decode_plain(manifest["state"]["meta"], "test")["tokens_seen"] == 8
-    assert "model/fc1.weight" in manifest["dcp"]["tensors"]
+    assert "model/fc1.weight" in manifest["tensors"]
+    assert list(manifest["indexes"]) == ["r00000-index.json"]
+    index = json.loads((path / "r00000-index.json").read_bytes())
+    assert "model/fc1.weight" in index["tensors"]
 
 
 def test_file_digests_match_bytes_and_chunks(store: Path):
     path, manifest = _save(store, chunk_size=1024)
     chunk_size = manifest["chunk_size"]
     assert chunk_size == 1024
-    assert set(manifest["files"]) == {p.name for p in path.iterdir()} - {"manifest.json"}
-    assert manifest["format_version"] == 2
+    assert set(manifest["files"]) == {p.name for p in path.iterdir()} - {
+        "manifest.json",
+        "r00000-index.json",
+    }
+    assert set(manifest["indexes"]) == {"r00000-index.json"}
+    assert manifest["format_version"] == 3
+    index_bytes = (path / "r00000-index.json").read_bytes()
+    assert manifest["indexes"]["r00000-index.json"] == {
+        "size": len(index_bytes),
+        "blake3": blake3(index_bytes).hexdigest(),
+    }
+    index = json.loads(index_bytes)
+    assert set(index["files"]) == set(manifest["files"])
     for name, record in manifest["files"].items():
         # The documented check, with nothing but the blake3 package: each byte hashed
-        # once, in its chunk; the whole-file digest derived from the chunk digests.
+        # once, in its chunk; the chunk digests in the rank's index; the whole-file
+        # digest (in the root) derived from them.
+        assert set(record) == {"size", "blake3"}
         data = (path / name).read_bytes()
         assert record["size"] == len(data)
         chunks = [
             blake3(data[i : i + chunk_size]).hexdigest() for i in range(0, len(data), chunk_size)
         ]
-        assert record["chunks"] == chunks and len(chunks) > 1
+        assert index["files"][name] == chunks and len(chunks) > 1
         whole = blake3(b"ckptvault file digest v2\0" + len(data).to_bytes(8, "little"))
         whole.update(b"".join(bytes.fromhex(digest) for digest in chunks))
         assert record["blake3"] == whole.hexdigest()
@@ -131,7 +152,7 @@ def test_newer_format_version_names_both_versions(store: Path):
         old = mgr.save(1, state).result()
         new = mgr.save(2, state).result()
     _rewrite_manifest(Path(new.path), lambda m: m.update(format_version=99))
-    with pytest.raises(FormatError, match=r"format version 99.*up to 2"):
+    with pytest.raises(FormatError, match=rf"format version 99.*up to {FORMAT_VERSION}"):
         parse_manifest((Path(new.path) / "manifest.json").read_bytes(), "gen")
     with cv.CheckpointManager(store, run_id="r") as mgr:
         info = mgr.restore(make_training_state())
@@ -162,8 +183,9 @@ def test_generations_of_format_version_1_still_verify_and_restore(
     store: Path, monkeypatch: pytest.MonkeyPatch
 ):
     """Format 1 recorded BLAKE3 over each file's bytes as its whole-file digest;
-    format 2 derives it from the chunk digests. A store holding both verifies and
-    restores both, and a flipped byte in the old one is still caught."""
+    format 2 on derives it from the chunk digests. A store holding a format-1 generation
+    (a single manifest, no indexes) and a current one verifies and restores both, and
+    a flipped byte in the old one is still caught."""
     import dataclasses
     import functools
 
@@ -173,6 +195,7 @@ def test_generations_of_format_version_1_still_verify_and_restore(
 
     build = GenerationWriter.build_manifest
     with monkeypatch.context() as legacy:  # what ckptvault wrote before format 2
+        legacy.setattr(GenerationWriter, "format_version", 2)  # one manifest, no indexes
         legacy.setattr(
             writer_module, "FileDigester", functools.partial(FileDigester, derived=False)
         )
