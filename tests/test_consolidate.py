@@ -27,6 +27,7 @@ from ckptvault.storage import open_store
 from ckptvault.trust.checks import TrustPolicy
 from ckptvault.trust.keystore import LocalKeyStore
 from conftest import run_cli, writable
+from forging import read_logical
 from multirank import launch
 
 ROWS, COLS = 10, 4  # rank_worker.py's weight: arange(40).reshape(10, 4) * step
@@ -71,7 +72,7 @@ def generation(store: Path, step: int) -> Path:
 
 
 def test_a_two_rank_save_consolidates_into_one_file(two_rank_store, tmp_path):
-    manifest = json.loads((generation(two_rank_store, 2) / "manifest.json").read_text())
+    manifest = read_logical(generation(two_rank_store, 2))
     assert manifest["writer"]["world_size"] == 2
     files = {c["file"] for c in manifest["dcp"]["tensors"]["model/w"]["chunks"]}
     assert len(files) == 2  # the weight really is spread over both ranks' files
@@ -130,7 +131,7 @@ def test_a_corrupt_shard_fails_typed_and_leaves_nothing(two_rank_store, tmp_path
     consolidate_weights(store, out, step=2)
     before = (out / "model.safetensors").read_bytes()
     gen = generation(store, 2)
-    chunk = json.loads((gen / "manifest.json").read_text())["dcp"]["tensors"]["model/w"]
+    chunk = read_logical(gen)["dcp"]["tensors"]["model/w"]
     second = next(c for c in chunk["chunks"] if c["file"].startswith("r00001"))
     shard = writable(gen / second["file"])
     data = bytearray(shard.read_bytes())
@@ -159,7 +160,7 @@ def test_corruption_found_mid_stream_removes_the_partial_output(tmp_path):
     with cv.CheckpointManager(store, run_id="r", chunk_size=64 * 1024) as mgr:
         mgr.save(1, state)
     gen = generation(store, 1)
-    chunk = json.loads((gen / "manifest.json").read_text())["dcp"]["tensors"]["model/z"]
+    chunk = read_logical(gen)["dcp"]["tensors"]["model/z"]
     tensor_file = writable(gen / chunk["chunks"][0]["file"])
     data = bytearray(tensor_file.read_bytes())
     data[chunk["chunks"][0]["start"] + chunk["chunks"][0]["length"] - 3] ^= 1
