@@ -107,7 +107,10 @@ def test_other_run_fails_when_any_run_id_is_accepted(context, tmp_path, monkeypa
 def test_format_version_fails_when_any_version_is_read(context, tmp_path, monkeypatch) -> None:
     from ckptvault.format import manifest
 
-    monkeypatch.setattr(manifest, "READABLE_FORMAT_VERSIONS", frozenset({1, 2, 3}))
+    newer = max(manifest.READABLE_FORMAT_VERSIONS) + 1  # the version the drill writes
+    monkeypatch.setattr(
+        manifest, "READABLE_FORMAT_VERSIONS", manifest.READABLE_FORMAT_VERSIONS | {newer}
+    )
     assert run(context, "format-version", tmp_path).passed is False
 
 
