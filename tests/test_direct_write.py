@@ -19,6 +19,11 @@ from ckptvault.format.canonical import dumps_canonical
 from ckptvault.format.manifest import parse_manifest
 from ckptvault.io import direct_write, writer
 from ckptvault.io.direct_write import DirectWriter, layout_key
+from ckptvault.saving.generation_writer import GenerationWriter
+from ckptvault.saving.indexes import IndexWriter
+from ckptvault.storage import open_store
+from ckptvault.trust.checks import check_structure
+from forging import read_logical
 
 
 def mixed_state(seed: int = 0) -> dict[str, object]:
@@ -67,9 +72,15 @@ def test_writes_exactly_what_the_dcp_path_writes(
     planned = saved(tmp_path / "dcp", state, direct=False, threads=threads)
     fast_files, dcp_files = tensor_files(fast), tensor_files(planned)
     assert len(fast_files) == threads and fast_files == dcp_files  # byte for byte
-    fast_manifest = json.loads((fast / "manifest.json").read_bytes())
-    dcp_manifest = json.loads((planned / "manifest.json").read_bytes())
-    for section in ("dcp", "state", "files"):
+    # The root's sections, and the logical manifest (the indexes merged in: chunk
+    # digests and DCP chunk metadata); the index bytes differ only by generation id.
+    fast_root = json.loads((fast / "manifest.json").read_bytes())
+    dcp_root = json.loads((planned / "manifest.json").read_bytes())
+    for section in ("tensors", "dcp_version", "state", "files"):
+        assert fast_root[section] == dcp_root[section], section
+    assert set(fast_root["indexes"]) == set(dcp_root["indexes"]) == {"r00000-index.json"}
+    fast_manifest, dcp_manifest = read_logical(fast), read_logical(planned)
+    for section in ("dcp", "files"):
         assert fast_manifest[section] == dcp_manifest[section], section
 
     restored = mixed_state(seed=1)
@@ -108,12 +119,20 @@ def test_the_layout_is_planned_once_while_it_does_not_change(
             assert back["b"].shape == (width,) and back["b"].dtype == dtype
 
 
-def test_the_kept_manifest_section_is_used_only_for_its_own_object(tmp_path: Path) -> None:
-    """The ``dcp`` section is encoded once per layout; a manifest built from other
-    metadata never carries those bytes, and either way the bytes are canonical."""
-    generation = saved(tmp_path / "s", {"w": torch.ones(3)}, direct=True)
+def test_the_kept_manifest_section_is_used_only_for_its_own_object(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Format 2: the ``dcp`` section is encoded once per layout; a manifest built from
+    other metadata never carries those bytes, and either way the bytes are canonical.
+    Format 3 keeps ``dcp`` out of the root: what is kept per layout is the index plan
+    (tensor table and each index's chunk list), and it too serves only the ``dcp``
+    object it was made from."""
+    with monkeypatch.context() as old:
+        old.setattr(GenerationWriter, "format_version", 2)
+        generation = saved(tmp_path / "s", {"w": torch.ones(3)}, direct=True)
     data = (generation / "manifest.json").read_bytes()
     manifest = parse_manifest(data, "test")
+    assert manifest.format_version == 2
     kept = dataclasses.replace(manifest, encoded_dcp=(manifest.dcp, dumps_canonical(manifest.dcp)))
     assert kept.to_bytes() == data == manifest.to_bytes()
     other = {"version": None, "tensors": {}}
@@ -123,6 +142,50 @@ def test_the_kept_manifest_section_is_used_only_for_its_own_object(tmp_path: Pat
         stale.authenticated_bytes()
         == dataclasses.replace(manifest, dcp=other).authenticated_bytes()
     )
+
+    generation = saved(tmp_path / "s3", {"w": torch.ones(3)}, direct=True)
+    data = (generation / "manifest.json").read_bytes()
+    opened = open_store(tmp_path / "s3", must_exist=True)
+    whole = check_structure(opened, opened.list_generations()[0]).manifest
+    assert whole.format_version == 3 and "w" in whole.dcp["tensors"]
+    writer = IndexWriter()
+    area = MemoryArea()
+    rewritten = writer.write(area, whole)  # plans this layout, and keeps the plan
+    assert rewritten.to_bytes() == data
+    assert area.files == {"r00000-index.json": (generation / "r00000-index.json").read_bytes()}
+    stale_area, fresh_area = MemoryArea(), MemoryArea()
+    stale = writer.write(stale_area, dataclasses.replace(whole, dcp=other))
+    fresh = IndexWriter().write(fresh_area, dataclasses.replace(whole, dcp=other))
+    assert stale_area.files == fresh_area.files and stale.to_bytes() == fresh.to_bytes()
+    assert json.loads(stale_area.files["r00000-index.json"])["tensors"] == {}
+    assert json.loads(stale.to_bytes())["tensors"] == {}
+
+
+class MemoryArea:
+    """A staging area that keeps what is written to it in memory."""
+
+    generation_id = "memory"
+
+    def __init__(self) -> None:
+        self.files: dict[str, bytes] = {}
+
+    def create_file(self, name: str) -> MemorySink:
+        return MemorySink(self.files, name)
+
+
+class MemorySink:
+    def __init__(self, files: dict[str, bytes], name: str) -> None:
+        self.files, self.name = files, name
+        files[name] = b""
+
+    def write(self, data: bytes) -> None:
+        self.files[self.name] += bytes(data)
+
+    def commit(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        del self.files[self.name]
 
 
 def test_tensors_only_dcp_can_lay_out_are_left_to_it() -> None:
