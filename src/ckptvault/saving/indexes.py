@@ -46,7 +46,10 @@ def plan_indexes(dcp: dict[str, Any], file_names: list[str]) -> IndexPlan:
     holders = tuple(sorted(files_by_holder(file_names)))
     by_holder = chunks_by_holder(dcp["tensors"])
     members = {holder: encode_tensor_chunks(by_holder.get(holder, {})) for holder in holders}
-    table = build_tensor_table(dcp["tensors"], lambda name: file_holder(name) or 0)
+    holders_by_file = {name: file_holder(name) or 0 for name in file_names}
+    table = build_tensor_table(
+        dcp["tensors"], lambda name: holders_by_file.get(name) or file_holder(name) or 0
+    )
     return IndexPlan(dcp, holders, table, members)
 
 
