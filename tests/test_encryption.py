@@ -19,6 +19,8 @@ from ckptvault.format.canonical import dumps_canonical
 from ckptvault.format.container import SEGMENT_OVERHEAD
 from ckptvault.format.layout import generation_dirname
 from ckptvault.format.manifest import authenticated_bytes, stored_authenticated_bytes
+from ckptvault.saving.generation_writer import GenerationWriter
+from ckptvault.trust.digests import derived_file_digest
 from ckptvault.trust.envelope import manifest_key_binding
 from ckptvault.trust.keystore import LocalKeyStore
 from ckptvault.trust.manifest_auth import manifest_mac
@@ -30,6 +32,7 @@ from conftest import (
     train_steps,
     writable,
 )
+from forging import read_logical, write_logical
 
 SEGMENT = 4096  # small segments so that tensors span many of them
 
@@ -65,32 +68,31 @@ def enc_file(path: Path) -> Path:
 
 def refresh_digests(path: Path) -> None:
     """Rewrite the manifest's digests to match the files (an attacker without the key
-    who can write the store but has no signing key)."""
-    document = json.loads((path / "manifest.json").read_bytes())
-    document.pop("manifest_blake3")
+    who can write the store but has no signing key): chunk digests (in the indexes,
+    format 3), derived whole-file digests and sizes (in the root), index digests."""
+    document = read_logical(path)
     chunk = document["chunk_size"]
     for name, record in document["files"].items():
         data = (path / name).read_bytes()
         record["size"] = len(data)
-        record["blake3"] = blake3(data).hexdigest()
         record["chunks"] = [
             blake3(data[i : i + chunk]).hexdigest() for i in range(0, len(data), chunk)
         ]
-    document["manifest_blake3"] = blake3(dumps_canonical(document)).hexdigest()
-    writable(path / "manifest.json").write_bytes(dumps_canonical(document))
+        record["blake3"] = derived_file_digest(len(data), record["chunks"])
+    write_logical(path, document)
 
 
 def reseal(path: Path, document: dict) -> None:
-    """Write ``document`` as the generation's manifest with a correct self-digest, as
-    anyone who can write the store can."""
-    document.pop("manifest_blake3", None)
-    document["manifest_blake3"] = blake3(dumps_canonical(document)).hexdigest()
-    writable(path / "manifest.json").write_bytes(dumps_canonical(document))
+    """Write the logical ``document`` (:func:`forging.read_logical`) as the
+    generation's manifest (root and indexes) with every digest and the self-digest
+    correct, as anyone who can write the store can."""
+    write_logical(path, document)
 
 
 def remac(path: Path, keystore: Path) -> None:
     """Recompute the manifest's MAC with the run's key, as only the KEK holder can.
-    Lets a test reach the checks behind the MAC (AES-GCM segments, key bindings)."""
+    Lets a test reach the checks behind the MAC (AES-GCM segments, key bindings).
+    The MAC covers the root (format 3: which covers the indexes by digest)."""
     document = json.loads((path / "manifest.json").read_bytes())
     section = document["encryption"]
     mac_key = LocalKeyStore(keystore).unwrap(
@@ -100,7 +102,9 @@ def remac(path: Path, keystore: Path) -> None:
         manifest_key_binding(document["run_id"], document["generation_id"]),
     )
     section["manifest_mac"] = manifest_mac(mac_key, authenticated_bytes(document))
-    reseal(path, document)
+    document.pop("manifest_blake3")
+    document["manifest_blake3"] = blake3(dumps_canonical(document)).hexdigest()
+    writable(path / "manifest.json").write_bytes(dumps_canonical(document))
 
 
 def restore_codes(store, keystore, run_id: str = "r") -> list[str]:
@@ -301,7 +305,7 @@ def test_file_moved_between_generations_is_detected(store, keystore, encrypted):
     def take_key(document):
         document["encryption"]["files"][newer.name] = source
 
-    document = json.loads((paths[2] / "manifest.json").read_bytes())
+    document = read_logical(paths[2])
     take_key(document)
     reseal(paths[2], document)
     assert restore_codes(store, keystore) == ["manifest-unauthenticated"]
@@ -384,11 +388,11 @@ def test_a_plaintext_generation_planted_in_an_encrypted_run_is_refused(
 
 
 def _forge_manifest(path: Path, edit) -> None:
-    """Edit a generation's manifest and refresh every digest, as a store-write-only
-    attacker (no signing key, no KEK) can."""
-    document = json.loads((path / "manifest.json").read_bytes())
+    """Edit a generation's (logical) manifest and refresh every digest, as a
+    store-write-only attacker (no signing key, no KEK) can."""
+    document = read_logical(path)
     edit(document)
-    writable(path / "manifest.json").write_bytes(dumps_canonical(document))
+    write_logical(path, document)
     refresh_digests(path)
 
 
@@ -485,7 +489,7 @@ def test_concurrent_first_use_creates_one_key(tmp_path):
 def _clone_as_step(source: Path, store: Path, step: int) -> Path:
     """Copy a generation under another step (same generation id), as anyone who can
     write the store can: only ``step`` changes in the manifest, resealed."""
-    document = json.loads((source / "manifest.json").read_bytes())
+    document = read_logical(source)
     document["step"] = step
     target = store / generation_dirname(step, document["generation_id"])
     shutil.copytree(source, target)
@@ -523,7 +527,7 @@ def test_swapped_chunk_records_are_refused(store, keystore, encrypted):
     """Red-team finding 6b: the model weight would have received the optimizer's
     exp_avg bytes (same shape, the decrypted headers move with the records)."""
     paths, weights = encrypted
-    document = json.loads((paths[2] / "manifest.json").read_bytes())
+    document = read_logical(paths[2])
     _swap_weight_and_moment(document)
     reseal(paths[2], document)
     fresh = make_training_state(width=64, seed=9)
@@ -550,7 +554,7 @@ def test_swapped_chunk_records_are_refused(store, keystore, encrypted):
 def test_mac_or_mac_key_of_another_generation_is_refused(store, keystore, encrypted, taken, code):
     paths, _ = encrypted
     other = json.loads((paths[1] / "manifest.json").read_bytes())["encryption"]
-    document = json.loads((paths[2] / "manifest.json").read_bytes())
+    document = read_logical(paths[2])
     for key in taken:
         document["encryption"][key] = other[key]
     reseal(paths[2], document)
@@ -634,14 +638,38 @@ def _edit(name: str):
 )
 def test_the_mac_covers_every_manifest_field(store, keystore, encrypted, field):
     """Each edit passes every structure check (resealed self-digest, names agree);
-    only the MAC catches it, before a key is unwrapped or a byte decrypted."""
+    only the MAC catches it, before a key is unwrapped or a byte decrypted. Format 3:
+    an edit of ``dcp`` is an edit of an index, which the root covers by its digest;
+    a root must be exactly what the writer writes, so an unknown key (top level or in
+    the encryption section) is refused as invalid before the MAC is looked at (the
+    MAC still covers them in format 2: the test after this one)."""
     paths, _ = encrypted
     shutil.rmtree(paths[2])  # the edited generation is the only candidate
-    document = json.loads((paths[1] / "manifest.json").read_bytes())
+    document = read_logical(paths[1])
     _edit(field)(document)
     reseal(paths[1], document)
     if field == "step":  # the directory name agrees with the edited step
         paths[1].rename(store / generation_dirname(document["step"], document["generation_id"]))
+    with encrypted_manager(store, keystore) as mgr, pytest.raises(NoValidCheckpoint) as caught:
+        mgr.restore(make_training_state(width=64, seed=9))
+    expected = "manifest-invalid" if field.startswith("unknown") else "manifest-unauthenticated"
+    assert [reason.split(":")[0] for _, _, reason in caught.value.rejected] == [expected]
+
+
+@pytest.mark.parametrize("field", ["unknown top-level key", "unknown encryption key", "dcp"])
+def test_the_mac_covers_unknown_keys_of_a_format_2_manifest(store, keystore, monkeypatch, field):
+    """Format 2 accepts keys it does not define; the MAC covers them (and ``dcp``,
+    which format 2 keeps in the manifest itself)."""
+    with monkeypatch.context() as old:
+        old.setattr(GenerationWriter, "format_version", 2)
+        state = make_training_state(width=64)
+        train_steps(state, 1)  # the optimizer has moments
+        with encrypted_manager(store, keystore) as mgr:
+            path = Path(mgr.save(1, state).result().path)
+    document = read_logical(path)
+    assert document["format_version"] == 2 and not list(path.glob("*-index.json"))
+    _edit(field)(document)
+    reseal(path, document)
     with encrypted_manager(store, keystore) as mgr, pytest.raises(NoValidCheckpoint) as caught:
         mgr.restore(make_training_state(width=64, seed=9))
     assert [reason.split(":")[0] for _, _, reason in caught.value.rejected] == [
@@ -671,7 +699,7 @@ def test_an_encrypted_generation_without_a_mac_is_refused(store, keystore, encry
     """Stripping the MAC (or a generation written before manifests were
     authenticated): refused; half a MAC does not even parse."""
     paths, _ = encrypted
-    document = json.loads((paths[2] / "manifest.json").read_bytes())
+    document = read_logical(paths[2])
     for key in stripped:
         del document["encryption"][key]
     reseal(paths[2], document)
@@ -683,7 +711,7 @@ def test_export_refuses_an_unauthenticated_manifest(store, keystore, encrypted, 
     from ckptvault.ops.export import export_weights
 
     paths, _ = encrypted
-    document = json.loads((paths[2] / "manifest.json").read_bytes())
+    document = read_logical(paths[2])
     _swap_weight_and_moment(document)
     reseal(paths[2], document)
     with pytest.raises(NoValidCheckpoint, match="manifest-unauthenticated"):
