@@ -20,15 +20,21 @@ index is read, which index holds which part of every tensor:
 
 Chunks that hold no element (an empty shard) are no cells; only their index lists
 them. Parsing bounds every count before anything is expanded: a root names at most
-:data:`MAX_CELLS` cells in all.
+:data:`MAX_CELLS` cells in all. Nor is anything expanded afterwards: which index
+holds a given cell (:meth:`TensorLayout.cell_holder`), which indexes hold any cell
+of a box (:meth:`TensorLayout.holders_of`) and how many cells an index holds
+(:meth:`TensorTable.cells_held`) are bisections over the runs as the root spells
+them, so a planted root of a few runs over 2**24 cells costs what its runs cost.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,18 +49,23 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 @dataclass(frozen=True)
 class Runs:
     """A run-length encoded sequence: ``[[value, count], ...]``, with each value's
-    meaning left to the caller (part sizes, or first holders)."""
+    meaning left to the caller (part sizes, or first holders). ``totals`` are the sums
+    of ``value * count`` before each run (for part sizes: where each run's first part
+    begins), so that any part is found by bisection, never by a scan."""
 
     pairs: tuple[tuple[int, int], ...]
     starts: tuple[int, ...]  # position of each run's first element
+    totals: tuple[int, ...]  # sum of value * count over the runs before each
 
     @classmethod
     def of(cls, pairs: Sequence[tuple[int, int]]) -> Runs:
-        starts, position = [], 0
-        for _value, count in pairs:
+        starts, totals, position, total = [], [], 0, 0
+        for value, count in pairs:
             starts.append(position)
+            totals.append(total)
             position += count
-        return cls(tuple(pairs), tuple(starts))
+            total += value * count
+        return cls(tuple(pairs), tuple(starts), tuple(totals))
 
     @property
     def length(self) -> int:
@@ -62,8 +73,20 @@ class Runs:
             return 0
         return self.starts[-1] + self.pairs[-1][1]
 
+    @property
+    def total(self) -> int:
+        """The sum of every element (for part sizes: the extent they cover)."""
+        if not self.pairs:
+            return 0
+        return self.totals[-1] + self.pairs[-1][0] * self.pairs[-1][1]
+
     def run_at(self, position: int) -> int:
         return bisect.bisect_right(self.starts, position) - 1
+
+    def part_at(self, coordinate: int) -> int:
+        """For part sizes: the part holding ``coordinate`` (``0 <= coordinate < total``)."""
+        run = bisect.bisect_right(self.totals, coordinate) - 1
+        return self.starts[run] + (coordinate - self.totals[run]) // self.pairs[run][0]
 
 
 @dataclass(frozen=True)
@@ -84,13 +107,18 @@ class TensorLayout:
             return 0
         return math.prod(parts.length for _dim, parts in self.split)
 
-    def holder_ids(self) -> Iterator[int]:
-        """Every index that holds a cell of this tensor (with repeats)."""
+    def holder_spans(self) -> Iterator[tuple[int, int]]:
+        """``[first, end)`` ranges of index ordinals covering every cell's holder, one per
+        holder run (or listed chunk): as many as the root spells out, never one per cell."""
         if self.chunks is not None:
-            yield from (holder for _o, _s, holder in self.chunks)
+            yield from ((holder, holder + 1) for _o, _s, holder in self.chunks)
         elif self.holders is not None:
-            for first, count in self.holders.pairs:
-                yield from range(first, first + count)
+            yield from ((first, first + count) for first, count in self.holders.pairs)
+
+    def all_holders(self) -> set[int]:
+        """Every index that holds a cell of this tensor, each once (from its holder
+        runs: never one step per cell)."""
+        return _ordinals(self.holder_spans())
 
     def cells_of(self, holder: int) -> Iterator[Box]:
         """The box of every cell index ``holder`` holds."""
@@ -102,23 +130,90 @@ class TensorLayout:
             if first <= holder < first + count:
                 yield self._cell_box(start + holder - first)
 
-    def holders_of(self, offsets: Sequence[int], sizes: Sequence[int]) -> set[int]:
-        """The indexes holding any cell that overlaps the box ``offsets``+``sizes``."""
+    def cell_holder(self, offsets: Sequence[int], sizes: Sequence[int]) -> int | None:
+        """The index holding the cell that is exactly the box ``offsets``+``sizes``, or
+        None when that box is no cell of this tensor. Costs a bisection per dimension
+        (a dictionary look-up for a listed layout), whatever the grid's size."""
         if len(offsets) != len(self.shape) or len(sizes) != len(self.shape):
-            return set(self.holder_ids())
-        if not all(sizes) or not math.prod(self.shape):
-            return set()
+            return None
+        if self.chunks is not None:
+            return self._listed.get((tuple(offsets), tuple(sizes)))
+        assert self.holders is not None
+        if not math.prod(self.shape):
+            return None
+        position = 0
+        for dim, extent in enumerate(self.shape):
+            parts = self._split_at.get(dim)
+            if parts is None:
+                if offsets[dim] != 0 or sizes[dim] != extent:
+                    return None
+                continue
+            if not 0 <= offsets[dim] < extent:
+                return None
+            part = parts.part_at(offsets[dim])
+            if _part_span(parts, part) != (offsets[dim], sizes[dim]):
+                return None
+            position = position * parts.length + part
+        run = self.holders.run_at(position)
+        return self.holders.pairs[run][0] + position - self.holders.starts[run]
+
+    @functools.cached_property
+    def _split_at(self) -> dict[int, Runs]:
+        return dict(self.split)
+
+    @functools.cached_property
+    def _listed(self) -> dict[Box, int]:
+        """A listed layout's chunks by box (the tiling check refuses repeated boxes)."""
+        assert self.chunks is not None
+        return {(o, s): h for o, s, h in self.chunks}
+
+    def holders_of(self, offsets: Sequence[int], sizes: Sequence[int]) -> set[int]:
+        """The indexes holding any cell that overlaps the box ``offsets``+``sizes``.
+
+        The cells of a grid that overlap a box are a product of part ranges; their
+        row-major positions are contiguous across the trailing dimensions the box
+        spans whole, so they are walked as spans of positions, each matched against
+        the holder runs by bisection: the cost grows with the spans and runs the box
+        meets, never with the cells in it."""
+        if len(offsets) != len(self.shape) or len(sizes) != len(self.shape):
+            return self.all_holders()
+        if not all(sizes) or not _overlaps(offsets, sizes, (0,) * len(self.shape), self.shape):
+            return set()  # no element of the tensor (an empty box, or one beside it)
         if self.chunks is not None:
             return {h for o, s, h in self.chunks if _overlaps(o, s, offsets, sizes)}
+        if not self.split:
+            return self.all_holders()  # one cell, the whole tensor
+        ranges = [
+            _parts_overlapping(parts, offsets[dim], offsets[dim] + sizes[dim])
+            for dim, parts in self.split
+        ]
+        lengths = [parts.length for _dim, parts in self.split]
+        # The last split dimension the box does not span whole (the first when it spans
+        # them all): for each choice of parts before it, the cells are one span.
+        cut = len(ranges) - 1
+        while cut > 0 and len(ranges[cut]) == lengths[cut]:
+            cut -= 1
+        stride = math.prod(lengths[cut + 1 :])
+        spans: list[tuple[int, int]] = []
+        for leading in itertools.product(*ranges[:cut]):
+            base = 0
+            for part, length in zip(leading, lengths, strict=False):
+                base = base * length + part
+            base *= lengths[cut] * stride
+            low, high = base + ranges[cut].start * stride, base + ranges[cut].stop * stride
+            spans.extend(self._holder_spans_between(low, high))
+        return _ordinals(spans)
+
+    def _holder_spans_between(self, low: int, high: int) -> Iterator[tuple[int, int]]:
+        """``[first, end)`` ranges of the holders of cell positions ``low .. high-1``."""
         assert self.holders is not None
-        ranges = []
-        for dim, parts in self.split:
-            ranges.append(_parts_overlapping(parts, offsets[dim], offsets[dim] + sizes[dim]))
-        found: set[int] = set()
-        for position in _cell_positions(self.split, ranges):
-            run = self.holders.run_at(position)
-            found.add(self.holders.pairs[run][0] + position - self.holders.starts[run])
-        return found
+        run = self.holders.run_at(low)
+        while run < len(self.holders.pairs) and self.holders.starts[run] < high:
+            (first, count), start = self.holders.pairs[run], self.holders.starts[run]
+            lo, hi = max(low, start), min(high, start + count)
+            if lo < hi:
+                yield first + lo - start, first + hi - start
+            run += 1
 
     def _cell_box(self, position: int) -> Box:
         offsets, sizes = [0] * len(self.shape), list(self.shape)
@@ -146,32 +241,29 @@ def _overlaps(o1: Sequence[int], s1: Sequence[int], o2: Sequence[int], s2: Seque
 def _part_span(parts: Runs, part: int) -> tuple[int, int]:
     """(offset, size) of part number ``part`` of a dimension."""
     run = parts.run_at(part)
-    offset = sum(size * count for size, count in parts.pairs[:run])
     size = parts.pairs[run][0]
-    return offset + size * (part - parts.starts[run]), size
+    return parts.totals[run] + size * (part - parts.starts[run]), size
 
 
 def _parts_overlapping(parts: Runs, low: int, high: int) -> range:
-    """The parts of a dimension that overlap ``[low, high)``."""
-    first, last, offset = None, None, 0
-    for (size, count), start in zip(parts.pairs, parts.starts, strict=True):
-        end = offset + size * count
-        if first is None and low < end:
-            first = start + (max(low, offset) - offset) // size
-        if high > offset:
-            last = start + (min(high, end) - 1 - offset) // size
-        offset = end
-    if first is None or last is None or last < first:
+    """The parts of a dimension that overlap ``[low, high)`` (by bisection)."""
+    low, high = max(low, 0), min(high, parts.total)
+    if low >= high:
         return range(0)
-    return range(first, last + 1)
+    return range(parts.part_at(low), parts.part_at(high - 1) + 1)
 
 
-def _cell_positions(split: Sequence[tuple[int, Runs]], ranges: Sequence[range]) -> Iterator[int]:
-    """Row-major positions of the cells in the product of ``ranges`` (one per split dim)."""
-    positions = [0]
-    for (_dim, parts), wanted in zip(split, ranges, strict=True):
-        positions = [p * parts.length + i for p in positions for i in wanted]
-    yield from positions
+def _ordinals(spans: Iterable[tuple[int, int]]) -> set[int]:
+    """The index ordinals in the union of ``[first, end)`` spans, each added once
+    however often the spans repeat it."""
+    found: set[int] = set()
+    reached = -1
+    for first, end in sorted(spans):
+        first = max(first, reached)
+        if first < end:
+            found.update(range(first, end))
+            reached = end
+    return found
 
 
 @dataclass
@@ -188,6 +280,30 @@ class TensorTable:
         if self._encoded is None:
             self._encoded = dumps_canonical(self.to_json())
         return self._encoded
+
+    def cells_held(self, holder: int) -> int:
+        """How many cells, over every tensor, the table gives index ``holder``: a
+        bisection into :meth:`_cell_counts`, however many cells and indexes there are."""
+        points, counts = self._cell_counts
+        at = bisect.bisect_right(points, holder) - 1
+        return counts[at] if at >= 0 else 0
+
+    @functools.cached_property
+    def _cell_counts(self) -> tuple[list[int], list[int]]:
+        """Cells per index ordinal as a step function: ``counts[i]`` cells for every
+        ordinal in ``[points[i], points[i+1])``. Each holder run gives each ordinal
+        it spans one cell, so this costs a sort of the runs the root spells out."""
+        steps: dict[int, int] = defaultdict(int)
+        for layout in self.tensors.values():
+            for first, end in layout.holder_spans():
+                steps[first] += 1
+                steps[end] -= 1
+        points, counts, running = [], [], 0
+        for point in sorted(steps):
+            running += steps[point]
+            points.append(point)
+            counts.append(running)
+        return points, counts
 
 
 # -- building (the writer) -------------------------------------------------------------

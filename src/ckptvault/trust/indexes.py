@@ -16,6 +16,12 @@ and then:
 
 A reader that needs only part of a generation (one rank of many) loads only the
 indexes holding the cells it needs (:func:`indexes_for_regions`).
+
+Unsigned, the root is the attacker's too, and a few bytes of it can name 2**24 cells
+(:data:`~ckptvault.format.tensor_table.MAX_CELLS`) over thousands of indexes. So no
+check here walks the table's cells or repeats per index what is the same for all:
+an index costs a bisection per chunk it lists, the root's files are grouped by index
+once, and the listed layouts' tiling shares one corner budget.
 """
 
 from __future__ import annotations
@@ -32,9 +38,13 @@ from ckptvault.format.index import parse_index
 from ckptvault.format.layout import file_holder, index_file_name
 from ckptvault.format.manifest import Manifest
 from ckptvault.format.records import FileRecord
-from ckptvault.format.tensor_table import Box, TensorLayout
+from ckptvault.format.tensor_table import Box, TensorTable
 from ckptvault.storage.base import GenerationRef, Store
-from ckptvault.trust.chunk_layout import tiling_problem
+from ckptvault.trust.chunk_layout import (
+    CORNER_BUDGET_BASE,
+    CORNER_BUDGET_PER_CHUNK,
+    tiling_problem,
+)
 from ckptvault.trust.digests import derived_file_digest
 
 
@@ -65,20 +75,22 @@ def load_indexes(
         _check_listed_tilings(manifest)
     files = dict(manifest.files)
     tensors = _dcp_tensors(manifest, fresh=first_load)
-    by_holder = _holders_of_tensors(manifest.tensor_table.tensors, names) if names else {}
+    table = manifest.tensor_table
+    # Once per call, not once per index: a root may list many thousands of each.
+    covering = _files_by_holder(manifest.files) if names else {}
+    shapes = {fqn: layout.shape for fqn, layout in table.tensors.items()} if names else {}
+    where = f"generation {ref.generation_id}"
     for name in names:
         holder = file_holder(name)
         assert holder is not None
-        covered = {n: r for n, r in manifest.files.items() if file_holder(n) == holder}
+        covered = covering.get(holder, {})
         data = _read_index(store, ref, name, manifest)
-        shapes = {fqn: layout.shape for fqn, layout in manifest.tensor_table.tensors.items()}
-        where = f"generation {ref.generation_id}"
         contents = parse_index(
             data, holder, manifest.run_id, manifest.generation_id, covered, shapes, where
         )
         for file, digests in contents.file_chunks.items():
             files[file] = _checked_record(name, file, covered[file], digests, manifest.chunk_size)
-        _check_cells(name, holder, contents.chunks, manifest.tensor_table.tensors, by_holder)
+        _check_cells(name, holder, contents.chunks, table)
         for fqn, chunks in contents.chunks.items():
             tensors[fqn]["chunks"].extend(chunks)
     dcp = {"version": manifest.dcp.get("version"), "tensors": tensors}
@@ -110,7 +122,7 @@ def indexes_for_regions(
         if layout is None:
             continue
         if boxes is None:
-            holders.update(layout.holder_ids())
+            holders.update(layout.all_holders())
         else:
             for offsets, sizes in boxes:
                 holders.update(layout.holders_of(offsets, sizes))
@@ -159,53 +171,86 @@ def _dcp_tensors(manifest: Manifest, fresh: bool) -> dict[str, dict[str, Any]]:
     }
 
 
-def _holders_of_tensors(
-    tensors: Mapping[str, TensorLayout], names: Sequence[str]
-) -> dict[int, list[str]]:
-    """For each index being loaded, the tensors the table gives it cells of."""
-    loading = {file_holder(name) for name in names}
-    found: dict[int, list[str]] = defaultdict(list)
-    for fqn, layout in tensors.items():
-        for holder in set(layout.holder_ids()) & loading:
-            assert holder is not None
-            found[holder].append(fqn)
-    return found
+def _files_by_holder(files: Mapping[str, FileRecord]) -> dict[int, dict[str, FileRecord]]:
+    """The root's files grouped by the index that covers each (every root file has a
+    holder: the root parser refuses any other name)."""
+    grouped: dict[int, dict[str, FileRecord]] = defaultdict(dict)
+    for name, record in files.items():
+        holder = file_holder(name)
+        if holder is not None:
+            grouped[holder][name] = record
+    return grouped
 
 
 def _check_cells(
     name: str,
     holder: int,
     chunks: Mapping[str, list[dict[str, Any]]],
-    tensors: Mapping[str, TensorLayout],
-    by_holder: Mapping[int, list[str]],
+    table: TensorTable,
 ) -> None:
-    """The index's non-empty chunks are exactly the cells the table gives it."""
-    expected_fqns = set(by_holder.get(holder, ()))
-    for fqn in sorted(expected_fqns | set(chunks)):
-        boxes = [
-            (tuple(c["offsets"]), tuple(c["sizes"])) for c in chunks.get(fqn, ()) if all(c["sizes"])
-        ]
-        expected = _expected_cells(tensors[fqn], holder) if fqn in expected_fqns else []
-        if len(boxes) != len(set(boxes)) or sorted(boxes) != sorted(expected):
-            raise IndexMismatch(
-                f"{name}: the chunks it lists of tensor {fqn[:200]!r} are not the ones the root "
-                "manifest assigns to it"
-            )
-
-
-def _expected_cells(layout: TensorLayout, holder: int) -> list[Box]:
-    if not layout.split and layout.holders is not None and layout.holders.pairs == ((holder, 1),):
-        return [((0,) * len(layout.shape), layout.shape)]  # a tensor stored whole: no grid
-    return list(layout.cells_of(holder))
+    """The index's non-empty chunks are exactly the cells the table gives it: each is
+    a cell of its tensor held by this index, none twice, and there are as many as the
+    table gives it over all tensors. Costs a bisection per chunk listed, never a walk
+    over the table's cells (a root may name 2**24 of them in a few bytes)."""
+    seen: set[tuple[str, Box]] = set()
+    for fqn, entries in chunks.items():
+        layout = table.tensors[fqn]
+        for chunk in entries:
+            box = (tuple(chunk["offsets"]), tuple(chunk["sizes"]))
+            if not all(box[1]):
+                continue  # an empty chunk holds no element: no cell
+            if layout.cell_holder(*box) != holder or (fqn, box) in seen:
+                raise IndexMismatch(
+                    f"{name}: it lists a chunk of tensor {fqn[:200]!r} at {list(box[0])[:8]} "
+                    f"(sizes {list(box[1])[:8]}) that the root manifest's tensor table does "
+                    "not assign to it (or lists it twice): the index does not belong to this "
+                    "root"
+                )
+            seen.add((fqn, box))
+    expected = table.cells_held(holder)
+    if len(seen) != expected:
+        raise IndexMismatch(
+            f"{name}: it lists {len(seen)} chunks holding elements; the root manifest's "
+            f"tensor table gives it {expected}: the index does not belong to this root"
+        )
 
 
 def _check_listed_tilings(manifest: Manifest) -> None:
-    """A listed (non-grid) layout must tile its shape, as a grid does by construction."""
+    """A listed (non-grid) layout must tile its shape, as a grid does by construction.
+
+    The exact test costs ``chunks << split dimensions`` corner marks per tensor
+    (:mod:`ckptvault.trust.chunk_layout`). The root gets one budget for all its listed
+    tensors, as a format-2 manifest does, and its total cost is known before any mark
+    is made: a root of many listed tensors each just under a one-tensor budget is
+    refused at once (``manifest-inconsistent``), never ground through for hours."""
     assert manifest.tensor_table is not None
-    for fqn, layout in manifest.tensor_table.tensors.items():
-        if layout.chunks is None:
-            continue
-        boxes = [{"offsets": list(o), "sizes": list(s)} for o, s, _h in layout.chunks]
-        problem = tiling_problem(list(layout.shape), boxes)
+    listed = [
+        (fqn, layout.shape, layout.chunks)
+        for fqn, layout in manifest.tensor_table.tensors.items()
+        if layout.chunks is not None
+    ]
+    budget = CORNER_BUDGET_BASE + CORNER_BUDGET_PER_CHUNK * sum(len(c) for _f, _s, c in listed)
+    cost = sum(_corner_cost(shape, chunks) for _fqn, shape, chunks in listed)
+    if cost > budget:
+        raise IndexMismatch(
+            f"root manifest: its {len(listed)} listed (non-grid) tensor layouts would take "
+            f"{cost} corner marks to check, more than ckptvault checks ({budget}) and more "
+            "than it ever writes"
+        )
+    for fqn, shape, chunks in listed:
+        boxes = [{"offsets": list(o), "sizes": list(s)} for o, s, _h in chunks]
+        problem = tiling_problem(list(shape), boxes)
         if problem is not None:
             raise IndexMismatch(f"root manifest: tensor {fqn[:200]!r}: {problem}")
+
+
+def _corner_cost(
+    shape: tuple[int, ...], chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...], int]]
+) -> int:
+    """The corner marks the tiling test makes for these (non-empty) chunks."""
+    split = sum(
+        1
+        for dim, extent in enumerate(shape)
+        if any(o[dim] != 0 or s[dim] != extent for o, s, _h in chunks)
+    )
+    return len(chunks) << split
