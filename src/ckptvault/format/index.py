@@ -228,12 +228,16 @@ def _parse_chunk(
             and len(name) <= MAX_ENTRY_NAME_CHARS
             and _is_bounded(start)
             and _is_bounded(length)
+            # Inside the shape, empty chunks too (they are no cell of the table, so
+            # nothing else bounds them), as formats 1-2 require of every chunk.
+            and all(o + s <= d for o, s, d in zip(offsets, sizes, shape, strict=True))
         )
     if not ok:
         raise FormatError(
             f"{at}: a chunk of {fqn[:200]!r} is malformed (it must be [offsets, sizes, file, "
-            "name, start, length] with integer offsets and sizes of the tensor's rank, one of "
-            "the index's files, and non-negative start and length)"
+            "name, start, length] with integer offsets and sizes of the tensor's rank that "
+            "stay inside its shape, one of the index's files, and non-negative start and "
+            "length)"
         )
     return {
         "offsets": offsets,
