@@ -485,7 +485,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         files = _parse_files(_require(raw, "files", dict, where), chunk_size, where)
         dcp = check_dcp_section(_require(raw, "dcp", dict, where), where)
         indexes, table = None, None
-    return Manifest(
+    manifest = Manifest(
         indexes=indexes,
         tensor_table=table,
         pending_indexes=frozenset(indexes or ()),
@@ -509,6 +509,31 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         metrics=check_metrics(raw["metrics"], where) if raw.get("metrics") is not None else None,
         parsed_authenticated=(data, authenticated) if authenticated is not None else None,
     )
+    if manifest.indexed:
+        _check_root_round_trip(manifest, raw, where)
+    return manifest
+
+
+def _check_root_round_trip(manifest: Manifest, raw: dict[str, Any], where: str) -> None:
+    """A root must be exactly what :meth:`Manifest.to_bytes` writes for what was parsed
+    from it (``raw``: its document without the self-digest): no key left out that the
+    writer always writes (``parent``, ``dcp_version``), no ``null`` where the writer
+    leaves a key out (``encryption``, ``metrics``), no spelling the parsed sections
+    drop. So a parsed root's :meth:`Manifest.to_bytes` is its stored bytes: whatever
+    rewrites a generation from its parsed manifest writes back the root that was
+    checked (and signed), never a different one."""
+    document = manifest.to_json()
+    if document != raw:
+        differing = sorted(
+            str(key)[:40]
+            for key in set(document) | set(raw)
+            if key not in raw or key not in document or raw[key] != document[key]
+        )
+        raise FormatError(
+            f"{where}: the root manifest is not in the form ckptvault writes (it would not be "
+            f"written back as it is stored): keys {differing[:5]} differ; it was not written "
+            "by ckptvault"
+        )
 
 
 def _check_self_digest(raw: dict[str, Any], members: dict[str, bytes], where: str) -> bytes | None:
