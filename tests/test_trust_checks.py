@@ -9,10 +9,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from blake3 import blake3
 
 import ckptvault as cv
 from ckptvault.errors import NoValidCheckpoint, RollbackError, UsageError
 from ckptvault.format.canonical import dumps_canonical
+from ckptvault.trust.digests import derived_file_digest
 from ckptvault.trust.signing import MANIFEST_DOMAIN, generate_keypair, load_private_key, sign
 from conftest import (
     assert_same_tensors,
@@ -22,6 +24,7 @@ from conftest import (
     train_steps,
     writable,
 )
+from forging import read_logical, write_logical
 
 
 @pytest.fixture
@@ -78,8 +81,10 @@ def resign(path: Path, keys, key: str = "trainer") -> None:
 
 
 def rewrite_manifest(path: Path, change) -> None:
-    from blake3 import blake3
-
+    """Edit ``manifest.json`` as stored (format 3: the root; its indexes stay) and
+    refresh its self-digest. Names that no index could cover (unsafe ones) can only
+    be planted this way; edits of chunk digests or metadata go through
+    :func:`forging.read_logical` and :func:`forging.write_logical`."""
     document = json.loads((path / "manifest.json").read_bytes())
     document.pop("manifest_blake3")
     change(document)
@@ -258,19 +263,17 @@ def test_unsigned_store_is_refused_when_keys_are_required(store, keys, tmp_path)
 def test_a_file_not_in_our_formats(store, tmp_path):
     with cv.CheckpointManager(store, run_id="r") as mgr:
         path = Path(mgr.save(1, make_training_state()).result().path)
-    (path / "notes.txt").write_bytes(b"hello")
-    rewrite_manifest(
-        path,
-        lambda m: m["files"].update(
-            {
-                "notes.txt": {
-                    "size": 5,
-                    "blake3": __import__("blake3").blake3(b"hello").hexdigest(),
-                    "chunks": [__import__("blake3").blake3(b"hello").hexdigest()],
-                }
-            }
-        ),
-    )
+    # Format 3: a listed file is a rank's (r<rank>-...), its chunk digests in that
+    # rank's index and its derived digest in the root; all of it recomputed.
+    name, chunks = "r00000-notes.txt", [blake3(b"hello").hexdigest()]
+    (path / name).write_bytes(b"hello")
+    document = read_logical(path)
+    document["files"][name] = {
+        "size": 5,
+        "blake3": derived_file_digest(5, chunks),
+        "chunks": chunks,
+    }
+    write_logical(path, document)
     with (
         cv.CheckpointManager(store, run_id="r") as mgr,
         pytest.raises(NoValidCheckpoint, match="unknown-format"),
