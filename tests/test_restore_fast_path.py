@@ -6,7 +6,6 @@ DCP; and the manifest is parsed once per restore. Costs are asserted as counts
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from ckptvault.io.dcp_io import read_tensors
 from ckptvault.storage import open_store
 from ckptvault.trust.checks import check_structure
 from conftest import TinyNet, writable
+from forging import read_logical, write_logical
 
 DTYPES = [
     torch.float32,
@@ -154,9 +154,9 @@ def test_a_generation_without_tensors_still_verifies_its_files(store):
 
 
 def flip_tensor_byte(generation: Path, fqn: str, offset: int = 0) -> None:
-    """Flip one bit of tensor ``fqn``'s stored bytes (found through its manifest)."""
-    manifest = parse_manifest((generation / MANIFEST_NAME).read_bytes(), "test")
-    (chunk,) = manifest.dcp["tensors"][fqn]["chunks"]
+    """Flip one bit of tensor ``fqn``'s stored bytes (found through its manifest:
+    format 3, the index holding its chunk)."""
+    (chunk,) = read_logical(generation)["dcp"]["tensors"][fqn]["chunks"]
     path = writable(generation / chunk["file"])
     data = bytearray(path.read_bytes())
     data[chunk["start"] + offset] ^= 0x01
@@ -201,22 +201,19 @@ def test_a_flipped_byte_in_a_small_tensor_is_refused(store, chunk_size):
 def split_into_columns(generation: Path) -> None:
     """Rewrite a generation of ``left`` (6x3) and ``right`` (6x1) into the layout a
     sharded save writes: one tensor ``w`` (6x4) stored as two column chunks (the
-    files are unchanged; the manifest is resealed with its self-digest)."""
-    path = generation / MANIFEST_NAME
-    manifest = parse_manifest(path.read_bytes(), "test")
-    left, right = (manifest.dcp["tensors"][k]["chunks"][0] for k in ("left", "right"))
-    dcp_section = {
-        "version": manifest.dcp.get("version"),
-        "tensors": {
-            "w": {
-                "dtype": "float32",
-                "shape": [6, 4],
-                "chunks": [{**left, "offsets": [0, 0]}, {**right, "offsets": [0, 3]}],
-            }
-        },
+    files are unchanged; the manifest, root and index, is rewritten with every
+    digest recomputed: :func:`forging.write_logical`)."""
+    document = read_logical(generation)
+    left, right = (document["dcp"]["tensors"][k]["chunks"][0] for k in ("left", "right"))
+    document["dcp"]["tensors"] = {
+        "w": {
+            "dtype": "float32",
+            "shape": [6, 4],
+            "chunks": [{**left, "offsets": [0, 0]}, {**right, "offsets": [0, 3]}],
+        }
     }
-    resharded = dataclasses.replace(manifest, dcp=dcp_section, state={"w": {"$tensor": "w"}})
-    writable(path).write_bytes(resharded.to_bytes())
+    document["state"] = {"w": {"$tensor": "w"}}
+    write_logical(generation, document)
 
 
 def test_a_layout_split_into_chunks_goes_through_dcp_and_restores(store, monkeypatch):
