@@ -3,7 +3,6 @@ written once; restore and export give every name its tensor, and ties stay ties.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -11,6 +10,7 @@ from safetensors.torch import load_file
 
 import ckptvault as cv
 from ckptvault.ops.export import export_weights
+from forging import read_logical
 
 
 class TiedLM(torch.nn.Module):
@@ -23,7 +23,8 @@ class TiedLM(torch.nn.Module):
 
 
 def manifest_of(mgr: cv.CheckpointManager) -> dict:
-    return json.loads((Path(mgr.generations()[0].path) / "manifest.json").read_text())
+    """The newest generation's logical manifest (format 3: root and indexes merged)."""
+    return read_logical(Path(mgr.generations()[0].path))
 
 
 def test_a_tied_weight_is_written_once_and_restores_as_a_tie(store: Path):
