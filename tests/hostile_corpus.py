@@ -12,9 +12,17 @@ bounded.
 
 Builders return the hostile generation's step. They live by category in
 :mod:`hostile_corpus_files` (pickle payloads, paths and links),
-:mod:`hostile_corpus_claims` (enormous claims, malformed JSON) and
-:mod:`hostile_corpus_trust` (signatures, other runs, the floor, encrypted replay);
-:func:`entries` gathers them.
+:mod:`hostile_corpus_claims` (enormous claims, malformed JSON),
+:mod:`hostile_corpus_trust` (signatures, other runs, the floor, encrypted replay)
+and :mod:`hostile_corpus_indexes` / :mod:`hostile_corpus_index_files` (format 3:
+what the root's index records and tensor table and the indexes say; the index files'
+names, links, JSON and sizes); :func:`entries` gathers them.
+
+Generations are planted in the format the writer produces now (3) and, for an
+attack on anything format 2 has too, in format 2 as well (``formats``): the reader
+still accepts format 2, so an attacker can plant it, and an attack on the
+manifest's ``dcp`` section or its ``chunks`` lists is one on format 2's own
+structures. The format-2 entry is named after the builder with ``-in-format-2``.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ CLAIMS = "hostile: enormous claims"
 JSON = "hostile: malformed JSON"
 TRUST = "hostile: trust (unsigned/forged/other run/rollback)"
 REPLAY = "hostile: encrypted replay"
+INDEXES = "hostile: format-3 indexes and tensor table"
 
 # What an entry point cannot see by design; there it must still fail safe (no raw
 # error, no code run, nothing outside the store read, bounded memory), whatever it
@@ -73,6 +82,8 @@ def entries(category: str | None = None) -> list[Hostile]:
     """Every corpus entry (of ``category``), in the order they are defined."""
     import hostile_corpus_claims  # noqa: F401  (each registers its entries)
     import hostile_corpus_files  # noqa: F401
+    import hostile_corpus_index_files  # noqa: F401
+    import hostile_corpus_indexes  # noqa: F401
     import hostile_corpus_trust  # noqa: F401
 
     return [entry for entry in CORPUS if category in (None, entry.category)]
@@ -86,12 +97,18 @@ def hostile(
     restores: int | None = 1,
     refusal: type[NoValidCheckpoint] = NoValidCheckpoint,
     blind: frozenset[str] = frozenset(),
+    formats: tuple[int, ...] = (3,),
 ) -> Callable[[Callable[[Plot], int]], Callable[[Plot], int]]:
-    """Register the decorated builder as a corpus entry named after it."""
+    """Register the decorated builder as a corpus entry named after it, once per
+    format in ``formats`` (the builder reads ``plot.format`` where they differ)."""
 
     def register(plant: Callable[[Plot], int]) -> Callable[[Plot], int]:
         name = plant.__name__.replace("_", "-")
-        CORPUS.append(Hostile(name, category, base, plant, code, restores, refusal, blind))
+        for version in formats:
+            named, based = (name, base) if version == 3 else (f"{name}-in-format-2", f"{base}-f2")
+            entry = Hostile(named, category, based, plant, code, restores, refusal, blind)
+            assert all(other.name != named for other in CORPUS), named
+            CORPUS.append(entry)
         return plant
 
     return register

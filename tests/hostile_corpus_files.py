@@ -1,5 +1,6 @@
 """Corpus entries (see :mod:`hostile_corpus`): pickle payloads, names that point
-outside the generation, links and special files in it."""
+outside the generation, links and special files in it. Those aimed at an index are
+in :mod:`hostile_corpus_indexes`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from hostile_corpus import PATHS, PICKLE, hostile
 from hostile_plants import (
     Plot,
     forge_manifest,
+    forge_root,
     pickle_payload,
     replace_bytes,
     resign,
@@ -19,26 +21,29 @@ from hostile_plants import (
 # -- pickle payloads: would run code if anything unpickled them ------------------------
 
 
-@hostile(PICKLE, "plain", "tensor-file-invalid")
+@hostile(PICKLE, "plain", "tensor-file-invalid", formats=(3, 2))
 def pickle_as_tensor_file(plot: Plot) -> int:
     replace_bytes(plot.tensor_file(2), pickle_payload(plot.marker))
     forge_manifest(plot.gen(2))
     return 2
 
 
-@hostile(PICKLE, "plain", "tensor-file-invalid")
+@hostile(PICKLE, "plain", "tensor-file-invalid", formats=(3, 2))
 def torch_save_archive_as_tensor_file(plot: Plot) -> int:
     replace_bytes(plot.tensor_file(2), torch_save_payload(plot.marker))
     forge_manifest(plot.gen(2))
     return 2
 
 
-@hostile(PICKLE, "plain", "pickle-file")
+@hostile(PICKLE, "plain", "pickle-file", formats=(3, 2))
 def pickle_file_listed_in_the_manifest(plot: Plot) -> int:
+    """Listed with its real digests (in format 3 under rank 0's prefix, its chunk
+    digests in rank 0's index)."""
     gen = plot.gen(2)
-    (gen / "optimizer.pt").write_bytes(pickle_payload(plot.marker))
+    name = "r00000-optimizer.pt" if plot.format == 3 else "optimizer.pt"
+    (gen / name).write_bytes(pickle_payload(plot.marker))
     empty = {"size": 0, "blake3": "0" * 64, "chunks": []}
-    forge_manifest(gen, lambda m: m["files"].update({"optimizer.pt": empty}))
+    forge_manifest(gen, lambda m: m["files"].update({name: empty}))
     forge_manifest(gen)  # its record now holds the pickle's real size and digests
     return 2
 
@@ -49,7 +54,7 @@ def pickle_file_beside_a_signed_manifest(plot: Plot) -> int:
     return 2
 
 
-@hostile(PICKLE, "plain", "manifest-invalid")
+@hostile(PICKLE, "plain", "manifest-invalid", formats=(3, 2))
 def pickle_as_manifest(plot: Plot) -> int:
     replace_bytes(plot.gen(2) / "manifest.json", pickle_payload(plot.marker))
     return 2
@@ -61,7 +66,7 @@ def pickle_as_signature(plot: Plot) -> int:
     return 2
 
 
-@hostile(PICKLE, "encrypted", "tensor-file-invalid")
+@hostile(PICKLE, "encrypted", "tensor-file-invalid", formats=(3, 2))
 def pickle_as_state_file(plot: Plot) -> int:
     replace_bytes(plot.state_file(2), pickle_payload(plot.marker))
     forge_manifest(plot.gen(2))
@@ -72,8 +77,14 @@ def pickle_as_state_file(plot: Plot) -> int:
 
 
 def _rename_file_record(plot: Plot, name: str) -> None:
+    """The tensor file listed as ``name``. Format 2: in ``files`` and in every chunk
+    of ``dcp``; format 3: in the root's ``files`` (no index could cover the name)."""
+    old = plot.tensor_file(2).name
+    if plot.format == 3:
+        forge_root(plot.gen(2), lambda root: root["files"].update({name: root["files"].pop(old)}))
+        return
+
     def rename(manifest: dict) -> None:
-        old = plot.tensor_file(2).name
         manifest["files"][name] = manifest["files"].pop(old)
         for info in manifest["dcp"]["tensors"].values():
             for chunk in info["chunks"]:
@@ -82,25 +93,31 @@ def _rename_file_record(plot: Plot, name: str) -> None:
     forge_manifest(plot.gen(2), rename)
 
 
-@hostile(PATHS, "plain", "unsafe-path")
+@hostile(PATHS, "plain", "unsafe-path", formats=(3, 2))
 def traversal_in_the_file_list(plot: Plot) -> int:
     _rename_file_record(plot, "../../outside/secret.bin")
     return 2
 
 
-@hostile(PATHS, "plain", "unsafe-path")
+@hostile(PATHS, "plain", "unsafe-path", formats=(3, 2))
 def nested_traversal_in_the_file_list(plot: Plot) -> int:
     _rename_file_record(plot, "a/../../../outside/secret.bin")
     return 2
 
 
 @hostile(PATHS, "plain", "unsafe-path")
+def traversal_behind_a_rank_prefix_in_the_file_list(plot: Plot) -> int:
+    _rename_file_record(plot, "r00000-/../../outside/secret.bin")
+    return 2
+
+
+@hostile(PATHS, "plain", "unsafe-path", formats=(3, 2))
 def absolute_path_in_the_file_list(plot: Plot) -> int:
     _rename_file_record(plot, str(plot.secret))
     return 2
 
 
-@hostile(PATHS, "signed", "unsafe-path")
+@hostile(PATHS, "signed", "unsafe-path", formats=(3, 2))
 def traversal_in_a_validly_signed_manifest(plot: Plot) -> int:
     _rename_file_record(plot, "../../outside/secret.bin")
     resign(plot.gen(2), plot.key("trainer.pem"))  # an insider: still no way out
@@ -115,19 +132,20 @@ def _point_chunks_at(plot: Plot, target: str, field: str) -> None:
     forge_manifest(plot.gen(2), point)
 
 
-@hostile(PATHS, "plain", "manifest-inconsistent")
+# A chunk's file in format 2's dcp section (format 3's index: hostile_corpus_indexes).
+@hostile(PATHS, "plain", "manifest-inconsistent", formats=(2,))
 def traversal_in_a_tensor_chunk_file(plot: Plot) -> int:
     _point_chunks_at(plot, "../../outside/secret.bin", "file")
     return 2
 
 
-@hostile(PATHS, "plain", "manifest-inconsistent")
+@hostile(PATHS, "plain", "manifest-inconsistent", formats=(2,))
 def absolute_path_in_a_tensor_chunk_file(plot: Plot) -> int:
     _point_chunks_at(plot, str(plot.secret), "file")
     return 2
 
 
-@hostile(PATHS, "plain", "manifest-inconsistent")
+@hostile(PATHS, "plain", "manifest-inconsistent", formats=(3, 2))
 def traversal_in_a_tensor_entry_name(plot: Plot) -> int:
     _point_chunks_at(plot, "../../outside/secret.bin", "name")
     return 2
@@ -154,14 +172,14 @@ def tensor_file_symlinked_to_a_secret(plot: Plot) -> int:
     return 2
 
 
-@hostile(PATHS, "plain", "unsafe-entry")
+@hostile(PATHS, "plain", "unsafe-entry", formats=(3, 2))
 def tensor_file_symlinked_to_identical_bytes(plot: Plot) -> int:
     copy = _outside_copy(plot, plot.tensor_file(2))  # every digest matches
     _swap_for_symlink(plot.tensor_file(2).name, plot, copy)
     return 2
 
 
-@hostile(PATHS, "signed", "unsafe-entry")
+@hostile(PATHS, "signed", "unsafe-entry", formats=(3, 2))
 def manifest_symlinked_to_identical_bytes(plot: Plot) -> int:
     copy = _outside_copy(plot, plot.gen(2) / "manifest.json")  # the signature matches
     _swap_for_symlink("manifest.json", plot, copy)

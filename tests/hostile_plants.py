@@ -1,16 +1,20 @@
 """The ground a hostile generation is planted on, and the attacker's tools.
 
-A :class:`Bases` builds, once per test, three small stores of run ``"r"`` with two
-good generations each (steps 1 and 2): ``plain`` (no trust features), ``signed``
-(signed by the trainer's key, trusted keys and a ledger on; beside it a store of run
+A :class:`Bases` builds, once per test, small stores of run ``"r"`` with two good
+generations each (steps 1 and 2): ``plain`` (no trust features), ``signed`` (signed
+by the trainer's key, trusted keys and a ledger on; beside it a store of run
 ``"other"`` signed by the same key) and ``encrypted`` (a key store, 4 KiB segments
-so that every file has several). Each corpus entry gets its own copy, a
-:class:`Plot`, with a directory ``outside`` the store holding a secret file that no
-reader may open, and a marker path that a pickle payload would create.
+so that every file has several), each written in the current format (3: a root
+manifest over one index per rank). ``plain-f2``, ``signed-f2`` and ``encrypted-f2``
+are the same written in format 2 (one manifest with every chunk): the reader still
+accepts that format, so an attacker can plant it, and its defences stay tested.
+Each corpus entry gets its own copy, a :class:`Plot`, with a directory ``outside``
+the store holding a secret file that no reader may open, and a marker path that a
+pickle payload would create.
 
 The tools are an attacker's: someone who can write the store, holding no signing
 key and no key-encryption key, who refreshes the manifest's digests and self-digest
-after an edit (``forge_manifest``) so that the attack reaches the parser behind
+after an edit (:mod:`hostile_forging`) so that the attack reaches the parser behind
 them. :func:`remac` and :func:`resign` are an insider's (the run's key, the
 trainer's key): they let an entry reach the checks behind the MAC and the signature.
 """
@@ -24,27 +28,32 @@ import pickle
 import shlex
 import shutil
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from blake3 import blake3
 
 import ckptvault as cv
-from ckptvault.format.canonical import dumps_canonical
 from ckptvault.format.manifest import authenticated_bytes
-from ckptvault.trust.digests import derived_file_digest
 from ckptvault.trust.envelope import manifest_key_binding
 from ckptvault.trust.keystore import LocalKeyStore
 from ckptvault.trust.manifest_auth import manifest_mac
 from ckptvault.trust.signing import MANIFEST_DOMAIN, generate_keypair, load_private_key, sign
 from conftest import make_training_state, model_snapshot, train_steps, writable
+from hostile_forging import (
+    forge_index,
+    forge_manifest,
+    forge_root,
+    index_paths,
+    reseal,
+    writer_format,
+)
 
-__all__ = ["Bases", "Plot", "forge_manifest"]
+__all__ = ["Bases", "Plot", "forge_index", "forge_manifest", "forge_root", "index_paths"]
 
 SEGMENT = 4096
+MANIFEST = "manifest.json"
 SECRET = b"TOP SECRET: nothing outside the store may be read\n" * 40
 
 
@@ -54,8 +63,18 @@ class Plot:
     audit log), ``keys`` (trainer/stranger key pairs), ``keystore`` (encrypted base),
     ``other`` (run "other", signed base) and ``outside`` (the secrets)."""
 
-    base: str
+    base: str  # "plain", "signed" or "encrypted", with "-f2" for format 2
     root: Path
+
+    @property
+    def kind(self) -> str:
+        """The base's trust features: "plain", "signed" or "encrypted"."""
+        return self.base.split("-")[0]
+
+    @property
+    def format(self) -> int:
+        """The format its generations are written in."""
+        return 2 if self.base.endswith("-f2") else 3
 
     @property
     def store(self) -> Path:
@@ -67,7 +86,7 @@ class Plot:
 
     @property
     def keystore(self) -> Path | None:
-        return self.root / "keystore" if self.base == "encrypted" else None
+        return self.root / "keystore" if self.kind == "encrypted" else None
 
     @property
     def outside(self) -> Path:
@@ -86,7 +105,7 @@ class Plot:
 
     @property
     def trusted(self) -> list[Path] | None:
-        return [self.key("trainer.pub")] if self.base == "signed" else None
+        return [self.key("trainer.pub")] if self.kind == "signed" else None
 
     def gen(self, step: int, store: Path | None = None) -> Path:
         (path,) = sorted((store or self.store).glob(f"step-{step:012d}.*"))
@@ -95,6 +114,10 @@ class Plot:
     def tensor_file(self, step: int) -> Path:
         (path,) = sorted(self.gen(step).glob("*.safetensors*"))
         return path
+
+    def index(self, step: int, holder: int = 0) -> Path:
+        """Rank ``holder``'s index of step ``step`` (format 3)."""
+        return self.gen(step) / f"r{holder:05d}-index.json"
 
     def state_file(self, step: int) -> Path:
         (path,) = sorted(self.gen(step).glob("*-state.json.enc"))
@@ -106,13 +129,13 @@ class Plot:
     def options(self) -> dict[str, Any]:
         """What the trainer passes to CheckpointManager for this base."""
         options: dict[str, Any] = {"run_id": "r"}
-        if self.base != "plain":  # the ledger and the audit log beside it, in the control plane
+        if self.kind != "plain":  # the ledger and the audit log beside it, in the control plane
             options.update(
                 ledger=self.control / "ledger.sqlite3", audit_log=self.control / "audit.jsonl"
             )
-        if self.base == "signed":
+        if self.kind == "signed":
             options.update(trusted_keys=self.trusted)
-        if self.base == "encrypted":
+        if self.kind == "encrypted":
             options.update(keystore=self.keystore)
         return options
 
@@ -123,7 +146,7 @@ class Plot:
 
 @dataclass
 class Bases:
-    """The three base stores (built on first use) and their steps' model weights."""
+    """The base stores (built on first use) and their steps' model weights."""
 
     directory: Path
     weights: dict[str, dict[int, dict[str, torch.Tensor]]] = field(default_factory=dict)
@@ -145,19 +168,23 @@ class Bases:
         for who in ("trainer", "stranger"):
             generate_keypair(plot.key(f"{who}.pem"), plot.key(f"{who}.pub"))
         options = plot.options()
-        if base == "signed":
+        if plot.kind == "signed":
             options["signing_key"] = plot.key("trainer.pem")
-        if base == "encrypted":
+        if plot.kind == "encrypted":
             options["segment_size"] = SEGMENT
         state = make_training_state()
-        with cv.CheckpointManager(plot.store, **options) as mgr:
+        with writer_format(plot.format), cv.CheckpointManager(plot.store, **options) as mgr:
             for step in (1, 2):
                 train_steps(state, 1)
                 self.weights.setdefault(base, {})[step] = model_snapshot(state["model"])
                 mgr.save(step, state)
-        if base == "signed":  # another run, signed by the same trainer key
-            with cv.CheckpointManager(root / "other", **{**options, "run_id": "other"}) as mgr:
+        if plot.kind == "signed":  # another run, signed by the same trainer key
+            other = {**options, "run_id": "other"}
+            with writer_format(plot.format), cv.CheckpointManager(root / "other", **other) as mgr:
                 mgr.save(3, make_training_state(seed=4))
+        assert {json.loads(m.read_bytes())["format_version"] for m in root.rglob(MANIFEST)} == {
+            plot.format
+        }
 
 
 # -- the attacker's tools ---------------------------------------------------------------
@@ -167,55 +194,12 @@ def replace_bytes(file: Path, data: bytes) -> None:
     writable(file).write_bytes(data)
 
 
-def forge_manifest(
-    generation: Path,
-    change: Callable[[dict[str, Any]], None] | None = None,
-    raw: dict[str, str] | None = None,
-) -> None:
-    """Rewrite the manifest so that every digest agrees with the files and with
-    itself: each listed file's size and chunk digests recomputed from its bytes,
-    ``change`` applied, each whole-file digest derived again from the (possibly
-    changed) size and chunks as format 2 does, the self-digest recomputed. ``raw``
-    splices JSON text canonical JSON cannot say (NaN, deep nesting, escapes) in place
-    of quoted placeholders. The attack then meets the parser and the checks behind
-    the digests, not the digest check."""
-    manifest = generation / "manifest.json"
-    document = json.loads(manifest.read_bytes())
-    document.pop("manifest_blake3")
-    chunk = document["chunk_size"]
-    for name, record in document["files"].items():
-        data = (generation / name).read_bytes()
-        pieces = [data[i : i + chunk] for i in range(0, len(data), chunk)]
-        record.update(size=len(data), chunks=[blake3(p).hexdigest() for p in pieces])
-    if change is not None:
-        change(document)
-    for record in document["files"].values():
-        size, chunks = record.get("size"), record.get("chunks")
-        if type(size) is int and size >= 0 and isinstance(chunks, list):
-            record["blake3"] = derived_file_digest(size, chunks)
-
-    def splice(data: bytes) -> bytes:
-        for placeholder, text in (raw or {}).items():
-            data = data.replace(json.dumps(placeholder).encode(), text.encode())
-        return data
-
-    document["manifest_blake3"] = blake3(splice(dumps_canonical(document))).hexdigest()
-    replace_bytes(manifest, splice(dumps_canonical(document)))
-
-
 def resign(generation: Path, private_key: Path) -> None:
     """Sign the generation's manifest bytes as they are now (an insider's tool)."""
     signature = sign(
         load_private_key(private_key), (generation / "manifest.json").read_bytes(), MANIFEST_DOMAIN
     )
     replace_bytes(generation / "manifest.sig", signature)
-
-
-def reseal(generation: Path, document: dict[str, Any]) -> None:
-    """Write ``document`` as the manifest with a correct self-digest (no key needed)."""
-    document.pop("manifest_blake3", None)
-    document["manifest_blake3"] = blake3(dumps_canonical(document)).hexdigest()
-    replace_bytes(generation / "manifest.json", dumps_canonical(document))
 
 
 def remac(generation: Path, keystore: Path) -> None:

@@ -4,7 +4,10 @@ reader entry point a user or an operator has (``tests/hostile_points.py``): rest
 listing (library and ``ckptvault ls``), ``ckptvault verify`` and ``ckptvault
 inspect`` (in process) and ``export_weights``; some through ``ckptvault verify``,
 ``inspect`` and ``export`` as real subprocesses, and the enormous claims through
-restore and export in a process with a limited address space.
+restore and export in a process with a limited address space. Generations are
+planted in format 3 (a root manifest over per-rank indexes, what the writer
+produces) and, for every attack format 2 is open to, in format 2 too: the reader
+still accepts it, so an attacker can plant it.
 
 For each entry and entry point (one trial) it checks:
 
@@ -17,7 +20,8 @@ c. nothing outside the store was read: no path outside the store and the control
    the secrets' inodes through any name (inotify);
 d. memory stayed bounded, by the bytes the attacker wrote, not by what they claim:
    the resident set's growth always, Python's allocations (tracemalloc) for the
-   enormous claims and the malformed JSON.
+   enormous claims and the malformed JSON. What the attacker wrote counts the root
+   manifest and the indexes (those a reader may read: at most MAX_INDEX_BYTES each).
 """
 
 from __future__ import annotations
@@ -41,11 +45,12 @@ import typer.main
 import ckptvault as cv
 from ckptvault.cli import app as cli_app
 from ckptvault.errors import FormatError
+from ckptvault.format.index import MAX_INDEX_BYTES
 from ckptvault.format.tensorfile import parse_header
 from ckptvault.ops.export import export_weights
 from ckptvault.trust.keystore import LocalKeyStore
 from conftest import make_training_state
-from hostile_corpus import CLAIMS, JSON, PATHS, PICKLE, REPLAY, TRUST, Hostile, entries
+from hostile_corpus import CLAIMS, INDEXES, JSON, PATHS, PICKLE, REPLAY, TRUST, Hostile, entries
 from hostile_guards import AccessLog, InodeWatch, memory_meter
 from hostile_plants import Bases, Plot, pickle_payload, torch_save_payload
 from hostile_points import (
@@ -76,8 +81,14 @@ SUBPROCESS = {
     JSON: ("deeply-nested-manifest", "verify"),
     TRUST: ("generation-of-another-run", "verify"),
     REPLAY: ("segment-replayed-from-the-state-file", "inspect"),
+    INDEXES: ("index-chunk-moved", "verify"),
 }
-LIMITED = ("tensor-entry-claims-a-trillion-elements", "container-claims-an-exabyte-of-plaintext")
+LIMITED = (
+    "tensor-entry-claims-a-trillion-elements",
+    "container-claims-an-exabyte-of-plaintext",
+    "index-chunk-claims-a-trillion-squared-elements",
+    "table-claims-more-cells-than-any-root-may",
+)
 
 
 # -- the ground ------------------------------------------------------------------------------
@@ -123,7 +134,7 @@ def bases(workspace: Bases, monkeypatch: pytest.MonkeyPatch) -> Bases:
 def warm_up(bases: Bases) -> None:
     """Every entry point once on untampered copies: they must succeed (so each check
     of a trial can fail), and first-call imports do not count as a trial's memory."""
-    for base in ("plain", "signed", "encrypted"):
+    for base in ("plain", "signed", "encrypted", "plain-f2", "signed-f2", "encrypted-f2"):
         plot = bases.plot(base, f"warm-up-{base}")
         with cv.CheckpointManager(plot.store, **plot.options()) as mgr:
             assert mgr.restore(make_training_state(seed=9)).step == 2
@@ -144,12 +155,19 @@ def warm_up(bases: Bases) -> None:
 
 
 def manifest_bytes(plot: Plot, step: int) -> int:
-    """The size of the hostile generation's manifest, when it is a plain file."""
+    """The size of the hostile generation's manifest (its root and the indexes a
+    reader may read), counting plain files only."""
+    total = 0
     for generation in plot.store.glob(f"step-{step:012d}.*"):
-        info = (generation / "manifest.json").lstat() if generation.is_dir() else None
-        if info is not None and stat.S_ISREG(info.st_mode):
-            return info.st_size
-    return 0
+        if generation.is_symlink() or not generation.is_dir():
+            continue  # never list through a link: the guards would see the test read
+        for path in [generation / "manifest.json", *generation.glob("*-index.json")]:
+            info = path.lstat() if os.path.lexists(path) else None
+            if info is None or not stat.S_ISREG(info.st_mode):
+                continue
+            if path.name == "manifest.json" or info.st_size <= MAX_INDEX_BYTES:
+                total += info.st_size
+    return total
 
 
 def guarded(
@@ -231,7 +249,7 @@ def check(category: str, outcomes: list[list[str]], detail: str) -> None:
 
 
 @pytest.mark.reliability
-@pytest.mark.parametrize("category", [PICKLE, PATHS, JSON, TRUST, REPLAY])
+@pytest.mark.parametrize("category", [PICKLE, PATHS, JSON, TRUST, REPLAY, INDEXES])
 def test_hostile_generations_are_refused(category: str, bases: Bases) -> None:
     outcomes, _steps = run_category(category, bases)
     detail = f"{len(entries(category))} entries x {len(POINTS)} entry points, + subprocesses"
