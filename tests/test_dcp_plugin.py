@@ -27,6 +27,7 @@ from ckptvault.errors import (
 from ckptvault.trust.signing import generate_keypair
 from conftest import run_cli, writable
 from dcp_worker import launch
+from forging import read_logical
 
 RUN = "dcp-run"
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
@@ -94,7 +95,9 @@ def test_nested_dicts_round_trip_bit_exact_and_verify_accepts_the_store(store):
     manifest = json.loads((generation / "manifest.json").read_text())
     assert manifest["run_id"] == RUN and manifest["state"] == {}
     assert manifest["writer"]["via"] == "ckptvault.dcp" and manifest["writer"]["world_size"] == 1
-    assert "model.encoder.weight" in manifest["dcp"]["tensors"]
+    assert list(manifest["indexes"]) == ["r00000-index.json"]
+    assert "model.encoder.weight" in manifest["tensors"]  # the root's tensor table
+    assert "model.encoder.weight" in read_logical(generation)["dcp"]["tensors"]
     assert not list((store / ".staging").iterdir())
 
     live = zeros_like(nested_state(7))
@@ -219,7 +222,10 @@ def test_encrypted_with_a_keystore(store, tmp_path):
     keystore = tmp_path / "keys"
     save(store, 4, keystore=keystore)
     names = sorted(p.name for p in generations(store)[0].iterdir())
-    assert all(n.endswith(".enc") for n in names if n.startswith("r"))
+    # Every data file is encrypted; the index (chunk digests, names, shapes, as the
+    # format-2 manifest held them) is plaintext, like the root.
+    assert "r00000-index.json" in names
+    assert all(n.endswith(".enc") for n in names if n.startswith("r") and n != "r00000-index.json")
     live = zeros_like(nested_state(4))
     dcp.load(live, storage_reader=cv.dcp.StorageReader(store, run_id=RUN, keystore=keystore))
     assert_bit_exact(live, nested_state(4))
@@ -302,7 +308,9 @@ def fsdp_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
 def test_two_fsdp_ranks_publish_one_signed_generation(fsdp_store):
     store, _env, _saved = fsdp_store
     [generation] = generations(store)
-    manifest = json.loads((generation / "manifest.json").read_text())
+    root = json.loads((generation / "manifest.json").read_text())
+    assert sorted(root["indexes"]) == ["r00000-index.json", "r00001-index.json"]
+    manifest = read_logical(generation)
     assert manifest["writer"]["world_size"] == 2
     assert sorted(manifest["files"]) == ["r00000-000.safetensors", "r00001-000.safetensors"]
     chunks = manifest["dcp"]["tensors"]["model.0.weight"]["chunks"]
