@@ -55,7 +55,10 @@ def test_tensor_files_open_with_stock_safetensors(store: Path):
     with cv.CheckpointManager(store, run_id="r") as mgr:
         path = Path(mgr.save(2, state).result().path)
     files = sorted(path.glob("*.safetensors"))
-    assert files and {p.name for p in path.iterdir()} == {"manifest.json", *(f.name for f in files)}
+    # Besides the tensor files: the root manifest and (format 3) the rank's index,
+    # both canonical JSON.
+    listed = {"manifest.json", "r00000-index.json", *(f.name for f in files)}
+    assert files and {p.name for p in path.iterdir()} == listed
     found = {}
     for file in files:
         with safe_open(file, framework="pt") as reader:
