@@ -8,6 +8,11 @@ generation is skipped with a reason code, the next one is restored, nothing raw
 (RecursionError, OverflowError, MemoryError, RuntimeError, ValueError) escapes,
 ``ckptvault verify`` reports FAIL with the code (exit 1) and no command prints a
 traceback.
+
+Attacks on the manifest's tensor metadata run against format 3 (the root's tensor
+table, the index's chunks) and format 2 (its ``dcp`` section), which the reader still
+accepts and so an attacker can still plant. Chunk layouts and format 3's indexes are
+in ``test_hostile_layouts.py``.
 """
 
 from __future__ import annotations
@@ -16,28 +21,22 @@ import importlib
 import json
 import struct
 import tracemalloc
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from blake3 import blake3
 
 import ckptvault as cv
 from ckptvault.cli import main
 from ckptvault.errors import (
     FormatError,
-    NoValidCheckpoint,
     StoreLockedError,
     UnsupportedValueError,
 )
-from ckptvault.format.canonical import dumps_canonical
 from ckptvault.format.container import MAGIC
 from ckptvault.format.manifest import MAX_MANIFEST_BYTES
-from ckptvault.format.tensorfile import build_header, header_length, parse_header
 from ckptvault.storage.posix import PosixStore
 from ckptvault.trust.checks import verify_generation
-from ckptvault.trust.chunk_layout import tiling_problem
 from conftest import (
     assert_same_tensors,
     make_training_state,
@@ -47,6 +46,7 @@ from conftest import (
     train_steps,
     writable,
 )
+from hostile_forging import forge_manifest, forge_root, writer_format
 
 RAW_ERRORS = (
     RecursionError,
@@ -58,38 +58,7 @@ RAW_ERRORS = (
 )
 
 # -- forging, as an attacker without the signing key ----------------------------------
-
-
-def forge_manifest(
-    path: Path,
-    change: Callable[[dict], None] | None = None,
-    raw: dict[str, str] | None = None,
-) -> None:
-    """Rewrite ``path``'s manifest so that it passes every digest check: file records
-    recomputed from the files on disk, ``change`` applied, the self-digest recomputed.
-    ``raw`` splices JSON text that canonical JSON cannot say (Infinity, deep nesting)
-    in place of quoted placeholder strings."""
-    manifest = path / "manifest.json"
-    document = json.loads(manifest.read_bytes())
-    document.pop("manifest_blake3")
-    chunk = document["chunk_size"]
-    for name, record in document["files"].items():
-        data = (path / name).read_bytes()
-        record.update(
-            size=len(data),
-            blake3=blake3(data).hexdigest(),
-            chunks=[blake3(data[i : i + chunk]).hexdigest() for i in range(0, len(data), chunk)],
-        )
-    if change is not None:
-        change(document)
-
-    def splice(data: bytes) -> bytes:
-        for placeholder, text in (raw or {}).items():
-            data = data.replace(json.dumps(placeholder).encode(), text.encode())
-        return data
-
-    document["manifest_blake3"] = blake3(splice(dumps_canonical(document))).hexdigest()
-    writable(manifest).write_bytes(splice(dumps_canonical(document)))
+# forge_manifest (hostile_forging): the logical manifest edited, every digest refreshed.
 
 
 def tensor_file_parts(file: Path) -> tuple[bytes, bytes]:
@@ -112,17 +81,28 @@ def deep(levels: int) -> str:
 # -- restoring, and what the user sees ------------------------------------------------
 
 
-@pytest.fixture
-def two_steps(store: Path) -> tuple[dict[int, Path], dict[int, dict]]:
-    """Steps 1 and 2 of an unsigned run; the attacks target step 2."""
+def save_two_steps(
+    store: Path, version: int = 3, **options: object
+) -> tuple[dict[int, Path], dict[int, dict]]:
+    """Steps 1 and 2 of an unsigned run written in format ``version``; the attacks
+    target step 2."""
     state = make_training_state()
     paths, weights = {}, {}
-    with cv.CheckpointManager(store, run_id="r") as mgr:
+    with writer_format(version), cv.CheckpointManager(store, run_id="r", **options) as mgr:
         for step in (1, 2):
             train_steps(state, 1)
             weights[step] = model_snapshot(state["model"])
             paths[step] = Path(mgr.save(step, state).result().path)
     return paths, weights
+
+
+@pytest.fixture
+def two_steps(store: Path) -> tuple[dict[int, Path], dict[int, dict]]:
+    return save_two_steps(store)
+
+
+FORMATS = pytest.mark.parametrize("version", [3, 2], ids=["format-3", "format-2"])
+FQN = "model/fc1.weight"  # [16, 8], one chunk
 
 
 def restore_skipping(store: Path, code: str, fragment: str = "", **options) -> cv.RestoreInfo:
@@ -203,40 +183,39 @@ def test_deeply_nested_manifest(store, two_steps):
     assert_verify_fails(store, "manifest-invalid")
 
 
+@FORMATS
 @pytest.mark.parametrize(
     "shape", ["[Infinity,8]", "[16.5,8]", "[false,8]", "[-16,8]", "[99999999999999999999999,8]"]
 )
-def test_malformed_shape_in_the_manifest(store, two_steps, shape):
-    paths, _ = two_steps
-
-    def change(manifest: dict) -> None:
-        manifest["dcp"]["tensors"]["model/fc1.weight"]["shape"] = "@shape@"
-
-    forge_manifest(paths[2], change, {"@shape@": shape})
+def test_malformed_shape_in_the_manifest(store, version, shape):
+    """In the root's tensor table (format 3) or the dcp section (format 2)."""
+    paths, _ = save_two_steps(store, version)
+    raw = {"@shape@": shape}
+    if version == 3:
+        forge_root(paths[2], lambda root: root["tensors"][FQN].update(shape="@shape@"), raw)
+    else:
+        forge_manifest(paths[2], lambda m: m["dcp"]["tensors"][FQN].update(shape="@shape@"), raw)
     restore_skipping(store, "manifest-invalid")
 
 
+@FORMATS
 @pytest.mark.parametrize("field", ["offsets", "sizes", "start", "length"])
-def test_malformed_chunk_numbers_in_the_manifest(store, two_steps, field):
-    paths, _ = two_steps
+def test_malformed_chunk_numbers_in_the_manifest(store, version, field):
+    """In the chunk as the index (format 3) or the dcp section (format 2) holds it."""
+    paths, _ = save_two_steps(store, version)
     bad = {"offsets": [0.0, 0], "sizes": [16, True], "start": -8, "length": 2**70}[field]
 
     def change(manifest: dict) -> None:
-        manifest["dcp"]["tensors"]["model/fc1.weight"]["chunks"][0][field] = bad
+        manifest["dcp"]["tensors"][FQN]["chunks"][0][field] = bad
 
     forge_manifest(paths[2], change)
     restore_skipping(store, "manifest-invalid")
 
 
-@pytest.fixture
-def encrypted_steps(store: Path, tmp_path: Path) -> tuple[dict[int, Path], Path]:
+@pytest.fixture(params=[3, 2], ids=["format-3", "format-2"])
+def encrypted_steps(store: Path, tmp_path: Path, request) -> tuple[dict[int, Path], Path]:
     keystore = tmp_path / "keys"
-    state = make_training_state()
-    paths = {}
-    with cv.CheckpointManager(store, run_id="r", keystore=keystore, segment_size=4096) as mgr:
-        for step in (1, 2):
-            train_steps(state, 1)
-            paths[step] = Path(mgr.save(step, state).result().path)
+    paths, _ = save_two_steps(store, request.param, keystore=keystore, segment_size=4096)
     return paths, keystore
 
 
@@ -277,10 +256,11 @@ def test_huge_shape_in_an_encrypted_run_allocates_nothing(store, encrypted_steps
     assert_verify_fails(store, "manifest-inconsistent")
 
 
-def test_two_tensors_cannot_claim_the_same_bytes(store):
+@FORMATS
+def test_two_tensors_cannot_claim_the_same_bytes(store, version):
     """Chunks of different tensors pointing at one entry would make a reader allocate
     the file's bytes many times over."""
-    with cv.CheckpointManager(store, run_id="r") as mgr:
+    with writer_format(version), cv.CheckpointManager(store, run_id="r") as mgr:
         mgr.save(1, {"a": torch.ones(64, 4), "b": torch.zeros(64, 4)})
         path = Path(mgr.save(2, {"a": torch.ones(64, 4), "b": torch.zeros(64, 4)}).result().path)
 
@@ -388,13 +368,15 @@ def nested(levels: int) -> dict:
     return value
 
 
-def test_saving_refuses_what_readers_would_refuse(store):
+@pytest.mark.parametrize(("version", "cap"), [(3, "32 MiB"), (2, "64 MiB")])
+def test_saving_refuses_what_readers_would_refuse(store, version, cap):
     """The bounds are the writer's too: a save never publishes a generation that
-    restore would have to refuse."""
-    with cv.CheckpointManager(store, run_id="r") as mgr:
+    restore would have to refuse (a format-3 root is capped at 32 MiB, a format-2
+    manifest at 64)."""
+    with writer_format(version), cv.CheckpointManager(store, run_id="r") as mgr:
         with pytest.raises(UnsupportedValueError, match="nested more than 32 levels"):
             mgr.save(1, {"meta": nested(40)})
-        with pytest.raises(FormatError, match="64 MiB"):
+        with pytest.raises(FormatError, match=cap):
             mgr.save(1, {"meta": {"blob": bytes(50 * 1024 * 1024)}}).result()
         assert mgr.generations() == []
         mgr.save(1, {"meta": nested(31)})
@@ -430,108 +412,6 @@ def test_listed_size_and_time_match_what_save_returned(store):
         saved = mgr.save(1, make_training_state()).result()
         (listed,) = mgr.generations()
     assert listed == saved
-
-
-# -- 3. every byte of a restored tensor was hashed --------------------------------------
-
-ROWS = 300  # more chunks than the old pairwise check (256) looked at
-
-
-def split_into_rows(path: Path, key: str, attack: bool) -> None:
-    """Re-lay tensor ``key`` (``[ROWS, 4]`` float32) as one chunk per row, each its
-    own safetensors entry, as a many-rank save would. With ``attack``, row 6's chunk
-    claims row 5's offsets: a duplicate and a hole, the total volume unchanged."""
-    manifest = json.loads((path / "manifest.json").read_bytes())
-    (chunk,) = manifest["dcp"]["tensors"][key]["chunks"]
-    file = path / chunk["file"]
-    data = file.read_bytes()
-    old = parse_header(data[: header_length(data[:8], len(data), "f")], len(data), "f")
-    assert list(old.entries) == [chunk["name"]]  # the file holds only this tensor
-    names = [f"{key}.row{i:04d}" for i in range(ROWS)]
-    new = build_header([(n, "float32", (1, 4)) for n in names], old.metadata)
-    writable(file).write_bytes(new.header_bytes + data[old.data_start :])
-    chunks = [
-        {
-            "offsets": [5 if attack and i == 6 else i, 0],
-            "sizes": [1, 4],
-            "file": chunk["file"],
-            "name": name,
-            "start": new.entries[name].start,
-            "length": 16,
-        }
-        for i, name in enumerate(names)
-    ]
-    forge_manifest(path, lambda m: m["dcp"]["tensors"][key].update(chunks=chunks))
-
-
-@pytest.mark.parametrize("attack", [False, True])
-def test_duplicate_chunk_and_hole_among_many_chunks(store, attack):
-    original = torch.arange(ROWS * 4, dtype=torch.float32).reshape(ROWS, 4)
-    with cv.CheckpointManager(store, run_id="r") as mgr:
-        mgr.save(1, {"big": torch.full((ROWS, 4), -1.0)})
-        path = Path(mgr.save(2, {"big": original}).result().path)
-    split_into_rows(path, "big", attack)
-    fresh = {"big": torch.zeros(ROWS, 4)}
-    with cv.CheckpointManager(store, run_id="r") as mgr:
-        info = mgr.restore(fresh)
-    if not attack:  # the forged layout itself is valid: 300 chunks restore exactly
-        assert info.step == 2 and info.skipped == []
-        assert torch.equal(fresh["big"], original)
-        return
-    assert info.step == 1
-    assert info.skipped[0].reason.startswith("manifest-inconsistent")
-    assert "overlap and leave a gap" in info.skipped[0].reason
-    assert torch.equal(fresh["big"], torch.full((ROWS, 4), -1.0))
-    with cv.CheckpointManager(store, run_id="r") as mgr, pytest.raises(NoValidCheckpoint):
-        mgr.restore({"big": torch.zeros(ROWS, 4)}, step=2)
-
-
-def rows(count: int, width: int = 4) -> list[dict]:
-    return [{"offsets": [i, 0], "sizes": [1, width]} for i in range(count)]
-
-
-def test_tiling_of_a_thousand_chunks_passes():
-    assert tiling_problem([1000, 4], rows(1000)) is None
-    columns = [{"offsets": [0, j], "sizes": [8, 1]} for j in range(1000)]
-    assert tiling_problem([8, 1000], columns) is None
-    grid = [{"offsets": [i, j], "sizes": [2, 3]} for i in range(0, 50, 2) for j in range(0, 120, 3)]
-    assert len(grid) == 1000 and tiling_problem([50, 120], grid) is None
-    uneven = [{"offsets": [0, 0], "sizes": [7, 4]}, *rows(1000)[7:]]
-    assert tiling_problem([1000, 4], uneven) is None
-    assert tiling_problem([], [{"offsets": [], "sizes": []}]) is None  # a scalar
-    assert tiling_problem([0, 4], [{"offsets": [0, 0], "sizes": [0, 4]}]) is None
-
-
-def test_tiling_refuses_duplicates_holes_and_strays_at_any_count():
-    chunks = rows(1000)
-    chunks[600] = {"offsets": [599, 0], "sizes": [1, 4]}  # duplicate + hole
-    assert "overlap and leave a gap" in tiling_problem([1000, 4], chunks)
-    assert "overlap" in tiling_problem([1000, 4], [*rows(1000), rows(1)[0]])
-    assert "gap" in tiling_problem([1000, 4], rows(999))
-    assert "outside" in tiling_problem(
-        [1000, 4], [*rows(999), {"offsets": [999, 1], "sizes": [1, 4]}]
-    )
-    assert "rank" in tiling_problem([1000, 4], [{"offsets": [0], "sizes": [1000]}])
-    # In two dimensions: [0:2, 0:2] and [1:3, 1:3] share cell (1, 1); cell (2, 0)
-    # is covered by nothing; the volume adds up to 16.
-    shifted = [
-        {"offsets": [0, 0], "sizes": [2, 2]},
-        {"offsets": [1, 1], "sizes": [2, 2]},
-        {"offsets": [0, 2], "sizes": [1, 2]},
-        {"offsets": [1, 3], "sizes": [2, 1]},
-        {"offsets": [3, 0], "sizes": [1, 4]},
-    ]
-    assert "overlap and leave a gap" in tiling_problem([4, 4], shifted)
-
-
-def test_tiling_refuses_layouts_too_costly_to_check():
-    """Split along 16 dimensions at once: 2**16 corners per chunk. Refused, not
-    ground through for minutes."""
-    shape = [2] * 16
-    chunks = [
-        {"offsets": [(n >> d) & 1 for d in range(16)], "sizes": [1] * 16} for n in range(1 << 16)
-    ]
-    assert "split along 16 dimensions" in tiling_problem(shape, chunks)
 
 
 def test_restored_weights_are_intact_after_all_this(store, two_steps):
