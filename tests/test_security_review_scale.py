@@ -24,9 +24,11 @@ from ckptvault.errors import StateMismatchError
 from ckptvault.format.layout import MANIFEST_NAME
 from ckptvault.format.manifest import parse_manifest
 from ckptvault.io import dcp_io
+from ckptvault.storage import open_store
 from ckptvault.storage import s3 as s3_module
 from ckptvault.storage.s3 import S3Store
 from ckptvault.storage.s3_client import S3Client
+from ckptvault.trust.checks import check_structure
 from conftest import writable
 from s3_server import s3_client
 
@@ -67,8 +69,11 @@ def test_a_tensor_and_its_detached_alias_are_still_written_once(store: Path):
     weight = torch.nn.Parameter(torch.randn(3, 4))
     with cv.CheckpointManager(store, run_id="r") as mgr:
         generation = Path(mgr.save(1, {"a": weight, "b": weight.detach()}).result().path)
-    manifest = parse_manifest((generation / MANIFEST_NAME).read_bytes(), "test")
-    assert len(manifest.dcp["tensors"]) == 1
+    opened = open_store(store, must_exist=True)
+    manifest = check_structure(opened, opened.list_generations()[0]).manifest  # indexes loaded
+    assert len(manifest.dcp["tensors"]) == 1 and manifest.format_version == 3
+    root = parse_manifest((generation / MANIFEST_NAME).read_bytes(), "test")
+    assert root.tensor_table is not None and len(root.tensor_table.tensors) == 1
 
 
 # -- the restore: a rejected candidate frees what it allocated -------------------------
