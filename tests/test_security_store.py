@@ -125,8 +125,8 @@ def test_a_fifo_swapped_in_after_the_checks_does_not_hang_restore(
     target = only_tensor_file(Path(second.path))
     real_check = checks.check_structure
 
-    def check_then_swap(store_, ref, policy=None):
-        checked = real_check(store_, ref, policy)
+    def check_then_swap(store_, ref, policy=None, indexes=None):
+        checked = real_check(store_, ref, policy, indexes)
         if ref.step == 2:  # the race: swap the checked file for a FIFO before it is read
             target.chmod(0o644)
             target.unlink()
