@@ -1,5 +1,7 @@
 """Hostile state: planted generations whose *contents* target restore's later stages
 (decoding the state tree, planning, applying), the allocator, export and the CLI.
+Planning is in ``test_hostile_planning.py``, export and the CLI's output in
+``test_hostile_output.py``; the state tree is decoded alike in every format.
 
 As in ``test_hostile_inputs``, every attack runs against a real store on disk, as
 someone who can write the store but holds no signing key, and re-seals what they
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import io
 import json
-import random
 import shutil
 import sys
 import tracemalloc
@@ -27,41 +28,25 @@ import numpy as np
 import pytest
 import torch
 from blake3 import blake3
-from safetensors.torch import load_file
 
 import ckptvault as cv
-from ckptvault.cli import main
 from ckptvault.errors import (
     CheckpointError,
-    ContractMismatch,
     FormatError,
     IntegrityError,
-    StateMismatchError,
 )
 from ckptvault.format.bounded_json import loads_bounded
-from ckptvault.format.canonical import dumps_canonical
 from ckptvault.format.layout import generation_dirname
 from ckptvault.format.records import FileRecord
-from ckptvault.ops import export as export_module
-from ckptvault.ops.export import export_weights
-from ckptvault.state.apply import plan_restore
-from ckptvault.state.contract import compare_contracts
-from ckptvault.storage.posix import PosixStore
-from ckptvault.storage.records import DELETION_MARK
-from ckptvault.trust import checks
-from ckptvault.trust.context import TrustContext
 from ckptvault.trust.digests import derived_file_digest, verify_stream
-from ckptvault.trust.keystore import LocalKeyStore
-from ckptvault.trust.signing import generate_keypair
 from conftest import (
     assert_same_tensors,
     make_training_state,
     model_snapshot,
     run_cli,
-    train_steps,
     writable,
 )
-from test_hostile_inputs import RAW_ERRORS, forge_manifest
+from test_hostile_inputs import RAW_ERRORS, forge_manifest, save_two_steps
 
 ESC = "\x1b"
 
@@ -70,15 +55,8 @@ ESC = "\x1b"
 
 @pytest.fixture
 def two_steps(store: Path) -> tuple[dict[int, Path], dict[int, dict]]:
-    """Steps 1 and 2 of an unsigned run; the attacks target step 2."""
-    state = make_training_state()
-    paths, weights = {}, {}
-    with cv.CheckpointManager(store, run_id="r") as mgr:
-        for step in (1, 2):
-            train_steps(state, 1)
-            weights[step] = model_snapshot(state["model"])
-            paths[step] = Path(mgr.save(step, state).result().path)
-    return paths, weights
+    """Steps 1 and 2 of an unsigned run (format 3); the attacks target step 2."""
+    return save_two_steps(store)
 
 
 def plant_copy(source: Path, step: int, generation_id: str) -> Path:
@@ -211,6 +189,7 @@ MALFORMED_TREES: dict[str, Callable[[dict], None]] = {
     "dict-not-pairs": lambda s: meta_x(s, {"$dict": [[1, 2, 3]]}),
     "float-a-list": lambda s: meta_x(s, {"$float": [1]}),
     "tensor-reference-a-list": lambda s: meta_x(s, {"$tensor": [1]}),
+    "tensor-reference-to-nothing": lambda s: meta_x(s, {"$tensor": "model/missing"}),
     "device-odd": lambda s: meta_x(s, {"$torch_device": "cuda:0:1"}),
     "device-object": lambda s: meta_x(s, {"$torch_device": {"a": 1}}),
     "size-of-strings": lambda s: meta_x(s, {"$torch_size": ["1"]}),
@@ -240,14 +219,18 @@ WHY_REFUSED = {
     "size-of-strings": "$torch_size must be",
     "stateful-unknown-kind": "unknown stateful kind",
     "tensor-reference-a-list": "$tensor must name",
+    "tensor-reference-to-nothing": "is not in the checkpoint",
     "torch-generator-device-object": "not a device name",
     "void-numpy-scalar": "refusing numpy dtype '|V1'",
 }
 
 
+@pytest.mark.parametrize("version", [3, 2], ids=["format-3", "format-2"])
 @pytest.mark.parametrize("attack", sorted(MALFORMED_TREES))
-def test_malformed_state_tree_is_skipped(store, two_steps, attack):
-    paths, weights = two_steps
+def test_malformed_state_tree_is_skipped(store, attack, version):
+    """In a format-3 root, and in a planted format-2 manifest (the reader still
+    accepts that format): the state tree is decoded the same way."""
+    paths, weights = save_two_steps(store, version)
     forge_manifest(paths[2], tree(MALFORMED_TREES[attack]))
     fresh = restore_skipping(store, "manifest-invalid", WHY_REFUSED[attack])
     assert_same_tensors(model_snapshot(fresh["model"]), weights[1])
@@ -290,216 +273,6 @@ def test_dtypes_and_devices_still_round_trip(store):
         assert restored[key].dtype == values[key].dtype
         assert np.array_equal(restored[key], values[key])
     assert restored["pairs"] == values["pairs"]
-
-
-# -- 7. planning refuses what applying would get wrong ------------------------------
-
-
-def add_scheduler_attributes(state: dict) -> None:
-    pairs = state["scheduler"]["$stateful"]["state"]["$dict"]
-    pairs.append(["step", 0])  # would shadow the step() method
-    pairs.append(["optimizer", {"param_groups": []}])  # would detach it from the optimizer
-
-
-def test_scheduler_state_cannot_inject_attributes(store, two_steps):
-    paths, _ = two_steps
-    forge_manifest(paths[2], tree(add_scheduler_attributes))
-    assert_refused_untouched(store, "not in the live torch.optim.lr_scheduler.StepLR")
-    # strict=False loads what matches, and still never the foreign keys.
-    fresh = make_training_state(seed=9)
-    outcome = restore_into(store, fresh, strict=False)
-    assert isinstance(outcome, cv.RestoreInfo), outcome
-    if outcome.step == 2:
-        assert any("['step']" in entry for entry in outcome.unexpected)
-        assert fresh["scheduler"].last_epoch == 2
-    assert_scheduler_intact(fresh)
-
-
-def test_scheduler_state_layout_is_checked_all_the_way_down(store, two_steps):
-    paths, _ = two_steps
-
-    def base_lrs_become_a_dict(state: dict) -> None:
-        set_pair(state["scheduler"]["$stateful"]["state"]["$dict"], "base_lrs", {"__class__": 1})
-
-    forge_manifest(paths[2], tree(base_lrs_become_a_dict))
-    assert_refused_untouched(store, "base_lrs")
-
-
-class Counter:
-    """A user's stateful object whose load_state_dict is a ``__dict__.update``."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def state_dict(self) -> dict:
-        return {"count": self.count}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.__dict__.update(state)
-
-
-class Fragile(Counter):
-    """Refuses to load when told to: an object's own code failing during apply."""
-
-    refuse = False
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.refuse:
-            raise ValueError("cannot take that")
-        super().load_state_dict(state)
-
-
-def test_generic_stateful_state_cannot_inject_attributes(store):
-    with cv.CheckpointManager(store, run_id="r") as mgr:
-        counter = Counter()
-        for step in (1, 2):
-            counter.count = step
-            mgr.save(step, {"counter": counter})
-    step_2 = next(store.glob("step-000000000002.*"))
-    forge_manifest(
-        step_2,
-        tree(lambda s: s["counter"]["$stateful"]["state"].__setitem__("state_dict", 1)),
-    )
-    fresh = Counter()
-    outcome = restore_into(store, {"counter": fresh})
-    if isinstance(outcome, cv.RestoreInfo):
-        assert outcome.step == 1 and fresh.count == 1
-    else:
-        assert isinstance(outcome, StateMismatchError) and "state_dict" in str(outcome)
-        assert fresh.count == 0
-    assert "state_dict" not in vars(fresh) and fresh.state_dict() == {"count": fresh.count}
-
-
-def test_optimizer_groups_that_are_not_groups(store, two_steps):
-    paths, _ = two_steps
-
-    def groups_are_numbers(state: dict) -> None:
-        set_pair(state["optimizer"]["$stateful"]["state"]["$dict"], "param_groups", [1, 2])
-
-    forge_manifest(paths[2], tree(groups_are_numbers))
-    assert_refused_untouched(store, "param_groups")
-
-
-def test_module_entry_that_is_not_a_tensor(store, two_steps):
-    paths, _ = two_steps
-    forge_manifest(
-        paths[2], tree(lambda s: set_pair(s["model"]["$stateful"]["state"]["$dict"], "fc2.bias", 5))
-    )
-    assert_refused_untouched(store, "fc2.bias")
-
-
-def test_malformed_rng_states_are_tried_before_anything_is_set(store, two_steps):
-    paths, _ = two_steps
-
-    def short_python_state(state: dict) -> None:
-        pairs = state["rng"]["$rng"]["$dict"]
-        python = next(value for key, value in pairs if key == "python")["$tuple"]
-        python[1] = {"$tuple": [1, 2, 3]}  # decodes fine; random.setstate refuses it
-
-    forge_manifest(paths[2], tree(short_python_state))
-    random.seed(1234)
-    expected = random.getstate()
-    outcome = assert_refused_untouched(store, "python")
-    if isinstance(outcome, CheckpointError):  # refused: the global RNGs were not touched
-        assert random.getstate() == expected
-
-
-def test_malformed_numpy_generator_state(store, two_steps):
-    paths, _ = two_steps
-    forge_manifest(
-        paths[2],
-        tree(
-            lambda s: s.__setitem__(
-                "sampler_rng", {"$np_generator": {"bit_generator": "PCG64", "state": "junk"}}
-            )
-        ),
-    )
-    assert_refused_untouched(store, "sampler_rng")
-
-
-def test_malformed_torch_generator_state(store):
-    state = {"gen": torch.Generator().manual_seed(3), "buf": torch.ones(16, dtype=torch.uint8)}
-    state["meta"] = {"n": 1}
-    with cv.CheckpointManager(store, run_id="r") as mgr:
-        for step in (1, 2):
-            state["meta"]["n"] = step
-            mgr.save(step, state)
-    step_2 = next(store.glob("step-000000000002.*"))
-
-    def short_state(document: dict) -> None:
-        # A 1-d uint8 tensor (so it decodes), of the wrong size for a generator state.
-        document["state"]["gen"]["$torch_generator"]["state"] = {"$tensor": "buf"}
-
-    forge_manifest(step_2, short_state)
-    fresh = {
-        "gen": torch.Generator().manual_seed(99),
-        "buf": torch.zeros(16, dtype=torch.uint8),
-        "meta": {"n": 0},
-    }
-    live = fresh["gen"].get_state().clone()
-    outcome = restore_into(store, fresh)
-    if isinstance(outcome, cv.RestoreInfo):
-        assert outcome.step == 1 and fresh["meta"]["n"] == 1
-    else:
-        assert isinstance(outcome, StateMismatchError) and "state['gen']" in str(outcome)
-        assert torch.equal(fresh["gen"].get_state(), live) and fresh["meta"]["n"] == 0
-        assert not fresh["buf"].any()
-
-
-@pytest.mark.parametrize("fields", [[[1]], "x", {"1": {"$dict": [[[1], 2]]}}])
-def test_hostile_contract_shapes(store, fields):
-    state = make_training_state()
-    with cv.CheckpointManager(store, run_id="r", contract={"dataset": "ds"}) as mgr:
-        for step in (1, 2):
-            train_steps(state, 1)
-            mgr.save(step, state)
-    step_2 = next(store.glob("step-000000000002.*"))
-    forge_manifest(step_2, lambda document: document["contract"].__setitem__("fields", fields))
-    outcome = assert_refused_untouched(store, contract={"dataset": "ds"})
-    assert isinstance(outcome, (cv.RestoreInfo, FormatError, ContractMismatch)), outcome
-
-
-def test_compare_contracts_only_raises_typed_errors():
-    for stored in ({"fields": [[1]]}, {"fields": "x"}, [], {"fields": {1: 2}}):
-        with pytest.raises(FormatError, match="contract is malformed"):
-            compare_contracts(stored, {"a": 1}, "generation g")  # type: ignore[arg-type]
-    with pytest.raises(ContractMismatch, match=r"a: \[\[1\]\] → 1"):
-        compare_contracts({"fields": {"a": [[1]]}}, {"a": 1}, "generation g")
-    compare_contracts({"fields": {"a": 1}}, {"a": 1}, "generation g")
-
-
-def test_apply_failures_are_typed_and_name_the_entry(store):
-    with cv.CheckpointManager(store, run_id="r") as mgr:
-        mgr.save(1, {"obj": Fragile(), "meta": {"n": 1}})
-    meta = {"n": 0}
-    fragile = Fragile()
-    fragile.refuse = True
-    with (
-        cv.CheckpointManager(store, run_id="r") as mgr,
-        pytest.raises(StateMismatchError, match=r"state\['obj'\].*ValueError") as caught,
-    ):
-        mgr.restore({"obj": fragile, "meta": meta})
-    assert caught.value.mismatched == ["state['obj']"]
-    # Loads into objects run before plain values are replaced, RNG last.
-    assert meta == {"n": 0}
-
-
-def test_plan_apply_order_loads_then_contents_then_rng(store):
-    state = make_training_state()
-    with cv.CheckpointManager(store, run_id="r") as mgr:
-        mgr.save(1, state)
-        loaded = mgr.restore(make_training_state(seed=1))
-    assert loaded is not None
-    from ckptvault.io.load import load_verified
-    from ckptvault.trust.checks import TrustPolicy
-
-    opened = PosixStore(store)
-    ref = opened.list_generations()[0]
-    saved = load_verified(opened, ref, TrustPolicy(), None, 1).saved
-    plan = plan_restore(make_training_state(seed=2), saved)
-    wheres = [a.where for a in (*plan.actions, *plan.replacements, *plan.rng_actions)]
-    assert wheres.index("state['model']") < wheres.index("state['meta']")
-    assert wheres[-2:] == ["state['rng']", "state['sampler_rng']"]
 
 
 # -- 8. sparse files and allocation failures -----------------------------------------
@@ -550,163 +323,6 @@ def test_verify_buffers_are_no_larger_than_the_file():
     verify_stream(io.BytesIO(b""), empty, 1024, "f")
     with pytest.raises(IntegrityError):
         verify_stream(io.BytesIO(b"x"), empty, 1024, "f")
-
-
-# -- 9. export reads through the same rules as restore -------------------------------
-
-
-def test_export_refuses_planted_plaintext_in_an_encrypted_run(tmp_path):
-    store, keys = tmp_path / "store", tmp_path / "keys"
-    model = torch.nn.Linear(4, 3)
-    with cv.CheckpointManager(store, run_id="r", keystore=keys) as mgr:
-        mgr.save(10, {"model": model})
-    evil = torch.nn.Linear(4, 3)
-    with torch.no_grad():
-        evil.weight.fill_(1337.0)
-    elsewhere = tmp_path / "elsewhere"
-    with cv.CheckpointManager(elsewhere, run_id="r") as mgr:
-        planted = Path(mgr.save(10, {"model": evil}).result().path)
-    shutil.copytree(planted, store / planted.name)  # the newest generation of step 10
-    out = tmp_path / "model.safetensors"
-    export_weights(store, 10, out, keystore=LocalKeyStore(keys))
-    assert torch.equal(load_file(out)["weight"], model.weight.detach())
-    remove_generation(next(p for p in store.glob("step-*") if p.name != planted.name))
-    result = run_cli(
-        "export", str(store), "--step", "10", "--out", str(out), "--keystore", str(keys)
-    )
-    assert result.returncode == 2 and "not-encrypted" in result.stderr
-    assert torch.equal(load_file(out)["weight"], model.weight.detach())
-
-
-def test_export_learns_the_run_id_cheaply(store, tmp_path, monkeypatch):
-    generate_keypair(tmp_path / "k.pem", tmp_path / "k.pub")
-    with cv.CheckpointManager(store, run_id="r", signing_key=tmp_path / "k.pem") as mgr:
-        for step in (1, 2):
-            mgr.save(step, {"model": torch.nn.Linear(2, 2)})
-    good = next(store.glob("step-000000000002.*"))
-    for index in range(3):  # unsigned, newer, of the step asked for and of another
-        plant_copy(good, 2, f"20991231T23595900000{index}Z-deadbeef")
-        plant_copy(good, 3, f"20991231T23595900000{index}Z-deadbeef")
-    parsed: list[int] = []
-    original = checks.parse_manifest
-
-    def counting(data: bytes, where: str) -> Any:
-        parsed.append(len(data))
-        return original(data, where)
-
-    monkeypatch.setattr(checks, "parse_manifest", counting)
-    trust = TrustContext.configure(trusted_keys=[tmp_path / "k.pub"])
-    opened = PosixStore(store)
-    assert export_module._only_run(opened, 2, trust) == "r"
-    assert len(parsed) == 1  # the genuine one: the planted ones failed their signature
-    parsed.clear()
-    assert export_module._only_run(opened, 2, TrustContext()) == "r"
-    assert len(parsed) <= export_module.MAX_RUN_PROBES
-    out = tmp_path / "model.safetensors"
-    result = run_cli(
-        "export",
-        str(store),
-        "--step",
-        "2",
-        "--out",
-        str(out),
-        "--trusted-key",
-        str(tmp_path / "k.pub"),
-    )
-    assert result.returncode == 0, result.stderr
-
-
-def test_export_refuses_runs_that_disagree(store, tmp_path):
-    with cv.CheckpointManager(store, run_id="r") as mgr:
-        mgr.save(2, {"model": torch.nn.Linear(2, 2)})
-    good = next(store.glob("step-000000000002.*"))
-    planted = plant_copy(good, 2, "20991231T235959000000Z-deadbeef")
-    forge_manifest(planted, lambda document: document.__setitem__("run_id", "evil"))
-    with pytest.raises(cv.errors.UsageError, match="evil, r"):
-        export_weights(store, 2, tmp_path / "x.safetensors")
-
-
-# -- 10. what the CLI prints ----------------------------------------------------------
-
-HOSTILE = "r[/bold][link=https://evil.example/]x[/link]\x1b]0;pwned\x07\x1b[2J\x9b31m\u202e"
-
-
-def assert_terminal_safe(text: str) -> None:
-    for char in (ESC, "\x07", "\x9b", "\u202e"):
-        assert char not in text, repr(text[:300])
-
-
-def test_inspect_prints_store_strings_inert(store, two_steps):
-    paths, _ = two_steps
-    forge_manifest(paths[2], lambda document: document.__setitem__("run_id", HOSTILE))
-    human = run_cli("inspect", str(store), "--step", "2")
-    assert human.returncode == 0, human.stderr
-    assert_terminal_safe(human.stdout)
-    assert "r[/bold][link=https://evil.example/]x[/link]\\x1b]0;pwned\\x07" in human.stdout
-    as_json = run_cli("inspect", str(store), "--step", "2", "--json")
-    assert as_json.returncode == 0, as_json.stderr
-    assert_terminal_safe(as_json.stdout)
-    assert json.loads(as_json.stdout)["generation"]["run_id"] == HOSTILE  # exact JSON
-
-
-def test_inspect_markup_in_names_does_not_crash(store, two_steps, capsys):
-    paths, _ = two_steps
-    forge_manifest(paths[2], lambda document: document.__setitem__("run_id", "r[/bold]"))
-    assert main(["inspect", str(store), "--step", "2"]) == 0
-    assert "run r[/bold]" in capsys.readouterr().out
-
-
-def test_verify_prints_planted_key_ids_inert(store, two_steps, tmp_path):
-    paths, _ = two_steps
-    generate_keypair(tmp_path / "k.pem", tmp_path / "k.pub")
-    signature = {
-        "algorithm": "ed25519",
-        "format": "ckptvault-signature/1",
-        "key_id": HOSTILE,
-        "signature": "",
-    }
-    paths[2].chmod(0o755)
-    (paths[2] / "manifest.sig").write_bytes(dumps_canonical(signature))
-    human = run_cli("verify", str(store), "--step", "2", "--trusted-key", str(tmp_path / "k.pub"))
-    assert human.returncode == 1 and "signature-untrusted" in human.stdout
-    assert_terminal_safe(human.stdout + human.stderr)
-    as_json = run_cli(
-        "verify", str(store), "--step", "2", "--json", "--trusted-key", str(tmp_path / "k.pub")
-    )
-    assert as_json.returncode == 1
-    assert_terminal_safe(as_json.stdout)
-    (report,) = json.loads(as_json.stdout)
-    assert any(HOSTILE in p["detail"] for p in report["problems"])  # exact, not lost
-    # An error line (and the warnings before it) quote the same key id: inert too.
-    failed = run_cli(
-        "export",
-        str(store),
-        "--step",
-        "2",
-        "--out",
-        str(tmp_path / "x"),
-        "--trusted-key",
-        str(tmp_path / "k.pub"),
-        "--run-id",
-        "r",
-    )
-    assert failed.returncode == 2 and "Traceback" not in failed.stderr
-    assert_terminal_safe(failed.stderr)
-    assert failed.stderr.strip().splitlines()[-1].startswith("ckptvault: error:")
-
-
-def test_ls_prints_planted_marks_inert(store, two_steps):
-    paths, _ = two_steps
-    PosixStore(store).put_record(
-        DELETION_MARK, paths[2].name, {"marked_at": "2020-01-01T00:00:00Z", "reason": HOSTILE}
-    )
-    listed = run_cli("ls", str(store), "--all")
-    assert listed.returncode == 0, listed.stderr
-    assert_terminal_safe(listed.stdout)
-    as_json = run_cli("ls", str(store), "--all", "--json")
-    assert_terminal_safe(as_json.stdout)
-    marked = [entry for entry in json.loads(as_json.stdout) if entry.get("marked")]
-    assert marked and marked[0]["marked"]["reason"] == HOSTILE
 
 
 # -- lone surrogates are not text ---------------------------------------------------
