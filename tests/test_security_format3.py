@@ -26,6 +26,7 @@ import torch
 from blake3 import blake3
 
 import ckptvault as cv
+from ckptvault.errors import CheckpointError
 from ckptvault.format.canonical import dumps_canonical
 from ckptvault.format.manifest import parse_manifest
 from ckptvault.format.tensor_table import Runs, TensorLayout, TensorTable, parse_tensor_table
@@ -356,3 +357,31 @@ def test_an_empty_chunk_outside_its_tensor_is_refused(two_steps):
     write_root(generation, root)
     restore_skipping(generation.parent, "manifest-invalid", "stay inside its shape")
     assert verify_codes(generation.parent) == {1: set(), 2: {"manifest-invalid"}}
+
+
+def test_indexes_adding_up_past_the_generation_bound_are_refused_unread(two_steps, monkeypatch):
+    """65 indexes recorded at 64 MiB each, every one within its own bound: a reader
+    that loads them all keeps about 11 bytes a byte parsed (empty chunks, digests of
+    a 1-byte chunk size), ~45 GB. The root is refused before any index is read, and
+    the writer refuses to publish such a root."""
+    generation = two_steps[1]
+    root = read_root(generation)
+    for holder in range(1, 65):
+        name = f"r{holder:05d}-000.safetensors"
+        (generation / name).write_bytes(b"")
+        root["files"][name] = {"blake3": derived_file_digest(0, ()), "size": 0}
+    for holder in range(65):
+        root["indexes"][f"r{holder:05d}-index.json"] = {"blake3": "0" * 64, "size": 64 << 20}
+    write_root(generation, root)
+    restore_skipping(generation.parent, "manifest-invalid", "a generation's indexes may take")
+
+    monkeypatch.setattr("ckptvault.format.manifest.MAX_INDEXES_TOTAL_BYTES", 100)
+    with (
+        cv.CheckpointManager(generation.parent, run_id="r") as mgr,
+        pytest.raises(CheckpointError, match="indexes may take"),
+    ):
+        mgr.save(3, make_training_state(seed=3))
+    assert sorted(p.name.split(".")[0] for p in generation.parent.glob("step-*")) == [
+        "step-000000000001",
+        "step-000000000002",
+    ]

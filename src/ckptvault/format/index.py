@@ -34,6 +34,13 @@ from ckptvault.format.tensorfile import MAX_TENSOR_BYTES, MAX_TENSOR_RANK
 INDEX_FORMAT_VERSION = 3
 # One rank's chunks and digests: 64 MiB holds ~300,000 chunks of a rank's files.
 MAX_INDEX_BYTES = 64 * 1024 * 1024
+# All of a generation's indexes together, as the root records them. A reader that
+# loads them all (verify, a one-process restore, a copy) keeps what they hold parsed,
+# about 11 bytes a byte, so without this bound a planted root over many indexes of
+# 64 MiB (empty chunks, chunk digests of a 1-byte chunk size) makes it keep ~700 MB
+# each. 4 GiB holds the table's 2**24 cells (MAX_CELLS) at ~150 bytes a chunk record
+# and the chunk digests of 100 TB in 4 MiB chunks.
+MAX_INDEXES_TOTAL_BYTES = 4 << 30
 MAX_INDEX_DEPTH = 8
 MAX_ENTRY_NAME_CHARS = 4096
 _HEX64_RE = re.compile(r"^[0-9a-f]{64}\Z")

@@ -54,7 +54,7 @@ from ckptvault.format.canonical import (
     loads_canonical,
     loads_canonical_members,
 )
-from ckptvault.format.index import IndexRecord
+from ckptvault.format.index import MAX_INDEXES_TOTAL_BYTES, IndexRecord
 from ckptvault.format.layout import (
     MANIFEST_NAME,
     MAX_STEP,
@@ -272,6 +272,11 @@ class Manifest:
         members[SELF_DIGEST_KEY] = dumps_canonical(digest)
         data = join_canonical_object(members)
         # Never publish what parse_manifest would refuse to read back.
+        too_large = indexes_too_large(self.indexes or {})
+        if too_large is not None:
+            raise FormatError(
+                f"the generation's {too_large}. Save fewer, larger tensors, or raise chunk_size"
+            )
         limit = MAX_ROOT_BYTES if self.indexed else MAX_MANIFEST_BYTES
         if len(data) > limit:
             raise FormatError(
@@ -421,7 +426,23 @@ def _parse_indexes(
             f"{where}: the root lists an index for every rank that wrote a file and no other; "
             f"missing {missing[:5]}, without files {extra[:5]}"
         )
+    problem = indexes_too_large(indexes)
+    if problem is not None:
+        raise FormatError(f"{where}: the root's {problem}; it was not written by ckptvault")
     return indexes
+
+
+def indexes_too_large(indexes: Mapping[str, IndexRecord]) -> str | None:
+    """Why a root may not list these indexes (their sizes add up past
+    :data:`~ckptvault.format.index.MAX_INDEXES_TOTAL_BYTES`), or None."""
+    total = sum(record.size for record in indexes.values())
+    if total <= MAX_INDEXES_TOTAL_BYTES:
+        return None
+    return (
+        f"{len(indexes)} indexes take {total} bytes in all, more than the "
+        f"{MAX_INDEXES_TOTAL_BYTES} ({MAX_INDEXES_TOTAL_BYTES >> 30} GiB) a generation's "
+        "indexes may take (what a reader that loads them all keeps parsed stays bounded)"
+    )
 
 
 def manifest_too_large(size: int, where: str) -> str:
