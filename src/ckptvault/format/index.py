@@ -14,7 +14,8 @@ whose name starts with ``r<rank>-``. It is canonical JSON::
 derived from them: :func:`ckptvault.trust.digests.derived_file_digest`);
 ``tensors`` every chunk stored in those files: its box in the tensor, the file, the
 entry name in the file's header, and its byte range. An index is read only after
-its bytes matched the root's digest, and parsed under :data:`MAX_INDEX_BYTES`.
+its bytes matched the root's digest, and parsed under :data:`MAX_INDEX_BYTES`; the
+indexes a root lists take at most :data:`MAX_INDEXES_TOTAL_BYTES` together.
 """
 
 from __future__ import annotations

@@ -121,7 +121,8 @@ class TensorLayout:
         return _ordinals(self.holder_spans())
 
     def cells_of(self, holder: int) -> Iterator[Box]:
-        """The box of every cell index ``holder`` holds."""
+        """The box of every cell index ``holder`` holds (a walk over every holder run:
+        for tools and tests, not for checking an index; see :meth:`cell_holder`)."""
         if self.chunks is not None:
             yield from ((o, s) for o, s, h in self.chunks if h == holder)
             return
