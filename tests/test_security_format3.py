@@ -30,6 +30,8 @@ from ckptvault.errors import CheckpointError
 from ckptvault.format.canonical import dumps_canonical
 from ckptvault.format.manifest import parse_manifest
 from ckptvault.format.tensor_table import Runs, TensorLayout, TensorTable, parse_tensor_table
+from ckptvault.storage.posix import PosixStore
+from ckptvault.trust.checks import check_structure
 from ckptvault.trust.digests import derived_file_digest
 from conftest import make_training_state, run_cli, writable
 
@@ -314,8 +316,8 @@ def test_the_tables_queries_agree_with_every_cell_enumerated():
 
 
 def test_a_parsed_root_writes_back_its_exact_bytes(store: Path, tmp_path: Path):
-    """Plain, with metrics, and encrypted: ``to_bytes`` of a parsed root is the
-    root's stored bytes."""
+    """Plain, with metrics, and encrypted: ``to_bytes`` of a parsed root, and of the
+    manifest once its indexes are loaded, is the root's stored bytes."""
     with cv.CheckpointManager(store, run_id="r") as mgr:
         plain = Path(mgr.save(1, make_training_state(), metrics={"loss": 0.5}).result().path)
     secret = tmp_path / "secret"
@@ -324,6 +326,10 @@ def test_a_parsed_root_writes_back_its_exact_bytes(store: Path, tmp_path: Path):
     for generation in (plain, encrypted):
         data = (generation / "manifest.json").read_bytes()
         assert parse_manifest(data, "test").to_bytes() == data
+        # With its indexes loaded (chunk digests, chunks) it is still that root.
+        posix = PosixStore(generation.parent)
+        (ref,) = posix.list_generations()
+        assert check_structure(posix, ref).manifest.to_bytes() == data
 
 
 @pytest.mark.parametrize(
