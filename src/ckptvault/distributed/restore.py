@@ -45,6 +45,7 @@ from ckptvault.io.load import (
     prepare_load,
     rejection,
     saved_world_size,
+    unwrap_data_keys,
 )
 from ckptvault.io.planners import TensorOnlyLoadPlanner
 from ckptvault.io.ranged_reader import RangedStorageReader
@@ -247,9 +248,11 @@ class CollectiveLoader:
         reader: RangedStorageReader | None = None
         try:
             live = {**_hinted(keys, self.param_hints), **self.live}
+            data_keys = prepared.data_keys
             if manifest.indexed:  # the indexes holding what this rank reads, and no other
                 wanted = indexes_for_regions(manifest, _regions(keys, live, manifest))
                 manifest = extend_checked(store, prepared.checked, wanted).manifest
+                data_keys = unwrap_data_keys(ref, manifest, self.keystore, data_keys)
             metadata, locations = metadata_from_json(manifest.dcp, where)
             destinations = _destinations(metadata, keys, live, manifest, where)
             # Each rank reads (and verifies) only the byte ranges its shards need.
@@ -261,7 +264,7 @@ class CollectiveLoader:
                 locations,
                 self.threads,
                 None,
-                prepared.data_keys,
+                data_keys,
             )
         except (CheckpointError, OSError) as exc:
             error = exc

@@ -38,6 +38,7 @@ from its chunk digests, see :mod:`ckptvault.trust.digests`):
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Mapping
@@ -156,6 +157,16 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(record.size for record in self.files.values())
+
+    @functools.cached_property
+    def chunks_by_file(self) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+        """Every chunk ``dcp`` holds, as ``(fqn, chunk)``, by the file it lives in
+        (computed once: checks of one file must not walk every chunk of a generation)."""
+        found: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+        for fqn, info in self.dcp.get("tensors", {}).items():
+            for chunk in info["chunks"]:
+                found.setdefault(chunk["file"], []).append((fqn, chunk))
+        return found
 
     @property
     def stored_bytes(self) -> int:

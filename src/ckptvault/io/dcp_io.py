@@ -121,6 +121,18 @@ def write_tensors(
     return writer
 
 
+def require_whole(manifest: Manifest, where: str) -> None:
+    """Readers of whole tensors take every chunk as given: a format-3 manifest with
+    indexes still unloaded holds only some chunks of its tensors (a rank of many's
+    view), and must never be read as if it held them all."""
+    if manifest.pending_indexes:
+        missing = sorted(manifest.pending_indexes)
+        raise FormatError(
+            f"{where}: read as a whole, but {len(missing)} of its indexes are not loaded "
+            f"({missing[0]}, ...); load them first (ckptvault.trust.checks.extend_checked)"
+        )
+
+
 def allocate_destinations(
     manifest: Manifest, where: str
 ) -> tuple[dict[str, torch.Tensor], Any, Any]:
@@ -130,6 +142,7 @@ def allocate_destinations(
     hold; the total is checked again here, where the memory is taken, so that a
     manifest can never make a reader allocate more than the files on disk.
     """
+    require_whole(manifest, where)
     metadata, locations = metadata_from_json(manifest.dcp, where)
     infos = {fqn: tensor_metadata(metadata, fqn) for fqn in metadata.state_dict_metadata}
     needed = sum(math.prod(info.size) * info.properties.dtype.itemsize for info in infos.values())

@@ -119,7 +119,7 @@ def prepare_load(
     checked = check_structure(store, ref, policy, indexes)
     # Before any key, tensor or state byte is used.
     check_authenticity(checked, keystore, require_encryption)
-    data_keys = _data_keys(ref, checked.manifest, keystore)
+    data_keys = unwrap_data_keys(ref, checked.manifest, keystore)
     try:
         tree = _state_tree(store, ref, checked.manifest, data_keys)
     except (CheckpointError, OSError) as exc:
@@ -254,20 +254,27 @@ def _state_tree(
     return read_state_file(store, ref, manifest, name, data_keys[name])
 
 
-def _data_keys(
-    ref: GenerationRef, manifest: Manifest, keystore: KeyStore | None
+def unwrap_data_keys(
+    ref: GenerationRef,
+    manifest: Manifest,
+    keystore: KeyStore | None,
+    have: dict[str, bytes] | None = None,
 ) -> dict[str, bytes]:
-    """Unwrap every file key of an encrypted generation."""
+    """The file keys of an encrypted generation: ``have`` and those of the other files
+    the manifest covers (a rank of many: the files of the indexes it loaded, so that
+    it unwraps its own files' keys, not every rank's)."""
+    keys = dict(have or {})
     if manifest.encryption is None:
-        return {}
+        return keys
     if keystore is None:
         raise GenerationRejected(
             ref,
             [Problem(KEY_UNAVAILABLE, "the generation is encrypted; pass keystore= to read it")],
         )
     section = manifest.encryption
-    keys = {}
     for name, wrapped in section.wrapped_keys.items():
+        if name in keys or not manifest.covers(name):
+            continue
         try:
             context = binding(manifest.run_id, manifest.generation_id, name)
             keys[name] = keystore.unwrap(manifest.run_id, section.kek_id, wrapped, context)

@@ -262,10 +262,7 @@ class _PlainHeaderCheck:
         self.done = False
         # As for plain files: no larger than the entries placed in this file need.
         self._limit = header_size_limit(
-            chunk["name"]
-            for info in manifest.dcp["tensors"].values()
-            for chunk in info["chunks"]
-            if chunk["file"] == name
+            chunk["name"] for _fqn, chunk in manifest.chunks_by_file.get(name, ())
         )
 
     def feed(self, offset: int, plain: memoryview, plaintext_size: int) -> None:

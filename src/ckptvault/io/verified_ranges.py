@@ -39,6 +39,7 @@ from ckptvault.format.tensorfile import (
     header_size_limit,
     parse_header,
 )
+from ckptvault.io.dcp_io import require_whole
 from ckptvault.io.dcp_metadata import dtype_from_name
 from ckptvault.io.load import rejection
 from ckptvault.storage.base import GenerationRef, Store
@@ -60,6 +61,7 @@ class VerifiedRanges:
     def __init__(
         self, store: Store, ref: GenerationRef, manifest: Manifest, data_keys: dict[str, bytes]
     ) -> None:
+        require_whole(manifest, f"generation {ref.generation_id}")
         self.store, self.ref, self.manifest, self.data_keys = store, ref, manifest, data_keys
         self.entries: dict[str, Any] = manifest.dcp["tensors"]
         # The last verified block of a few files: tensors read in turn from several
@@ -201,7 +203,7 @@ class VerifiedRanges:
     def _check_plain_header(self, name: str, plaintext_size: int) -> None:
         """A decrypted tensor file's header must place every chunk where the manifest
         says (restore's reader checks the same)."""
-        held = [c["name"] for i in self.entries.values() for c in i["chunks"] if c["file"] == name]
+        held = [chunk["name"] for _fqn, chunk in self.manifest.chunks_by_file.get(name, ())]
         limit = header_size_limit(held)
         prefix = bytearray(min(HEADER_LENGTH_BYTES, plaintext_size))
         self._read_plaintext(name, 0, memoryview(prefix))

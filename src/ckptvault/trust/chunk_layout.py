@@ -125,12 +125,10 @@ def check_chunk_locations(
     """Tie the manifest's DCP chunks to the tensor file headers, for the files in
     ``headers`` (the reader checks each encrypted file's once it is decrypted)."""
     problems = []
-    for fqn, info in manifest.dcp["tensors"].items():
-        for chunk in info["chunks"]:
-            file, name = chunk["file"], chunk["name"]
-            header = headers.get(file)
-            if header is None:
-                continue
+    tensors = manifest.dcp["tensors"]
+    for file, header in headers.items():
+        for fqn, chunk in manifest.chunks_by_file.get(file, ()):
+            info, name = tensors[fqn], chunk["name"]
             found = header.entries.get(name)
             if (
                 found is None

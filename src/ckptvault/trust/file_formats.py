@@ -54,10 +54,10 @@ def check_own_formats(
     """
     headers: dict[str, TensorFileHeader] = {}
     encrypted = manifest.encryption.wrapped_keys if manifest.encryption else {}
-    entry_names: dict[str, list[str]] = {}
-    for info in manifest.dcp["tensors"].values():
-        for chunk in info["chunks"]:
-            entry_names.setdefault(chunk["file"], []).append(chunk["name"])
+    entry_names = {
+        file: [chunk["name"] for _fqn, chunk in chunks]
+        for file, chunks in manifest.chunks_by_file.items()
+    }
     regions: dict[str, tuple[int, int]] = {}  # where each tensor file holds tensor bytes
     problems = []
     checking = set(manifest.files) if names is None else set(names)
