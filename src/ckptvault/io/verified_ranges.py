@@ -61,8 +61,8 @@ class VerifiedRanges:
     def __init__(
         self, store: Store, ref: GenerationRef, manifest: Manifest, data_keys: dict[str, bytes]
     ) -> None:
-        require_whole(manifest, f"generation {ref.generation_id}")
         self.store, self.ref, self.manifest, self.data_keys = store, ref, manifest, data_keys
+        self._encrypted = set(manifest.encryption.wrapped_keys) if manifest.encryption else set()
         self.entries: dict[str, Any] = manifest.dcp["tensors"]
         # The last verified block of a few files: tensors read in turn from several
         # rank files (a row-sharded model) must not re-read and re-hash a block per
@@ -79,6 +79,7 @@ class VerifiedRanges:
             raise rejection(self.ref, exc) from exc
 
     def _assemble(self, key: str) -> torch.Tensor:
+        require_whole(self.manifest, f"generation {self.ref.generation_id}")
         info = self.entries[key]
         dtype = dtype_from_name(info["dtype"], f"{self.ref.location}: tensor {key[:200]!r}")
         try:
@@ -97,8 +98,9 @@ class VerifiedRanges:
                 zip(chunk["offsets"], chunk["sizes"], strict=True)
             ):
                 region = region.narrow(dim, offset, size)
-            encrypted = chunk["file"] in self.data_keys
-            read_into = self._read_plaintext if encrypted else self._read_stored
+            read_into = (
+                self._read_plaintext if self._is_encrypted(chunk["file"]) else self._read_stored
+            )
             if region.is_contiguous():  # whole tensors, row shards: straight into place
                 read_into(chunk["file"], chunk["start"], bytes_of(region))
             else:
@@ -110,10 +112,19 @@ class VerifiedRanges:
     def read_range(self, name: str, start: int, out: memoryview) -> None:
         """Bytes ``start..start+len(out)`` of tensor file ``name`` as the tensor file
         holds them (decrypted when it is encrypted), verified, into ``out``."""
-        if name in self.data_keys:
+        if self._is_encrypted(name):
             self._read_plaintext(name, start, out)
         else:
             self._read_stored(name, start, out)
+
+    def _is_encrypted(self, name: str) -> bool:
+        """Whether ``name`` is an encrypted container: its key must have been unwrapped
+        (a rank of many unwraps only its indexes' files' keys)."""
+        if name not in self._encrypted:
+            return False
+        if name not in self.data_keys:
+            raise FormatError(f"{self.ref.location}/{name}: its data key was not unwrapped")
+        return True
 
     def _read_stored(self, name: str, start: int, out: memoryview) -> None:
         """Stored bytes ``start..start+len(out)`` of file ``name``, each digest chunk
