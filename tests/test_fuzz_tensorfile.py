@@ -9,10 +9,12 @@
   any claimed file size, are refused with ``FormatError`` or parse to entries that
   tile exactly the bytes the file has; never raw exceptions, never memory in
   proportion to what a header claims.
-- Reader: a saved generation whose tensor-file header was edited and whose manifest
-  digests were rewritten to match (anyone who can write an unsigned store can) is
-  refused with ``NoValidCheckpoint`` leaving the state untouched, or restores the
-  very bytes that were saved.
+- Reader: a saved generation (format 3, and a planted format 2) whose tensor-file
+  header was edited and whose manifest digests were rewritten to match (the root's
+  file digest and the index's chunk digests; anyone who can write an unsigned store
+  can) is refused with ``NoValidCheckpoint`` leaving the state untouched, or
+  restores the very bytes that were saved. The rewrite is checked to reach the
+  reader: the pristine header, resealed the same way, restores.
 """
 
 from __future__ import annotations
@@ -28,14 +30,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from blake3 import blake3
 from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 import ckptvault as cv
 from ckptvault.errors import NoValidCheckpoint
-from ckptvault.format.canonical import dumps_canonical
 from ckptvault.format.tensorfile import (
     DTYPES,
     HEADER_LENGTH_BYTES,
@@ -58,6 +58,7 @@ from fuzzing import (
     same_tensor,
     scenario,
 )
+from hostile_forging import forge_manifest, format_of, writer_format
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.reliability]
 
@@ -224,25 +225,12 @@ def test_tensor_header_parser_refuses_hostile_headers():
 # -- the reader, behind rewritten digests -----------------------------------------------
 
 
-def _reseal(generation: Path) -> None:
-    """Rewrite the manifest's file digests to match the files, and its self-digest."""
-    document = json.loads((generation / "manifest.json").read_bytes())
-    document.pop("manifest_blake3")
-    chunk = document["chunk_size"]
-    for name, record in document["files"].items():
-        data = (generation / name).read_bytes()
-        record["size"] = len(data)
-        record["blake3"] = blake3(data).hexdigest()
-        record["chunks"] = [
-            blake3(data[i : i + chunk]).hexdigest() for i in range(0, len(data), chunk)
-        ]
-    document["manifest_blake3"] = blake3(dumps_canonical(document)).hexdigest()
-    writable(generation / "manifest.json").write_bytes(dumps_canonical(document))
-
-
-@pytest.fixture
-def saved_generation(tmp_path: Path) -> tuple[Path, Path, dict[str, torch.Tensor]]:
-    """A plain generation of a few tensors of mixed dtypes, in one tensor file."""
+@pytest.fixture(params=[3, 2], ids=["format-3", "format-2"])
+def saved_generation(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+    """A plain generation of a few tensors of mixed dtypes, in one tensor file, in
+    format 3 (root and index) or 2 (one manifest)."""
     torch.manual_seed(0)
     saved = {
         "w": torch.randn(3, 4),
@@ -253,7 +241,10 @@ def saved_generation(tmp_path: Path) -> tuple[Path, Path, dict[str, torch.Tensor
         "m": torch.tensor([True, False]),
     }
     store = tmp_path / "store"
-    with cv.CheckpointManager(store, run_id="fuzz", chunk_size=64) as mgr:
+    with (
+        writer_format(request.param),
+        cv.CheckpointManager(store, run_id="fuzz", chunk_size=64) as mgr,
+    ):
         generation = Path(mgr.save(1, {"t": saved}).result().path)
     return store, generation, saved
 
@@ -262,7 +253,12 @@ def test_tensor_file_reader_refuses_edited_headers_behind_rewritten_digests(save
     store, generation, saved = saved_generation
     (file,) = generation.glob("*.safetensors")
     pristine = file.read_bytes()
-    manifest = (generation / "manifest.json").read_bytes()
+    manifests = {p: p.read_bytes() for p in generation.glob("*.json")}  # root and indexes
+    forge_manifest(generation)  # the rewrite alone reaches the reader: it restores
+    state = _fresh(saved)
+    with cv.CheckpointManager(store, run_id="fuzz", chunk_size=64) as mgr:
+        assert mgr.restore(state).step == 1
+    assert all(same_tensor(state["t"][name], tensor) for name, tensor in saved.items())
     (length,) = struct.unpack("<Q", pristine[:HEADER_LENGTH_BYTES])
     head, data = pristine[: HEADER_LENGTH_BYTES + length], pristine[HEADER_LENGTH_BYTES + length :]
     document = json.loads(head[HEADER_LENGTH_BYTES:])
@@ -272,14 +268,16 @@ def test_tensor_file_reader_refuses_edited_headers_behind_rewritten_digests(save
         # Entries reordered or repeated: JSON-equal headers must not matter either.
         st.permutations(sorted(document.items())).map(lambda items: _rewrapped(Pairs(items))),
     )
-    with scenario("fuzz: tensor-file reader, edited headers behind rewritten digests") as trials:
+    version = format_of(generation)
+    name = f"fuzz: tensor-file reader, edited headers behind rewritten digests (format {version})"
+    with scenario(name) as trials:
 
         @fuzz_settings(ci=25, long=1_000)
         @given(edits)
         def edited(new_head: bytes) -> None:
             trials.count()
             writable(file).write_bytes(new_head + data)
-            _reseal(generation)
+            forge_manifest(generation)
             state = _fresh(saved)
             try:
                 with cv.CheckpointManager(store, run_id="fuzz", chunk_size=64) as mgr:
@@ -296,6 +294,7 @@ def test_tensor_file_reader_refuses_edited_headers_behind_rewritten_digests(save
                 trials.outcome("restored intact")
             finally:
                 writable(file).write_bytes(pristine)
-                writable(generation / "manifest.json").write_bytes(manifest)
+                for path, content in manifests.items():
+                    writable(path).write_bytes(content)
 
         edited()
