@@ -47,6 +47,7 @@ from reliability import budget, long_run
 PATTERNS = (0x01, 0x80, 0xFF)
 EVERY_BIT = (0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x40, 0x80, 0xFF)
 RUN = "sweep"
+MANIFEST = "manifest.json"
 
 
 # -- the state saved ------------------------------------------------------------------
@@ -269,16 +270,23 @@ def _write_byte(path: Path, offset: int, value: int) -> None:
         handle.write(bytes([value]))
 
 
-def run_flip(sweep: Sweep, flip: Flip) -> None:
-    """Flip one byte in both copies, check every outcome, put the byte back."""
+def run_flip(sweep: Sweep, flip: Flip, reseal: Callable[[Path, str], None] | None = None) -> None:
+    """Flip one byte in both copies, check every outcome, put the byte back.
+
+    ``reseal(copy, file)``, when given, is what an attacker does after the flip
+    (rewrite the digests that cover the file); the manifest is put back too."""
     original = sweep.originals[flip.file][flip.offset]
     for copy in sweep.copies:
         _write_byte(copy / flip.file, flip.offset, original ^ flip.pattern)
+        if reseal is not None:
+            reseal(copy, flip.file)
     try:
         problems = [_check_verify(sweep), _check_alone(sweep), _check_older(sweep)]
     finally:
         for copy in sweep.copies:
             _write_byte(copy / flip.file, flip.offset, original)
+            if reseal is not None:
+                (copy / MANIFEST).write_bytes(sweep.originals[MANIFEST])
     sweep.trials += 1
     found = "; ".join(p for p in problems if p)
     if found:

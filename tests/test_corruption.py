@@ -1,15 +1,16 @@
 """Corruption: any single flipped byte of a small generation is detected, 100%.
 
-The exhaustive sweep (issue 13): every byte of the manifest, of ``manifest.sig`` and
-of each tensor file's header (length prefix and JSON), the tensor data, and every
-byte of an encrypted generation's containers, flipped one at a time with several
-patterns. After each flip ``verify`` must report the generation, restore must refuse
+The exhaustive sweep (issue 13): every byte of the manifest (format 3's root; and a
+planted format-2 manifest, which the reader still accepts), of each per-rank index
+(format 3), of ``manifest.sig`` and of each tensor file's header (length prefix and
+JSON), the tensor data, and every byte of an encrypted generation's containers,
+flipped one at a time with several patterns. After each flip ``verify`` must report the generation, restore must refuse
 it with ``NoValidCheckpoint`` where it is alone (leaving the state untouched) and
 fall back bit-exactly to the older good generation beside it (reporting the skip);
 see ``corruption_sweep``. ``make test`` runs a sample (the first and last byte of
 every region with every pattern, plus random ones; the seed is printed,
 ``CKPTVAULT_CORRUPTION_SEED`` replays it); ``make reliability`` flips every byte
-of every manifest, signature and tensor header once (the patterns taking turns), and 3,000
+of every manifest, index, signature and tensor header once (the patterns taking turns), and 3,000
 sampled flips each of tensor data and encrypted containers (every byte of those
 took over an hour). Targeted tamper tests live in test_restore.py,
 test_hostile_inputs.py and test_encryption.py; this is the sweep.
@@ -26,7 +27,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,7 @@ from corruption_sweep import (
     train,
     whole_file,
 )
+from hostile_forging import write_index, writer_format
 from reliability import record
 
 pytestmark = pytest.mark.reliability
@@ -74,11 +76,12 @@ def sweep_scenario(
     patterns: tuple[int, ...],
     ci: int,
     long_cap: int | None = None,
+    reseal: Callable[[Path, str], None] | None = None,
 ) -> None:
     seed, rng = seeded()
     flips = choose_flips(regions, patterns, ci, rng, long_cap)
     for flip in flips:
-        run_flip(sweep, flip)
+        run_flip(sweep, flip, reseal)
     record(scenario, sweep.trials, len(sweep.failures), sweep_detail(sweep, seed, flips))
     assert not sweep.failures, failure_report(sweep, seed)
     assert sweep.trials == len(flips) > 0
@@ -124,6 +127,17 @@ def plain(root: Path) -> Iterator[Sweep]:
 
 
 @pytest.fixture
+def plain_format_2(root: Path) -> Iterator[Sweep]:
+    """As ``plain``, written in format 2 (one manifest holding every chunk digest and
+    chunk): an attacker can plant that format, so its manifest must be as tight."""
+    with writer_format(2):
+        sweep = build_sweep(root, lambda _name: {})
+    assert json.loads((sweep.target / "manifest.json").read_bytes())["format_version"] == 2
+    yield sweep
+    sweep.close()
+
+
+@pytest.fixture
 def encrypted(root: Path) -> Iterator[Sweep]:
     """Encrypted, unsigned: digests, the manifest's MAC and AES-GCM."""
     keystore = root / "keys"
@@ -154,12 +168,52 @@ def tensor_files(sweep: Sweep) -> list[Path]:
     return files
 
 
+def index_files(sweep: Sweep) -> list[Region]:
+    """Every byte of the target's indexes (one per rank that wrote a file)."""
+    indexes = sorted(sweep.target.glob("*-index.json"))
+    assert indexes, "a format-3 generation has an index per rank"
+    return [whole_file(index) for index in indexes]
+
+
 # -- an unsigned, unencrypted generation ----------------------------------------------
 
 
 def test_every_manifest_byte_flip_is_detected(plain: Sweep) -> None:
     manifest = whole_file(plain.target / "manifest.json")
     sweep_scenario("corruption: manifest bytes", plain, [manifest], PATTERNS, ci=90)
+
+
+def test_every_index_byte_flip_is_detected(plain: Sweep) -> None:
+    """The root records each index's size and digest: a flipped index byte is found
+    before the index is parsed, whatever the byte was (a chunk digest, a chunk's
+    offset, the run it names)."""
+    sweep_scenario("corruption: index bytes", plain, index_files(plain), PATTERNS, ci=90)
+
+
+def record_index(generation: Path, name: str) -> None:
+    """An attacker's rewrite after editing index ``name``: the root records its new
+    size and digest (and its self-digest is recomputed)."""
+    write_index(generation, name, (generation / name).read_bytes())
+
+
+def test_every_index_byte_flip_behind_a_refreshed_record_is_detected(plain: Sweep) -> None:
+    """Unsigned, anyone can record the flipped index in the root: then what the index
+    says must be caught (its chunk digests, its chunks, what it names), byte by byte."""
+    sweep_scenario(
+        "corruption: index bytes behind a refreshed record",
+        plain,
+        index_files(plain),
+        PATTERNS,
+        ci=60,
+        reseal=record_index,
+    )
+
+
+def test_every_format_2_manifest_byte_flip_is_detected(plain_format_2: Sweep) -> None:
+    manifest = whole_file(plain_format_2.target / "manifest.json")
+    sweep_scenario(
+        "corruption: format-2 manifest bytes", plain_format_2, [manifest], PATTERNS, ci=40
+    )
 
 
 def test_every_tensor_header_byte_flip_is_detected(plain: Sweep) -> None:
@@ -178,6 +232,14 @@ def test_tensor_data_byte_flips_are_detected(plain: Sweep) -> None:
 def test_encrypted_manifest_byte_flips_are_detected(encrypted: Sweep) -> None:
     manifest = whole_file(encrypted.target / "manifest.json")
     sweep_scenario("corruption: encrypted manifest bytes", encrypted, [manifest], PATTERNS, ci=40)
+
+
+def test_encrypted_index_byte_flips_are_detected(encrypted: Sweep) -> None:
+    """An encrypted generation's indexes are plaintext, covered by the root's digest
+    of them (and through it by the root's MAC)."""
+    sweep_scenario(
+        "corruption: encrypted index bytes", encrypted, index_files(encrypted), PATTERNS, ci=30
+    )
 
 
 def test_encrypted_container_byte_flips_are_detected(encrypted: Sweep) -> None:
@@ -258,6 +320,10 @@ def test_signed_manifest_byte_flips_are_detected(signed: Sweep) -> None:
     sweep_scenario("corruption: signed manifest bytes", signed, [manifest], PATTERNS, ci=30)
 
 
+def test_signed_index_byte_flips_are_detected(signed: Sweep) -> None:
+    sweep_scenario("corruption: signed index bytes", signed, index_files(signed), PATTERNS, ci=30)
+
+
 def _non_canonical_spelling(encoded: str) -> str:
     """The same signature bytes in other base64: the last data character before the
     padding carries 2 bits of the signature and 4 unused ones; set the lowest."""
@@ -318,16 +384,18 @@ def _save_steps(store: Path, steps: int, **options: object) -> dict[int, Path]:
 
 def test_cli_verify_reports_flipped_bytes(tmp_path: Path, keys: dict[str, Path]) -> None:
     """``ckptvault verify --all`` as a user runs it: one store with a flipped
-    manifest, tensor header and tensor data byte; one signed and encrypted store with
+    manifest, tensor header, tensor data and index byte; one signed and encrypted store with
     a flipped signature, container and manifest byte. Each generation fails with its
     code, the pristine one passes, the exit status is 1."""
     rng = random.Random(0)
-    plain = _save_steps(tmp_path / "plain", 4)
+    plain = _save_steps(tmp_path / "plain", 5)
     header = tensor_file_regions(sorted(plain[3].glob("*.safetensors"))[0])[0]
     data = tensor_file_regions(sorted(plain[4].glob("*.safetensors"))[0])[1]
     _flip(plain[2] / "manifest.json", rng.randrange(whole_file(plain[2] / "manifest.json").end))
     _flip(plain[3] / header.file, rng.randrange(header.start, header.end))
     _flip(plain[4] / data.file, data.end - 1, 0x80)
+    index = sorted(plain[5].glob("*-index.json"))[0]
+    _flip(index, rng.randrange(whole_file(index).end))
     sealed = _save_steps(
         tmp_path / "sealed", 4, signing_key=keys["private"], keystore=tmp_path / "keys"
     )
@@ -337,6 +405,7 @@ def test_cli_verify_reports_flipped_bytes(tmp_path: Path, keys: dict[str, Path])
     expected = {1: set(), 2: {"manifest-invalid", "manifest-corrupt", "format-unsupported"}}
     expected[3] = {"digest-mismatch"}
     expected[4] = {"digest-mismatch"}
+    expected[5] = {"digest-mismatch"}
     sealed_expected = {1: set(), 2: {"signature-invalid", "signature-untrusted"}}
     sealed_expected |= {3: {"digest-mismatch"}, 4: {"signature-invalid"}}
     failures = []
@@ -352,5 +421,5 @@ def test_cli_verify_reports_flipped_bytes(tmp_path: Path, keys: dict[str, Path])
             found = {p["code"] for p in reports[step]["problems"]}
             if (not codes and found) or (codes and not found & codes):
                 failures.append(f"{store.name} step {step}: expected {codes or 'OK'}, got {found}")
-    record("corruption: ckptvault verify (CLI)", 6, len(failures), "fixed flips, seed 0")
+    record("corruption: ckptvault verify (CLI)", 7, len(failures), "fixed flips, seed 0")
     assert not failures, failures
