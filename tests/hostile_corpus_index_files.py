@@ -65,6 +65,19 @@ def older_index_recorded_in_an_encrypted_generation(plot: Plot) -> int:
     return 2
 
 
+@hostile(TRUST, "encrypted", "manifest-unauthenticated")
+def index_chunks_swapped_in_an_encrypted_generation(plot: Plot) -> int:
+    """Two tensors of one size trade places in the index (each chunk's file, entry and
+    byte range), the root recording the index: every structure check passes; the
+    root's MAC, over the index's digest, does not."""
+
+    def swap(tensors: dict) -> None:
+        first, second = tensors["model/fc1.bias"][0], tensors["model/norm.bias"][0]
+        first[2:], second[2:] = second[2:], first[2:]
+
+    return edit_chunks(plot, swap)
+
+
 @hostile(TRUST, "signed", "name-mismatch", restores=2)
 def signed_generation_with_its_index_republished_as_newer(plot: Plot) -> int:
     copy_generation(plot.gen(1), plot.store, 3, "29990101T000000000000Z-0badc0de")

@@ -80,6 +80,23 @@ def extra_index_recorded_for_a_rank_without_files(plot: Plot) -> int:
 
 
 @hostile(INDEXES, "plain", "manifest-invalid")
+def data_file_of_a_rank_without_an_index(plot: Plot) -> int:
+    name = plot.tensor_file(2).name
+    forge_root(
+        plot.gen(2),
+        lambda root: root["files"].update({"r00001-000.safetensors": root["files"][name]}),
+    )
+    return 2
+
+
+@hostile(INDEXES, "plain", "unsafe-path")
+def index_listed_as_a_data_file(plot: Plot) -> int:
+    record = {"size": plot.index(2).stat().st_size, "blake3": "0" * 64}
+    forge_root(plot.gen(2), lambda root: root["files"].update({INDEX: record}))
+    return 2
+
+
+@hostile(INDEXES, "plain", "manifest-invalid")
 def root_lists_no_index(plot: Plot) -> int:
     forge_root(plot.gen(2), lambda root: root.update(indexes={}))
     return 2
