@@ -32,7 +32,6 @@ from typing import Any
 from blake3 import blake3
 
 from ckptvault.format.canonical import dumps_canonical
-from ckptvault.format.layout import INDEX_SUFFIX
 from ckptvault.saving.generation_writer import GenerationWriter
 from ckptvault.trust.digests import derived_file_digest
 from conftest import writable
@@ -56,11 +55,6 @@ def writer_format(version: int) -> Iterator[None]:
 
 def format_of(generation: Path) -> int:
     return json.loads((generation / MANIFEST).read_bytes()).get("format_version", 0)
-
-
-def index_paths(generation: Path) -> list[Path]:
-    """The generation's index files (none in formats 1-2)."""
-    return sorted(generation.glob(f"*{INDEX_SUFFIX}"))
 
 
 def splice(data: bytes, raw: dict[str, str] | None) -> bytes:

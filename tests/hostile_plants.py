@@ -45,12 +45,11 @@ from hostile_forging import (
     forge_index,
     forge_manifest,
     forge_root,
-    index_paths,
     reseal,
     writer_format,
 )
 
-__all__ = ["Bases", "Plot", "forge_index", "forge_manifest", "forge_root", "index_paths"]
+__all__ = ["Bases", "Plot", "forge_index", "forge_manifest", "forge_root"]
 
 SEGMENT = 4096
 MANIFEST = "manifest.json"

@@ -17,7 +17,6 @@ in ``test_hostile_layouts.py``.
 
 from __future__ import annotations
 
-import importlib
 import json
 import struct
 import tracemalloc
@@ -27,10 +26,8 @@ import pytest
 import torch
 
 import ckptvault as cv
-from ckptvault.cli import main
 from ckptvault.errors import (
     FormatError,
-    StoreLockedError,
     UnsupportedValueError,
 )
 from ckptvault.format.container import MAGIC
@@ -275,37 +272,6 @@ def test_two_tensors_cannot_claim_the_same_bytes(store, version):
     assert info.step == 1 and info.skipped[0].reason.startswith("manifest-inconsistent")
     assert "share bytes" in info.skipped[0].reason
     assert torch.equal(fresh["b"], torch.zeros(64, 4))
-
-
-def test_cli_turns_an_unexpected_error_into_one_line(store, two_steps, monkeypatch, capsys):
-    def broken(_store, **_options):
-        raise RuntimeError("something nobody anticipated\non two lines")
-
-    # ckptvault.cli's ``ls`` attribute is the command, not its module.
-    monkeypatch.setattr(
-        importlib.import_module("ckptvault.cli.ls"), "list_generation_infos", broken
-    )
-    assert main(["ls", str(store)]) == 3
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1
-    assert "internal error: RuntimeError" in lines[0] and "please report" in lines[0]
-
-
-def test_cli_errors_stay_exit_2(tmp_path, capsys):
-    assert main(["ls", str(tmp_path / "missing")]) == 2
-    assert len(capsys.readouterr().err.strip().splitlines()) == 1
-
-
-def test_planted_writer_lock_contents(store):
-    """The lock file lives in the store: its contents are only for the message."""
-    holder = PosixStore(store)
-    holder.acquire_writer()
-    try:
-        (store / ".writer.lock").write_bytes(deep(2000).encode())
-        with pytest.raises(StoreLockedError, match="holder unknown"):
-            PosixStore(store).acquire_writer()
-    finally:
-        holder.release_writer()
 
 
 # -- 2. memory spent before verification ----------------------------------------------

@@ -1,10 +1,12 @@
 """Hostile state, export and the CLI (see ``test_hostile_state``): export reads
-through the same rules as restore, and every string a store plants is printed inert
-(no control character reaches the terminal, no markup is interpreted).
+through the same rules as restore, every string a store plants is printed inert
+(no control character reaches the terminal, no markup is interpreted), an error the
+CLI did not anticipate is one line, and a planted writer lock is only a message.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 from pathlib import Path
@@ -16,6 +18,7 @@ from safetensors.torch import load_file
 
 import ckptvault as cv
 from ckptvault.cli import main
+from ckptvault.errors import StoreLockedError
 from ckptvault.format.canonical import dumps_canonical
 from ckptvault.ops import export as export_module
 from ckptvault.ops.export import export_weights
@@ -28,7 +31,7 @@ from ckptvault.trust.signing import generate_keypair
 from conftest import (
     run_cli,
 )
-from test_hostile_inputs import forge_manifest, save_two_steps
+from test_hostile_inputs import deep, forge_manifest, save_two_steps
 from test_hostile_state import (
     ESC,
     plant_copy,
@@ -197,3 +200,37 @@ def test_ls_prints_planted_marks_inert(store, two_steps):
     assert_terminal_safe(as_json.stdout)
     marked = [entry for entry in json.loads(as_json.stdout) if entry.get("marked")]
     assert marked and marked[0]["marked"]["reason"] == HOSTILE
+
+
+# -- errors the CLI prints, and a planted writer lock --------------------------------
+
+
+def test_cli_turns_an_unexpected_error_into_one_line(store, two_steps, monkeypatch, capsys):
+    def broken(_store, **_options):
+        raise RuntimeError("something nobody anticipated\non two lines")
+
+    # ckptvault.cli's ``ls`` attribute is the command, not its module.
+    monkeypatch.setattr(
+        importlib.import_module("ckptvault.cli.ls"), "list_generation_infos", broken
+    )
+    assert main(["ls", str(store)]) == 3
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1
+    assert "internal error: RuntimeError" in lines[0] and "please report" in lines[0]
+
+
+def test_cli_errors_stay_exit_2(tmp_path, capsys):
+    assert main(["ls", str(tmp_path / "missing")]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_planted_writer_lock_contents(store):
+    """The lock file lives in the store: its contents are only for the message."""
+    holder = PosixStore(store)
+    holder.acquire_writer()
+    try:
+        (store / ".writer.lock").write_bytes(deep(2000).encode())
+        with pytest.raises(StoreLockedError, match="holder unknown"):
+            PosixStore(store).acquire_writer()
+    finally:
+        holder.release_writer()
