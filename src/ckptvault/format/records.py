@@ -53,7 +53,7 @@ class FileRecord:
         if (
             not isinstance(size, int)
             or isinstance(size, bool)
-            or size < 0
+            or not 0 <= size <= MAX_TENSOR_BYTES  # no file is larger: keeps sums in int64
             or not isinstance(digest, str)
             or not _HEX64_RE.match(digest)
             or not isinstance(chunks, list)
