@@ -40,7 +40,13 @@ from typing import Any
 
 from ckptvault.errors import FormatError
 from ckptvault.format.canonical import dumps_canonical
-from ckptvault.format.tensorfile import DTYPES, MAX_TENSOR_BYTES, MAX_TENSOR_RANK, checked_shape
+from ckptvault.format.tensorfile import (
+    DTYPES,
+    MAX_TENSOR_BYTES,
+    MAX_TENSOR_RANK,
+    checked_shape,
+    element_size,
+)
 
 MAX_CELLS = 1 << 24  # chunks a root may assign to indexes, over all its tensors
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
@@ -391,14 +397,51 @@ def parse_tensor_table(raw: Any, holders: Sequence[int], where: str) -> TensorTa
         raise FormatError(f"{where} must be an object")
     budget = MAX_CELLS
     table = {}
+    single: dict[int, Runs] = {}  # holder -> [[holder, 1]]: one Runs for every whole tensor
     for fqn, info in raw.items():
-        at = f"{where}: tensor {fqn[:200]!r}"
-        layout = _parse_layout(info, holders, at)
+        layout = _whole_layout(info, holders, single)
+        if layout is None:
+            layout = _parse_layout(info, holders, f"{where}: tensor {fqn[:200]!r}")
         budget -= max(1, layout.cell_count)
         if budget < 0:
             raise FormatError(f"{where}: more than {MAX_CELLS} chunks in all")
         table[fqn] = layout
     return TensorTable(table)
+
+
+def _whole_layout(
+    info: Any, holders: Sequence[int], single: dict[int, Runs]
+) -> TensorLayout | None:
+    """The layout of a tensor stored whole in one index (every tensor of a one-process
+    save: ``{"dtype", "holders": [[k, 1]], "shape"}`` with no empty dimension), checked
+    as :func:`_parse_layout` checks it; None for anything else, which that parses (and
+    refuses with its messages). A fast path: a root of 100,000 tensors has that many."""
+    if type(info) is not dict or len(info) != 3:
+        return None
+    dtype, shape, held = info.get("dtype"), info.get("shape"), info.get("holders")
+    if type(held) is not list or len(held) != 1 or type(shape) is not list:
+        return None
+    pair = held[0]
+    if type(pair) is not list or len(pair) != 2 or [type(x) for x in pair] != [int, int]:
+        return None
+    if pair[1] != 1:
+        return None
+    if type(dtype) is not str or dtype not in DTYPES or len(shape) > MAX_TENSOR_RANK:
+        return None
+    bound, span = MAX_TENSOR_BYTES // element_size(dtype), 1
+    for dim in shape:
+        if type(dim) is not int or dim < 1:
+            return None
+        span *= dim
+    holder = pair[0]
+    if span > bound:
+        return None
+    runs = single.get(holder)
+    if runs is None:
+        if _held(holders, holder, 1) != 1:
+            return None
+        runs = single[holder] = Runs.of([(holder, 1)])
+    return TensorLayout(dtype, tuple(shape), (), runs)
 
 
 def _parse_layout(info: Any, holders: Sequence[int], at: str) -> TensorLayout:
