@@ -202,13 +202,7 @@ class Manifest:
         if self.indexed:
             return self._root_json()
         document = {
-            "format_version": self.format_version,
-            "run_id": self.run_id,
-            "step": self.step,
-            "generation_id": self.generation_id,
-            "created_at": self.created_at,
-            "parent": self.parent,
-            "chunk_size": self.chunk_size,
+            **self._identity(),
             "files": {name: record.to_json() for name, record in sorted(self.files.items())},
             "dcp": self.dcp,
             "state": self.state,
@@ -217,13 +211,9 @@ class Manifest:
         }
         return self._with_optional(document)
 
-    def _root_json(self) -> dict[str, Any]:
-        if self.indexes is None or self.tensor_table is None:
-            raise FormatError(
-                "a format-3 manifest is stored as a root over its indexes: write the indexes "
-                "first (ckptvault.saving.indexes.write_indexes)"
-            )
-        document = {
+    def _identity(self) -> dict[str, Any]:
+        """The keys every format version opens with."""
+        return {
             "format_version": self.format_version,
             "run_id": self.run_id,
             "step": self.step,
@@ -231,6 +221,16 @@ class Manifest:
             "created_at": self.created_at,
             "parent": self.parent,
             "chunk_size": self.chunk_size,
+        }
+
+    def _root_json(self) -> dict[str, Any]:
+        if self.indexes is None or self.tensor_table is None:
+            raise FormatError(
+                "a format-3 manifest is stored as a root over its indexes: write the indexes "
+                "first (ckptvault.saving.indexes.write_indexes)"
+            )
+        document = {
+            **self._identity(),
             "files": {
                 name: {"size": record.size, "blake3": record.blake3}
                 for name, record in sorted(self.files.items())

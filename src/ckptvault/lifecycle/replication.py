@@ -44,7 +44,7 @@ from ckptvault.io.load import check_authenticity
 from ckptvault.lifecycle.marks import read_marks
 from ckptvault.progress import Meter, Progress
 from ckptvault.storage import S3Options, StoreLocation, open_store
-from ckptvault.storage.base import GenerationRef, StagingArea, Store
+from ckptvault.storage.base import GenerationRef, StagingArea, Store, write_new_file
 from ckptvault.storage.records import REPLICA
 from ckptvault.trust.checks import MAX_SIGNATURE_BYTES, TrustPolicy, check_structure
 from ckptvault.trust.context import TrustContext
@@ -129,13 +129,7 @@ def _copy_files(
         data = source.read_bytes(ref, name, index.size)
         if len(data) != index.size or blake3(data).hexdigest() != index.blake3:
             raise IntegrityError(f"{ref.location}: {name} changed while it was being copied")
-        sink = staging.create_file(name)
-        try:
-            sink.write(data)
-        except BaseException:
-            sink.abort()
-            raise
-        sink.commit()
+        write_new_file(staging, name, data)
     buffer = memoryview(bytearray(min(COPY_BLOCK, manifest.chunk_size)))
     for name, record in sorted(manifest.files.items()):
         verifier = ChunkVerifier(record, manifest.chunk_size, name, whole_file=False)

@@ -27,7 +27,7 @@ from ckptvault.format.index import (
 from ckptvault.format.layout import file_holder, index_file_name
 from ckptvault.format.manifest import Manifest
 from ckptvault.format.tensor_table import TensorTable, build_tensor_table
-from ckptvault.storage.base import StagingArea
+from ckptvault.storage.base import StagingArea, write_new_file
 
 PARALLEL_WRITES = 8
 
@@ -80,13 +80,7 @@ class IndexWriter:
                 plan.tensors_members[holder],
             )
             name = index_file_name(holder)
-            sink = staging.create_file(name)
-            try:
-                sink.write(data)
-            except BaseException:
-                sink.abort()
-                raise
-            sink.commit()
+            write_new_file(staging, name, data)
             return name, IndexRecord(len(data), blake3(data).hexdigest())
 
         if len(plan.holders) <= 1:

@@ -98,6 +98,18 @@ class StagingArea(Protocol):
         covers them too (an object store's Object Lock), and abort removes them."""
 
 
+def write_new_file(area: StagingArea, name: str, data: bytes) -> None:
+    """Write ``data`` as the new file ``name`` of ``area`` and commit it (durable on
+    return); a failure aborts the file."""
+    sink = area.create_file(name)
+    try:
+        sink.write(data)
+    except BaseException:
+        sink.abort()
+        raise
+    sink.commit()
+
+
 class PublishRule(Protocol[AreaT]):
     """How a backend turns a fully written staging area into a visible generation.
 

@@ -22,7 +22,7 @@ from ckptvault.format.layout import (
     generation_dirname,
     parse_generation_dirname,
 )
-from ckptvault.storage.base import GenerationRef
+from ckptvault.storage.base import GenerationRef, write_new_file
 from ckptvault.storage.posix_files import (
     PosixWritableFile,
     open_dir,
@@ -112,7 +112,7 @@ class AtomicRename:
         try:
             for file_name, data in ((MANIFEST_NAME, manifest), (SIGNATURE_NAME, signature)):
                 if data is not None:
-                    _write_new_file(area, file_name, data)
+                    write_new_file(area, file_name, data)
             os.fsync(area.fd)
             with opened(area.store.open_root()) as root_fd:
                 os.rename(area.generation_id, final, src_dir_fd=area.staging_fd, dst_dir_fd=root_fd)
@@ -123,13 +123,3 @@ class AtomicRename:
         name = parse_generation_dirname(final)
         assert name is not None  # generation_dirname always parses
         return GenerationRef(name=name, location=where)
-
-
-def _write_new_file(area: PosixStagingArea, name: str, data: bytes) -> None:
-    small_file = area.create_file(name)
-    try:
-        small_file.write(data)
-    except BaseException:
-        small_file.abort()
-        raise
-    small_file.commit()
