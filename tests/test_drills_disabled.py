@@ -187,7 +187,7 @@ import time
 from ckptvault.format.layout import generation_dirname, parse_generation_dirname
 from ckptvault.saving import generation_writer
 from ckptvault.storage import posix_publish
-from ckptvault.storage.base import GenerationRef
+from ckptvault.storage.base import GenerationRef, write_new_file
 
 steps = {}
 write = generation_writer.GenerationWriter.write
@@ -210,9 +210,9 @@ def in_place(self, store, generation_id, joined=False):
     time.sleep(1.5)
 
 def publish(self, area, step, manifest, signature):
-    posix_publish._write_new_file(area, "manifest.json", manifest)
+    write_new_file(area, "manifest.json", manifest)
     if signature is not None:
-        posix_publish._write_new_file(area, "manifest.sig", signature)
+        write_new_file(area, "manifest.sig", signature)
     final = generation_dirname(step, area.generation_id)
     return GenerationRef(parse_generation_dirname(final), os.path.join(area.store.location, final))
 
