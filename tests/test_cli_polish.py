@@ -87,7 +87,7 @@ def _json_cases(store: Path, tmp: Path) -> dict[str, list[object]]:
         "verify": ["verify", store, "--all"],
         "export": ["export", store, "--step", 2, "--out", tmp / "w.safetensors", "--key", "model"],
         "consolidate": ["consolidate", store, tmp / "hf"],
-        "gc": ["gc", store, "--dry-run", "--keep-last", 1],
+        "gc": ["gc", store, "--dry-run", "--keep-last", 1, "--trusted-key", tmp / "k.pub"],
         "plan": ["plan", "--save-seconds", 10, "--mtbf-hours", 4],
         "plan --from": ["plan", "--from", store, "--catalog", catalog, "--mtbf-hours", 4],
         "catalog": ["catalog", "--catalog", catalog],

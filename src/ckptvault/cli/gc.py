@@ -12,6 +12,13 @@ generations (and pins them, so that the next pass does not mark them again);
 only touch records and need no lock. A generation under Object Lock is kept
 ("locked until DATE"); versions of deleted objects a versioned bucket may not
 delete yet are listed as retained copies (``retained_copies`` in ``--json``).
+
+gc trusts exactly what restore trusts: a generation takes a rule's place only if it
+passes restore's checks under the trust options given (``--trusted-key``,
+``--keystore``, ``--ledger``, as ``verify`` takes them). On a store whose generations
+those options cannot authenticate (an encrypted generation without ``--keystore``, a
+signed one without ``--trusted-key``) it refuses with one line naming the option and
+marks nothing: a forgery there could take a rule's place.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import typer
 
 from ckptvault.cli._common import (
     STORE_HELP,
+    KeystoreOption,
     S3EndpointUrl,
     err,
     open_store,
@@ -110,6 +118,7 @@ def gc(
     delete_delay: _DeleteDelay = _DEFAULT_DELETE_DELAY,
     run_id: _RunId = None,
     trusted_key: _TrustedKeys = None,
+    keystore: KeystoreOption = None,
     ledger: _LedgerPath = None,
     audit_log: _AuditLogPath = None,
     s3_endpoint_url: S3EndpointUrl = None,
@@ -118,7 +127,9 @@ def gc(
     store = open_store(directory, s3_endpoint_url)
     stale_seconds = parse_duration(stale_after, "--stale-after")
     delay = parse_duration(delete_delay, "--delete-delay")
-    trust = TrustContext.configure(trusted_keys=trusted_key, ledger=ledger, audit_log=audit_log)
+    trust = TrustContext.configure(
+        trusted_keys=trusted_key, keystore=keystore, ledger=ledger, audit_log=audit_log
+    )
     trust.check_outside(store)
     events = EventBus(trust.subscribers())
     within = parse_duration(keep_within, "--keep-within") if keep_within else None
@@ -222,6 +233,7 @@ def _collect(
         run_id=run_id,
         emit=events.emit,
     )
+    collector.require_keys = True  # refuse what these options cannot authenticate
     with progress_bar("verifying the newest generation", as_json=as_json) as bar:
         newest = collector.verify_newest(now, bar)
     run = run_id or (newest.manifest.run_id if newest and newest.manifest else None)

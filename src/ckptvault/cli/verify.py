@@ -4,12 +4,16 @@ Without a flag the newest generation is checked. Exit status 0 only when every
 generation checked verifies; each failing rule is printed with its file and reason.
 The JSON report's ``signer`` is a key id only when the signature was verified against
 a ``--trusted-key``; ``"unverified"`` when the generation is signed but no trusted key
-was given; null when it is unsigned. ``notes`` says what could not be checked: verify
-takes no key store, so an encrypted manifest's MAC is left to restore and export.
+was given; null when it is unsigned. With ``--keystore`` (an encrypted run) a
+generation must also be encrypted throughout and carry a manifest MAC made with the
+run's key, as restore requires; without it, ``notes`` says the MAC was not checked.
+With ``--ledger``, a generation an allowed rollback abandoned fails (``rollback``):
+restore would never take it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,6 +21,7 @@ import typer
 
 from ckptvault.cli._common import (
     STORE_HELP,
+    KeystoreOption,
     S3EndpointUrl,
     human_bytes,
     open_store,
@@ -36,7 +41,17 @@ from ckptvault.trust.checks import (
     verify_generation,
 )
 from ckptvault.trust.context import TrustContext
+from ckptvault.trust.keystore import open_keystore
+from ckptvault.trust.ledger import Ledger
 from ckptvault.trust.signing import TrustedKeys
+
+VerifyLedgerOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--ledger",
+        help="The rollback ledger: generations an allowed rollback abandoned fail (needs --run-id).",
+    ),
+]
 
 
 def verify(
@@ -48,15 +63,29 @@ def verify(
         list[Path] | None,
         typer.Option("--trusted-key", help="Require a signature by this public key (repeatable)."),
     ] = None,
+    keystore: KeystoreOption = None,
+    ledger: VerifyLedgerOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON report on stdout.")] = False,
     s3_endpoint_url: S3EndpointUrl = None,
 ) -> None:
     """Verify manifests, file sets, sizes and every digest."""
     if step is not None and every:
         raise UsageError("--step and --all are mutually exclusive")
+    if ledger is not None and run_id is None:
+        raise UsageError("--ledger needs --run-id: the ledger keeps each run's record apart")
     store = open_store(directory, s3_endpoint_url)
-    trust = TrustContext(trusted=TrustedKeys.load(trusted_key) if trusted_key else None)
-    policy = trust.policy(run_id, floor=None)
+    trust = TrustContext(
+        trusted=TrustedKeys.load(trusted_key) if trusted_key else None,
+        keystore=open_keystore(keystore) if keystore else None,
+        ledger=Ledger(ledger) if ledger is not None else None,
+    )
+    trust.check_outside(store)
+    floor = trust.floor(run_id) if run_id is not None else None
+    policy = dataclasses.replace(
+        # Abandonment only: an older step may still be restored on purpose.
+        trust.policy(run_id, floor.without_step() if floor else None),
+        authenticate=keystore is not None,  # without a key: integrity only, and a note
+    )
     chosen = select(store, step, every, trust)
     reports = [_verify_one(store, ref, policy, as_json) for ref in chosen]
     if as_json:
@@ -96,6 +125,8 @@ def _notes(report: VerificationReport) -> list[str]:
         return []
     if report.signer not in (None, UNVERIFIED_SIGNER):
         return []  # the verified signature covers the whole manifest
+    if report.authenticated:
+        return []  # the MAC was checked with the run's key
     return [
         "encrypted and not signed by a trusted key: the digests were checked, but the "
         "manifest's MAC needs the run's key and was not (restore and export check it)"

@@ -12,8 +12,9 @@ import re
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
-from ckptvault.errors import UsageError
+from ckptvault.errors import FormatError, UsageError
 
 MANIFEST_NAME = "manifest.json"
 SIGNATURE_NAME = "manifest.sig"
@@ -139,6 +140,22 @@ def tensor_file_name(rank: int, index: int) -> str:
 def encrypted_state_file_name(rank: int) -> str:
     """Name of the encrypted file holding ``rank``'s non-tensor state (encrypted runs)."""
     return f"r{rank:05d}{ENCRYPTED_STATE_SUFFIX}"
+
+
+# An encrypted generation's manifest ``state`` holds only this tag, naming the file
+# that holds the state tree (:mod:`ckptvault.io.state_file`).
+ENCRYPTED_STATE_TAG = "$encrypted_file"
+
+
+def encrypted_state_reference(state: dict[str, Any]) -> str | None:
+    """The file an encrypted generation's ``state`` points to, or None when the
+    state is stored in the manifest itself; FormatError for a malformed reference."""
+    if set(state) != {ENCRYPTED_STATE_TAG}:
+        return None
+    name = state[ENCRYPTED_STATE_TAG]
+    if not isinstance(name, str) or not name.endswith(ENCRYPTED_STATE_SUFFIX):
+        raise FormatError(f"the manifest's encrypted state reference {name!r} is malformed")
+    return name
 
 
 def is_tensor_file_name(name: str) -> bool:

@@ -19,7 +19,7 @@ from ckptvault.errors import (
     KeyUnavailableError,
     UnsafeEntryError,
 )
-from ckptvault.format.layout import MANIFEST_NAME, is_encrypted_name
+from ckptvault.format.layout import is_encrypted_name
 from ckptvault.format.manifest import Manifest
 from ckptvault.io.dcp_io import read_tensors
 from ckptvault.io.state_file import encrypted_state_reference, read_state_file
@@ -27,18 +27,16 @@ from ckptvault.state.capture import decode_tree
 from ckptvault.state.ranks import tree_for_rank
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.timing import StageClock
+from ckptvault.trust.authenticity import check_authenticity
 from ckptvault.trust.checks import CheckedGeneration, IndexChoice, TrustPolicy, check_structure
 from ckptvault.trust.envelope import binding
 from ckptvault.trust.indexes import indexes_for_files
 from ckptvault.trust.keystore import KeyStore
-from ckptvault.trust.manifest_auth import ManifestAuthenticationError, authenticate_manifest
 from ckptvault.trust.problems import (
     AUTHENTICATION_FAILED,
     DIGEST_MISMATCH,
     KEY_UNAVAILABLE,
     MANIFEST_INVALID,
-    MANIFEST_UNAUTHENTICATED,
-    NOT_ENCRYPTED,
     TENSOR_FILE_INVALID,
     UNREADABLE,
     UNSAFE_ENTRY,
@@ -177,69 +175,6 @@ def saved_world_size(manifest: Manifest) -> int:
     if type(size) is not int or not 1 <= size <= 1 << 20:
         raise FormatError(f"the manifest's writer.world_size {size!r} is not a rank count")
     return size
-
-
-def check_authenticity(
-    checked: CheckedGeneration, keystore: KeyStore | None, require_encryption: bool
-) -> None:
-    """What a generation must satisfy beyond its structure before any of it is used:
-    in an encrypted run (``require_encryption``) every file encrypted, and an encrypted
-    manifest's MAC made with its run's key. Restore, export and replication (a copy
-    into another tier) all apply exactly this rule.
-
-    Raises :class:`GenerationRejected` and :class:`KeyDestroyedError` after crypto-erase.
-    """
-    if require_encryption:
-        _require_all_encrypted(checked.ref, checked.manifest)
-    _authenticate(checked.ref, checked, keystore)
-
-
-def _require_all_encrypted(ref: GenerationRef, manifest: Manifest) -> None:
-    """An encrypted run never writes plaintext: every data file is an encrypted
-    container with a wrapped key, and the state is in the encrypted state file. A
-    generation that is not was planted, or written before encryption was turned on.
-    Nor does it write an unauthenticated manifest: an encrypted generation without a
-    manifest MAC is refused by :func:`_authenticate` (``manifest-unauthenticated``),
-    which runs for every encrypted generation, in an encrypted run or not."""
-    wrapped = manifest.encryption.wrapped_keys if manifest.encryption else {}
-    plain = sorted(n for n in manifest.files if not (is_encrypted_name(n) and n in wrapped))
-    try:
-        state_file = encrypted_state_reference(manifest.state)
-    except FormatError:
-        state_file = None
-    if plain or state_file is None:
-        what = f"files {', '.join(plain)} are" if plain else "its state is"
-        raise GenerationRejected(
-            ref, [Problem(NOT_ENCRYPTED, f"{what} not encrypted, but this run encrypts")]
-        )
-
-
-def _authenticate(
-    ref: GenerationRef, checked: CheckedGeneration, keystore: KeyStore | None
-) -> None:
-    """An encrypted manifest must carry a MAC made with its run's key, over exactly
-    the bytes that were parsed (see :mod:`ckptvault.trust.manifest_auth`)."""
-    manifest = checked.manifest
-    if manifest.encryption is None:
-        return
-    if keystore is None:
-        raise GenerationRejected(
-            ref,
-            [Problem(KEY_UNAVAILABLE, "the generation is encrypted; pass keystore= to read it")],
-        )
-    where = f"generation {ref.generation_id} (step {ref.step})"
-    try:
-        authenticate_manifest(manifest, checked.manifest_bytes, keystore, where)
-    except KeyDestroyedError:
-        raise
-    except ManifestAuthenticationError as exc:
-        problem = Problem(MANIFEST_UNAUTHENTICATED, str(exc), MANIFEST_NAME)
-        raise GenerationRejected(ref, [problem]) from exc
-    except (KeyUnavailableError, ValueError) as exc:  # ValueError: a malformed wrapped key
-        problem = Problem(KEY_UNAVAILABLE, f"the manifest MAC key: {exc}", MANIFEST_NAME)
-        raise GenerationRejected(ref, [problem]) from exc
-    except FormatError as exc:  # the bytes parsed once already; a second parse agrees
-        raise GenerationRejected(ref, [Problem(MANIFEST_INVALID, str(exc))]) from exc
 
 
 def _state_tree(

@@ -19,7 +19,10 @@ from typing import Any
 
 from ckptvault.errors import FormatError
 from ckptvault.format.canonical import dumps_canonical, loads_canonical
-from ckptvault.format.layout import ENCRYPTED_STATE_SUFFIX
+from ckptvault.format.layout import (  # re-exported: where the state file is named
+    ENCRYPTED_STATE_TAG,
+    encrypted_state_reference,
+)
 from ckptvault.format.manifest import Manifest
 from ckptvault.format.records import FileRecord
 from ckptvault.io.writer import HashingSink
@@ -27,19 +30,14 @@ from ckptvault.storage.base import GenerationRef, StagingArea, Store
 from ckptvault.trust.digests import ChunkVerifier, FileDigester, read_full
 from ckptvault.trust.envelope import EncryptingWriter, FileEncryption, SegmentDecryptor, binding
 
-ENCRYPTED_STATE_TAG = "$encrypted_file"
+__all__ = [
+    "ENCRYPTED_STATE_TAG",
+    "encrypted_state_reference",
+    "read_state_file",
+    "write_state_file",
+]
+
 MAX_STATE_FILE_BYTES = 256 * 1024 * 1024  # JSON leaves; tensors live elsewhere
-
-
-def encrypted_state_reference(state: dict[str, Any]) -> str | None:
-    """The file an encrypted generation's ``state`` points to, or None when the
-    state is stored in the manifest itself."""
-    if set(state) != {ENCRYPTED_STATE_TAG}:
-        return None
-    name = state[ENCRYPTED_STATE_TAG]
-    if not isinstance(name, str) or not name.endswith(ENCRYPTED_STATE_SUFFIX):
-        raise FormatError(f"the manifest's encrypted state reference {name!r} is malformed")
-    return name
 
 
 def write_state_file(

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Sequence
 from datetime import datetime, timezone
 
-from ckptvault.errors import CheckpointError
+from ckptvault.errors import CheckpointError, UsageError
 from ckptvault.events import Event
 from ckptvault.format.layout import GenerationName, generation_id_time
 from ckptvault.lifecycle.apply import AppliedPlan, PlanApplier
@@ -31,16 +31,18 @@ from ckptvault.lifecycle.locks import keep_locked
 from ckptvault.lifecycle.marks import read_leases, read_marks, read_orphan_marks, read_pins
 from ckptvault.lifecycle.plan import GenerationFacts, OrphanMark, RetentionPlan, plan_retention
 from ckptvault.lifecycle.retention import KeepBest, RetentionRule
+from ckptvault.lifecycle.vouching import TierVouching
 from ckptvault.progress import Progress
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import (
+    UNVERIFIED_SIGNER,
     TrustPolicy,
     VerificationReport,
-    check_structure,
+    check_trusted,
     verify_generation,
 )
 from ckptvault.trust.ledger import RestoreFloor
-from ckptvault.trust.problems import UNREADABLE, GenerationRejected, Problem
+from ckptvault.trust.problems import KEY_UNAVAILABLE, UNREADABLE, GenerationRejected, Problem
 
 
 def _ignore(event: Event) -> None:
@@ -66,6 +68,7 @@ class GarbageCollector:
     ) -> None:
         self.applier = PlanApplier(stores, emit, run_id)
         self.store = self.applier.stores[0]
+        self.tiers = TierVouching(self.applier.stores[1:], policy)
         self.pin_stores = [self.store]  # whose pins count (a replica's keeper adds the source)
         self.rules = tuple(rules)
         self.delete_delay = delete_delay
@@ -79,6 +82,9 @@ class GarbageCollector:
         # Generation ids a validation loaded and checked (from the catalog, when the
         # manager or ``ckptvault gc`` has one): the newest of them is never pruned.
         self.validated: Callable[[], Collection[str]] = lambda: ()
+        # ``ckptvault gc``: refuse generations these trust options cannot authenticate
+        # (the manager's keeper trusts exactly what its restore trusts, and goes on).
+        self.require_keys = False
 
     # -- verification ------------------------------------------------------------------
 
@@ -86,6 +92,7 @@ class GarbageCollector:
         """Verify every byte of ``ref`` and remember the verdict; ``progress(done,
         total)`` follows the bytes hashed (:func:`~ckptvault.trust.checks.verify_generation`)."""
         report = verify_generation(self.store, ref, self.policy, progress=progress)
+        self._refuse_unauthenticated(ref, {p.code for p in report.problems}, report.signer)
         self.known[ref.name] = report.ok
         if report.manifest is not None:
             self._sound.add(ref.name)
@@ -142,7 +149,7 @@ class GarbageCollector:
                 if not self._checked(name, transient)
             ]
             rejected = [ref for ref in unchecked if self._check(ref, transient) is not None]
-            if rejected:
+            if rejected or self.tiers.check(sorted(plan.kept_by_rules, reverse=True)):
                 continue  # plan again: no rule counts them
             target = plan.needs_verification
             held_back = plan.blocked is not None and any(
@@ -166,6 +173,7 @@ class GarbageCollector:
         transient: dict[GenerationName, str],
     ) -> tuple[RetentionPlan, dict[GenerationName, GenerationRef]]:
         refs = self.store.list_generations()
+        self.tiers.list_tiers()
         listed = [ref.name for ref in refs]
         marks = read_marks(self.store, now, listed)
         pins = set().union(*(read_pins(store, listed) for store in self.pin_stores))
@@ -181,6 +189,7 @@ class GarbageCollector:
                 lease_expiries=tuple(leases.get(ref.name, ())),
                 verified=self.known.get(ref.name),
                 rejected=self._rejected.get(ref.name) or transient.get(ref.name),
+                unvouched=self.tiers.unvouched(ref.name),
                 validated=ref.generation_id in validated,
             )
             for ref in refs
@@ -195,6 +204,7 @@ class GarbageCollector:
             in_flight=in_flight,
             orphan_marks=orphans,
             uncounted=uncounted,
+            home=self.store.location if self.tiers.tiers else None,
         )
         return plan, {ref.name: ref for ref in refs}
 
@@ -237,16 +247,39 @@ class GarbageCollector:
         if ref.name in self._rejected or ref.name in transient:
             return self._rejected.get(ref.name) or transient[ref.name]
         try:
-            checked = check_structure(self.store, ref, self.policy)
+            checked = check_trusted(self.store, ref, self.policy)
         except GenerationRejected as rejected:
+            self._refuse_unauthenticated(ref, rejected.codes, None)
             return self._reject(ref.name, rejected.problems, transient)
         except (CheckpointError, OSError) as exc:
             transient[ref.name] = f"could not be checked: {exc}"  # ask again next pass
             return transient[ref.name]
+        self._refuse_unauthenticated(ref, set(), checked.signer)
         self._sound.add(ref.name)  # generations are immutable: checked once
         metrics = checked.manifest.metrics
         self._metrics[ref.name] = dict(metrics) if metrics else None
         return None
+
+    def _refuse_unauthenticated(
+        self, ref: GenerationRef, codes: set[str], signer: str | None
+    ) -> None:
+        """With ``require_keys`` (``ckptvault gc``): refuse a store whose generations
+        these options cannot authenticate, before anything is marked. An encrypted
+        generation read without the key store, or a signed one without trusted keys,
+        cannot be told from a forgery, so no rule could trust what it counts."""
+        if not self.require_keys:
+            return
+        option = None
+        if KEY_UNAVAILABLE in codes and self.policy.keystore is None:
+            option, what = "--keystore", "is encrypted"
+        elif signer == UNVERIFIED_SIGNER and self.policy.trusted_keys is None:
+            option, what = "--trusted-key", "is signed"
+        if option is not None:
+            raise UsageError(
+                f"generation {ref.generation_id} (step {ref.step}) in {self.store.location} "
+                f"{what}, and without {option} gc cannot tell it from a forgery: pass "
+                f"{option}. Nothing was marked or deleted"
+            )
 
     def _reject(
         self, name: GenerationName, problems: list[Problem], transient: dict[GenerationName, str]

@@ -59,6 +59,9 @@ class GenerationFacts:
     lease_expiries: tuple[datetime, ...] = ()
     verified: bool | None = None  # True: known to verify; False: known not to; None: unknown
     rejected: str | None = None  # why it fails the structure checks, when it does
+    # Why another tier the plan applies to cannot vouch for it (no copy there, or a copy
+    # that fails the checks): no rule counts it, so it decides no deletion there.
+    unvouched: str | None = None
     validated: bool = False  # loaded and checked by a validation (the catalog says so)
 
     @property

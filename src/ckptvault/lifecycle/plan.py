@@ -28,12 +28,18 @@ Never deleted or marked, whatever the rules say:
   copied to the replica) are kept, and no rule counts them: otherwise, while copies
   lag, the newest uncopied generations would take the rules' places and the copied
   ones would go from both tiers, leaving the replica nothing to restore;
-- a generation that fails the structure checks (its manifest does not name it, is
-  not this run's, is unsigned, ...; :attr:`GenerationFacts.rejected`) while a rule
-  would keep it were it sound: it never verifies and no rule counts it (so planted
-  copies cannot take the places of genuine generations), but in another tier a
-  genuine copy may bear its name, so retention leaves it alone. Once no rule would
-  keep it, it goes like any other dropped generation.
+- a generation that fails the checks restore applies before reading a tensor byte
+  (its manifest does not name it, is not this run's, is unsigned, its MAC does not
+  check, ...; :attr:`GenerationFacts.rejected`) while a rule would keep it were it
+  sound: it never verifies and no rule counts it (so planted copies cannot take the
+  places of genuine generations), but in another tier a genuine copy may bear its
+  name, so retention leaves it alone. Once no rule would keep it, it goes like any
+  other dropped generation. One that another tier of the plan cannot vouch for (no
+  copy there, or a copy that fails those checks: :attr:`GenerationFacts.unvouched`)
+  is treated the same way, so that a deletion in a tier is never decided by a
+  generation that tier does not hold. Counting fewer generations never drops one
+  that counting them all would keep: every rule keeps at least as much of what it
+  counts when there is less to count.
 
 Generations an allowed rollback abandoned (the ledger's rule) are not restore
 candidates and no rule counts them: they are marked like any other dropped
@@ -49,7 +55,7 @@ arithmetic saturates instead of overflowing.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 
 from ckptvault.format.layout import GenerationName, format_timestamp
@@ -126,6 +132,7 @@ def plan_retention(
     in_flight: Iterable[str] = (),
     orphan_marks: Iterable[OrphanMark] = (),
     uncounted: Iterable[str] = (),
+    home: str | None = None,
 ) -> RetentionPlan:
     """Decide, for every generation, whether it stays, is marked, unmarked or deleted.
 
@@ -134,6 +141,9 @@ def plan_retention(
     ``uncounted`` too: those are kept as in flight, and no rule counts them.
     ``orphan_marks`` are marks whose generation the store no longer lists: their
     deletion is finished in the tier that carries each (its copy there, the mark).
+    ``home`` (a plan over several tiers) is the location of the tier the facts come
+    from: a generation whose copy there fails the checks says nothing about its copies
+    elsewhere, so what happens to it happens there only.
     """
     gens = sorted(generations, key=lambda g: g.name, reverse=True)
     ids_uncounted = frozenset(uncounted)
@@ -141,7 +151,9 @@ def plan_retention(
     abandoned = _abandoned(gens, floor)
     eligible = [g for g in gens if g.name not in abandoned]
     counted = [  # what takes a rule's place
-        g for g in eligible if g.rejected is None and g.generation_id not in ids_uncounted
+        g
+        for g in eligible
+        if g.rejected is None and g.unvouched is None and g.generation_id not in ids_uncounted
     ]
     verdicts = _rule_verdicts(gens, counted, rules, now)
     kept = frozenset(name for name, verdict in verdicts.items() if verdict.keep)
@@ -155,6 +167,9 @@ def plan_retention(
     for g in gens:
         _hold(verdicts[g.name], g, floor, ids_in_flight, blocked, now, g.name in spared)
     decisions = [_decide(g, verdicts[g.name], g.name in abandoned, delete_delay, now) for g in gens]
+    if home is not None:
+        rejected = {g.name for g in gens if g.rejected is not None}
+        decisions = [replace(d, only_in=(home,)) if d.name in rejected else d for d in decisions]
     decisions += _finish_orphans(orphan_marks, floor, delete_delay, now)
     return RetentionPlan(
         now, decisions, newest, fallback, blocked, needs, kept if rules else frozenset()
@@ -193,10 +208,10 @@ def _rule_verdicts(
 def _spared(
     eligible: list[GenerationFacts], rules: Sequence[RetentionRule], now: datetime
 ) -> set[GenerationName]:
-    """The generations that fail the structure checks and that a rule would keep if
-    they were sound: retention leaves them alone (in another tier a genuine copy may
-    bear the name), though no rule counts them."""
-    rejected = {g.name for g in eligible if g.rejected is not None}
+    """The generations that fail the checks (or that another tier cannot vouch for)
+    and that a rule would keep if they were sound: retention leaves them alone (in
+    another tier a genuine copy may bear the name), though no rule counts them."""
+    rejected = {g.name for g in eligible if g.rejected is not None or g.unvouched is not None}
     if not rejected:
         return set()
     inputs = [RuleInput(g.name, g.created, g.metrics) for g in eligible]
@@ -234,7 +249,7 @@ def _hold(
     deletion (a rule would keep it were it sound, in flight, a reader's lease, a plan
     blocked on verification)."""
     if spared:
-        verdict.defer.append(f"{REJECTED} ({g.rejected})")
+        verdict.defer.append(f"{REJECTED} ({g.rejected or g.unvouched})")
     if g.pinned:
         verdict.keep.append(PINNED)
     if floor is not None and floor.generation_id == g.generation_id:

@@ -40,12 +40,12 @@ from ckptvault.errors import (
 from ckptvault.events import Event, EventBus, Published, Replicated
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, GenerationName, utc_now
 from ckptvault.format.manifest import Manifest
-from ckptvault.io.load import check_authenticity
 from ckptvault.lifecycle.marks import read_marks
 from ckptvault.progress import Meter, Progress
 from ckptvault.storage import S3Options, StoreLocation, open_store
 from ckptvault.storage.base import GenerationRef, StagingArea, Store, write_new_file
 from ckptvault.storage.records import REPLICA
+from ckptvault.trust.authenticity import check_authenticity
 from ckptvault.trust.checks import MAX_SIGNATURE_BYTES, TrustPolicy, check_structure
 from ckptvault.trust.context import TrustContext
 from ckptvault.trust.digests import ChunkVerifier, read_full

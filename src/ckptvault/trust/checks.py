@@ -29,10 +29,15 @@ the listing before it is read, and all JSON goes through
 ``ckptvault.format.bounded_json`` (size, depth, no NaN/Infinity).
 
 :func:`check_digests` then hashes every byte (``digest-mismatch``); restore does that
-stage while it reads, see ``ckptvault.io.reader``. Nothing here imports torch. Nor
-does anything here need a key: the MAC of an encrypted manifest
-(``manifest-unauthenticated``, :mod:`ckptvault.trust.manifest_auth`) is checked by
-``ckptvault.io.load`` with the key store, before any tensor or state byte is read.
+stage while it reads, see ``ckptvault.io.reader``. Nothing here imports torch.
+
+None of rules 1-6 needs a key; they do not prove who wrote an unsigned generation.
+:func:`check_trusted` adds, when the reader's policy asks (``authenticate``), what
+restore requires next: in an encrypted run every file encrypted and the manifest's
+MAC made with the run's key (``not-encrypted``, ``manifest-unauthenticated``,
+``key-unavailable``; :mod:`ckptvault.trust.authenticity`). Whatever decides about a
+generation (restore, retention, gc, replication) checks through it, so that none of
+them trusts a generation restore would refuse.
 """
 
 from __future__ import annotations
@@ -66,9 +71,11 @@ from ckptvault.format.tensorfile import (
 )
 from ckptvault.progress import Meter, Progress
 from ckptvault.storage.base import EntryInfo, GenerationRef, Store
+from ckptvault.trust.authenticity import check_authenticity
 from ckptvault.trust.digests import derives_file_digest, verify_stream
 from ckptvault.trust.file_formats import check_own_formats
 from ckptvault.trust.indexes import IndexMismatch, load_indexes
+from ckptvault.trust.keystore import KeyStore
 from ckptvault.trust.ledger import RestoreFloor
 from ckptvault.trust.problems import (
     DIGEST_MISMATCH,
@@ -108,11 +115,19 @@ MAX_SIGNATURE_BYTES = 64 * 1024
 
 @dataclass(frozen=True)
 class TrustPolicy:
-    """What a reader insists on beyond integrity: which run, whose signature, which floor."""
+    """What a reader insists on beyond integrity: which run, whose signature, which
+    floor, and (``authenticate``) the run's key: in an encrypted run (``keystore``
+    given) every file encrypted and the manifest's MAC made with the run's key; an
+    encrypted generation without a key store is refused. :func:`check_trusted` and
+    :func:`verify_generation` apply the last only when ``authenticate`` is set, as
+    every reader that decides about a generation does (restore, retention, gc,
+    replication: ``TrustContext.policy``); key-less inspection leaves it off."""
 
     run_id: str | None = None
     trusted_keys: TrustedKeys | None = None
     floor: RestoreFloor | None = None
+    keystore: KeyStore | None = None
+    authenticate: bool = False
 
 
 # The signer reported for a signed generation read without trusted keys: the key id
@@ -169,6 +184,23 @@ def check_structure(
         ref=ref, manifest=manifest, signer=signer, manifest_bytes=manifest_bytes
     )
     return extend_checked(store, checked, None if indexes is None else indexes(manifest))
+
+
+def check_trusted(
+    store: Store,
+    ref: GenerationRef,
+    policy: TrustPolicy | None = None,
+    indexes: IndexChoice | None = None,
+) -> CheckedGeneration:
+    """:func:`check_structure`, then, when ``policy.authenticate``, restore's
+    authenticity rule (:func:`~ckptvault.trust.authenticity.check_authenticity`):
+    what restore requires of a generation before it reads a tensor byte. Raises
+    :class:`GenerationRejected`, and ``KeyDestroyedError`` after crypto-erase."""
+    policy = policy or TrustPolicy()
+    checked = check_structure(store, ref, policy, indexes)
+    if policy.authenticate:
+        check_authenticity(checked, policy.keystore, policy.keystore is not None)
+    return checked
 
 
 def extend_checked(
@@ -407,6 +439,8 @@ class VerificationReport:
     problems: list[Problem]
     manifest: Manifest | None = None
     signer: str | None = None  # as CheckedGeneration.signer: a key id only once verified
+    # An encrypted manifest's MAC was checked with the run's key (policy.authenticate).
+    authenticated: bool = False
 
     @property
     def ok(self) -> bool:
@@ -428,7 +462,7 @@ def verify_generation(
     not called when the structure checks reject the generation). A callback that
     raises stops the check (:class:`~ckptvault.progress.ProgressCallbackError`)."""
     try:
-        checked = check_structure(store, ref, policy)
+        checked = check_trusted(store, ref, policy)
     except GenerationRejected as rejected:
         return VerificationReport(ref, rejected.problems)
     meter = Meter(progress, checked.manifest.total_bytes)
@@ -440,4 +474,5 @@ def verify_generation(
 
     problems = check_digests(store, checked, hashed)
     meter.finish()
-    return VerificationReport(ref, problems, checked.manifest, checked.signer)
+    authenticated = policy is not None and policy.authenticate and policy.keystore is not None
+    return VerificationReport(ref, problems, checked.manifest, checked.signer, authenticated)

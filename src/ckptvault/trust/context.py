@@ -142,7 +142,16 @@ class TrustContext:
         return {GenerationName(step, gid) for step, gid in self.ledger.marks(run_id)}
 
     def policy(self, run_id: str | None, floor: RestoreFloor | None) -> TrustPolicy:
-        return TrustPolicy(run_id=run_id, trusted_keys=self.trusted, floor=floor)
+        """What restore insists on, for any reader that decides about a generation
+        (retention, gc, replication, export): the run, the floor, the trusted keys, and
+        the run's key (``authenticate``: an encrypted manifest's MAC must check)."""
+        return TrustPolicy(
+            run_id=run_id,
+            trusted_keys=self.trusted,
+            floor=floor,
+            keystore=self.keystore,
+            authenticate=True,
+        )
 
     # -- what a writer does --------------------------------------------------------------
 
