@@ -283,7 +283,8 @@ def test_more_corrupt_generations_than_max_fallback_is_refused(store, four_steps
         mgr.restore(fresh)
     message = str(raised.value)
     assert "more than max_fallback=1" in message and "state is unchanged" in message
-    assert "raise max_fallback" in message and "restore(state, step=" in message
+    # With a ledger an explicit older step is a rollback too: the way out says so.
+    assert "raise max_fallback" in message and "restore(state, allow_rollback_to=" in message
     assert [step for _, step, _ in raised.value.rejected] == [400, 300]
     assert all(reason.startswith("digest-mismatch") for *_, reason in raised.value.rejected)
     assert_same_tensors(model_snapshot(fresh["model"]), before)
@@ -292,15 +293,26 @@ def test_more_corrupt_generations_than_max_fallback_is_refused(store, four_steps
     assert Ledger(options["ledger"]).floor("r").step is None
     refusals = [e for e in audit_entries(options["audit_log"]) if e["event"] == "refusal"]
     assert refusals[-1]["error"] == "RollbackError"
-    # The bound is what refused: a wider one, or an explicit step, restores 100.
+    # The bound is what refused: a wider one, or a rollback on purpose, restores 100.
+    # (An explicit step=100 counts the damaged newer generations as restore(state)
+    # does, so max_fallback=0 refuses it too.)
     with cv.CheckpointManager(store, max_fallback=3, **options) as mgr:
         assert mgr.restore(make_training_state()).step == 100
+    with (
+        cv.CheckpointManager(store, max_fallback=0, **options) as mgr,
+        pytest.raises(RollbackError, match="max_fallback=0") as raised,
+    ):
+        mgr.restore(make_training_state(), step=100)
+    assert "allow_rollback_to=" in str(raised.value)
     with cv.CheckpointManager(store, max_fallback=0, **options) as mgr:
-        info = mgr.restore(make_training_state(), step=100)
+        info = mgr.restore(make_training_state(), allow_rollback_to=100)
     assert info.step == 100 and info.skipped == []
 
 
-def test_max_fallback_counts_only_the_chosen_steps_generations(store, tmp_path):
+def test_max_fallback_counts_only_the_chosen_steps_generations_on_a_rollback(store, tmp_path):
+    # An allowed rollback goes back past newer generations on purpose: only the
+    # chosen step's own failed generations count. (Without the allowance, step 7 is
+    # refused outright: step 8 is newer and verifies.)
     options = {"run_id": "r", "ledger": tmp_path / "ledger.sqlite3"}
     with cv.CheckpointManager(store, **options) as mgr:
         older = Path(mgr.save(7, make_training_state()).result().path)
@@ -311,10 +323,10 @@ def test_max_fallback_counts_only_the_chosen_steps_generations(store, tmp_path):
         cv.CheckpointManager(store, max_fallback=0, **options) as mgr,
         pytest.raises(RollbackError, match="max_fallback=0"),
     ):
-        mgr.restore(make_training_state(), step=7)
+        mgr.restore(make_training_state(), allow_rollback_to=7)
     with cv.CheckpointManager(store, max_fallback=1, **options) as mgr:
-        info = mgr.restore(make_training_state(), step=7)
-    assert info.generation_id == gen_id(older)
+        info = mgr.restore(make_training_state(), allow_rollback_to=7)
+    assert info.generation_id == gen_id(older) and info.rolled_back_from == 8
 
 
 @pytest.mark.parametrize("bad", [-1, True, 1.5, "2"])

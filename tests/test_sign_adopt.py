@@ -115,9 +115,10 @@ def test_an_unsigned_run_adopts_signatures_and_keeps_its_history(store, tmp_path
         info = mgr.restore(empty(3))
         assert info is not None and info.step == 3 and [s.step for s in info.skipped] == [4]
     with trusted("oldest") as mgr:
-        assert mgr.restore(empty(1), step=1).step == 1
+        # Older steps than one that verifies (3) are rollbacks: asked for on purpose.
         with pytest.raises(NoValidCheckpoint, match="signature-missing"):
-            mgr.restore(empty(2), step=2)
+            mgr.restore(empty(2), allow_rollback_to=2)
+        assert mgr.restore(empty(1), allow_rollback_to=1).step == 1
 
 
 def test_signing_again_changes_nothing(store, keys):

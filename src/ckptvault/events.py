@@ -81,6 +81,9 @@ class RollbackApplied:
     # A generation id made at the rollback: every generation above the new floor whose
     # id sorts before it is abandoned, listed above or not (hidden ones come back too).
     cutoff_generation_id: str
+    # The step the run went back from: the highest of the previous floor and the
+    # newest generation above the restored step that verified (None: neither).
+    from_step: int | None = None
 
 
 @dataclass(frozen=True)

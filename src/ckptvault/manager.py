@@ -252,10 +252,17 @@ class CheckpointManager:
         objects, ``KeyDestroyedError`` after crypto-erase; in every raising case
         ``state`` is untouched.
 
+        With a ledger (``ledger`` or ``trusted_keys``), ``step=STEP`` below a newer
+        generation that restore would trust (one above STEP that passes every check
+        needing no tensor byte: signature, run, files, headers, the manifest's MAC) is a
+        rollback: ``RollbackError``, nothing loaded. Newer generations that fail those
+        checks, or that the ledger saw published and the store no longer holds, are
+        skipped (``RestoreInfo.skipped``) and counted by ``max_fallback``.
         ``allow_rollback_to=STEP`` restores the generation of ``STEP`` even below the
-        floor; the floor is lowered to it and every newer generation made before the
-        rollback is abandoned. More than ``max_fallback`` failed newer generations:
-        ``RollbackError``.
+        floor or a newer generation; the floor is lowered to it and every newer
+        generation made before the rollback is abandoned; it is logged at WARNING,
+        audited (``rollback_allowed``) and shown in ``RestoreInfo.rolled_back_from``.
+        More than ``max_fallback`` failed newer generations: ``RollbackError``.
 
         ``strict=False`` loads what matches and lists the rest in the returned
         ``RestoreInfo`` (``missing``, ``unexpected``, ``mismatched``); a module none of

@@ -25,10 +25,11 @@ from ckptvault.errors import (
 )
 from ckptvault.events import Refused, Restored, RollbackApplied
 from ckptvault.format.layout import GenerationName
-from ckptvault.io.load import LoadedGeneration, load_verified, saved_world_size
+from ckptvault.io.load import LoadedGeneration, load_verified, prepare_load, saved_world_size
 from ckptvault.lifecycle.leases import reading_lease
 from ckptvault.restoring.gc_pause import cyclic_gc_paused
 from ckptvault.restoring.lineage import Lineage
+from ckptvault.restoring.rollback import allowed_rollback, warn_rollback
 from ckptvault.restoring.selector import CandidateSelector, Selection, SkippedGeneration
 from ckptvault.run_context import RunContext
 from ckptvault.state.apply import checked_plan
@@ -40,7 +41,6 @@ from ckptvault.state.ranks import capture_ranked, leave_per_rank_alone
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.timing import StageClock
 from ckptvault.trust.checks import TrustPolicy
-from ckptvault.trust.ledger import rollback_cutoff
 
 logger = logging.getLogger("ckptvault")
 
@@ -77,6 +77,10 @@ class RestoreInfo:
     environment: list[str] = field(default_factory=list)
     # The run this one started from (warm_start), as its manifests record it.
     lineage: Lineage | None = None
+    # After restore(allow_rollback_to=STEP) with a ledger (on the coordinator): the
+    # step the run was rolled back from (the previous floor, or the newest newer
+    # generation that verified); None when nothing newer was gone back over.
+    rolled_back_from: int | None = None
 
 
 def check_environment(contract: Any, where: str, options: ApplyOptions) -> list[str]:
@@ -205,8 +209,11 @@ class Restorer:
             assert plan is not None
             plan.apply(where)
         _warn_fallback(ref, selection.skipped)
+        rollback = allowed_rollback(selection, ref, self.trust.ledger is not None)
         if self.coordinator.is_coordinator:
-            self._report_restored(store, ref, selection, clock)
+            if rollback is not None:
+                warn_rollback(rollback, ref, self.run_id)
+            self._report_restored(store, ref, selection, rollback, clock)
         if store is not self.store and self.on_remote_restore is not None:
             self.on_remote_restore(store, ref)  # bring it back to the local tier
         return RestoreInfo(
@@ -226,6 +233,7 @@ class Restorer:
             renamed=plan.renamed,
             environment=environment,
             lineage=Lineage.from_contract(loaded.manifest.contract),
+            rolled_back_from=rollback.from_step if rollback is not None else None,
         )
 
     def _choose_anywhere(
@@ -285,7 +293,10 @@ class Restorer:
         def load(ref: GenerationRef, policy: TrustPolicy) -> LoadedGeneration:
             return self._load(store_of[ref.location], ref, policy, clock)
 
-        ref, loaded = self.selectors[0].first_verified(merged, load, self.max_fallback)
+        def check(ref: GenerationRef, policy: TrustPolicy) -> None:
+            self._check(store_of[ref.location], ref, policy, clock)
+
+        ref, loaded = self.selectors[0].first_verified(merged, load, self.max_fallback, check)
         return store_of[ref.location], merged, ref, loaded
 
     def _load(
@@ -305,21 +316,24 @@ class Restorer:
                 clock=clock,
             )
 
-    def _report_restored(
-        self, store: Store, ref: GenerationRef, selection: Selection, clock: StageClock
+    def _check(
+        self, store: Store, ref: GenerationRef, policy: TrustPolicy, clock: StageClock
     ) -> None:
-        rollback = None
-        if selection.rollback_to is not None and self.trust.ledger is not None:
-            # Only a ledger can lower a floor and abandon generations; without one the
-            # rollback is an ordinary restore of an older step.
-            previous = selection.previous_floor
-            rollback = RollbackApplied(
-                previous_floor=previous.step if previous is not None else None,
-                abandoned=[
-                    (g.generation_id, g.step) for g in selection.listed if g.step > ref.step
-                ],
-                cutoff_generation_id=rollback_cutoff(previous, ref.generation_id),
-            )
+        """Whether a generation newer than the step asked for would be trusted:
+        restore's checks up to the first tensor byte (this process alone, also in a
+        job of many ranks: rank 0 chooses)."""
+        with reading_lease(store, ref), clock.stage("verification"):
+            keystore = self.trust.keystore
+            prepare_load(store, ref, policy, keystore, require_encryption=keystore is not None)
+
+    def _report_restored(
+        self,
+        store: Store,
+        ref: GenerationRef,
+        selection: Selection,
+        rollback: RollbackApplied | None,
+        clock: StageClock,
+    ) -> None:
         if self.coordinator.is_coordinator:  # the job's records are written once
             self.events.emit(
                 Restored(

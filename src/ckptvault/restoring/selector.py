@@ -9,6 +9,15 @@ skipped; restore bounds how many it may skip (``max_fallback``), so a damaged or
 tampered store cannot silently push a run back. A generation retention marked for
 deletion is no candidate (``ckptvault gc --undelete`` brings it back). Nothing here
 imports torch.
+
+With a ledger, a step asked for by name is held to what restore would have taken
+without it: the generations above that step that ``restore(state)`` would try first
+(listed, or published per the ledger and gone; not abandoned) come first among the
+candidates, marked ``newer``. One that passes the caller's check makes the restore a
+rollback (``RollbackError``, unless ``allow_rollback_to`` names the step); those that
+fail are skipped and counted by ``max_fallback``, as restore's newest-first loop
+counts them. So a planted pointer, an old path or a hidden newest generation cannot
+turn an explicit step into a silent rollback.
 """
 
 from __future__ import annotations
@@ -51,6 +60,12 @@ class Selection:
     # always fail, so that hiding the newest generations is a loud, bounded fallback.
     missing: frozenset[GenerationRef] = frozenset()  # the placeholders among candidates
     skipped: list[SkippedGeneration] = field(default_factory=list)
+    step: int | None = None  # the step asked for (by step= or allow_rollback_to=)
+    # With a ledger and a step asked for: the candidates above it that restore(state)
+    # would try first. They are only checked (see the module docstring), never loaded.
+    newer: frozenset[GenerationRef] = frozenset()
+    # The newest of ``newer`` that passed its check, when the rollback was allowed.
+    passed_over: list[GenerationRef] = field(default_factory=list)
 
 
 def summarize_steps(steps: list[int]) -> str:
@@ -83,7 +98,9 @@ class CandidateSelector:
         stay refused). ``floor_applies=False`` enforces only abandonment (export may
         read an old step; it never rewinds a run). An empty store gives an empty
         selection, except that a run that restored before refuses to start over
-        (``RollbackError``); a missing step is ``NoValidCheckpoint``.
+        (``RollbackError``); a missing step is ``NoValidCheckpoint``. With a ledger
+        and a step, the generations above it come first, marked ``newer`` (see the
+        module docstring).
         """
         if rollback_to is not None:
             rollback_to = validate_step(rollback_to, "allow_rollback_to")
@@ -102,30 +119,66 @@ class CandidateSelector:
             floor = previous.without_step()
         policy = self.trust.policy(self.run_id, floor)
         vanished = (
-            self._vanished(listed, step, floor) if floor_applies and rollback_to is None else []
+            self._vanished(listed, floor, lambda s: step is None or s == step)
+            if floor_applies and rollback_to is None
+            else []
         )
         if not listed:  # a floor says more than what vanished; with neither: empty
             self._refuse_empty_store(floor, step, quietly=not vanished)
         candidates = listed if step is None else [ref for ref in listed if ref.step == step]
         candidates = self._without_marked(candidates, step)
-        if vanished:
-            candidates = sorted(candidates + vanished, key=lambda ref: ref.name, reverse=True)
-        if listed and not candidates:
+        if listed and not candidates and not vanished:
             present = summarize_steps(sorted({ref.step for ref in listed}))
             raise NoValidCheckpoint(
                 f"store {self.store.location} has no generation of step {step}; "
                 f"steps present: {present}"
             )
-        missing = frozenset(vanished)
+        newer = self._newer(listed, step, floor) if floor_applies else []
+        shown = set(listed)
+        missing = frozenset([*vanished, *(ref for ref in newer if ref not in shown)])
+        if vanished or newer:
+            candidates = sorted(newer + candidates + vanished, key=lambda r: r.name, reverse=True)
         return Selection(
-            candidates, listed, policy, previous, rollback_to, floor_applies, missing=missing
+            candidates,
+            listed,
+            policy,
+            previous,
+            rollback_to,
+            floor_applies,
+            missing=missing,
+            step=step,
+            newer=frozenset(newer),
         )
 
-    def _vanished(
+    def _newer(
         self, listed: list[GenerationRef], step: int | None, floor: RestoreFloor | None
     ) -> list[GenerationRef]:
-        """Generations the ledger saw published for this run that the store no longer
-        lists (deleted by hand, or hidden), and that the floor would still accept."""
+        """With a ledger: the generations above ``step`` that ``restore(state)`` would
+        try before it (listed and not marked, or published and gone), less those the
+        floor refuses. None without a ledger, without a step, or when the floor
+        refuses ``step`` itself (that refusal says it already)."""
+        if step is None or self.run_id is None or self.trust.ledger is None or floor is None:
+            return []
+        if floor.step is not None and step < floor.step:
+            return []
+        asked = step
+        above = [ref for ref in listed if ref.step > asked]
+        marked = self._marked(above)
+        above = [ref for ref in above if ref.name.dirname not in marked]
+        gone = self._vanished(listed, floor, lambda s: s > asked)
+        return [
+            ref for ref in [*above, *gone] if floor.refuses(ref.step, ref.generation_id) is None
+        ]
+
+    def _vanished(
+        self,
+        listed: list[GenerationRef],
+        floor: RestoreFloor | None,
+        wanted: Callable[[int], bool],
+    ) -> list[GenerationRef]:
+        """Generations the ledger saw published for this run, of a ``wanted`` step,
+        that the store no longer lists (deleted by hand, or hidden), and that the
+        floor would still accept."""
         if self.run_id is None:
             return []
         present = {ref.name for ref in listed}
@@ -133,15 +186,15 @@ class CandidateSelector:
             GenerationRef(name, f"{self.store.location}/{name.dirname}")
             for name in self.trust.published(self.run_id)
             if name not in present
-            and (step is None or name.step == step)
+            and wanted(name.step)
             and (floor is None or floor.refuses(name.step, name.generation_id) is None)
         ]
 
-    def _without_marked(self, refs: list[GenerationRef], step: int | None) -> list[GenerationRef]:
-        """``refs`` less those marked for deletion; when that leaves none, the marks
-        are the reason (restore must not start over quietly from an empty-looking store)."""
+    def _marked(self, refs: list[GenerationRef]) -> set[str]:
+        """The directory names among ``refs`` that retention marked for deletion (with
+        a ledger: only marks it recorded; a mark planted in the store is ignored)."""
         if not refs:
-            return refs
+            return set()
         # Only the candidates' own marks are read: marks of other names (planted by
         # the thousand, say) are never opened, only listed.
         dirnames = {ref.name.dirname for ref in refs}
@@ -149,7 +202,7 @@ class CandidateSelector:
             marked = set(self.store.list_records(DELETION_MARK, dirnames.__contains__))
         except (OSError, CheckpointError) as exc:  # marks only ever withhold: go on without
             logger.warning("cannot read the deletion marks of %s: %s", self.store.location, exc)
-            return refs
+            return set()
         recorded = self.trust.recorded_marks(self.run_id) if self.run_id is not None else None
         if recorded is not None:
             # With a ledger, only marks ckptvault itself made withhold a generation: a
@@ -162,8 +215,14 @@ class CandidateSelector:
                     ", ".join(sorted(planted)),
                 )
             marked -= planted
+        return marked
+
+    def _without_marked(self, refs: list[GenerationRef], step: int | None) -> list[GenerationRef]:
+        """``refs`` less those marked for deletion; when that leaves none, the marks
+        are the reason (restore must not start over quietly from an empty-looking store)."""
+        marked = self._marked(refs)
         kept = [ref for ref in refs if ref.name.dirname not in marked]
-        if not kept:
+        if refs and not kept:
             which = f"every generation of step {step}" if step is not None else "every generation"
             raise NoValidCheckpoint(
                 f"{which} in {self.store.location} is marked for deletion by retention; bring "
@@ -192,6 +251,7 @@ class CandidateSelector:
         selection: Selection,
         load: Callable[[GenerationRef, TrustPolicy], T],
         max_fallback: int | None = None,
+        check: Callable[[GenerationRef, TrustPolicy], object] | None = None,
     ) -> tuple[GenerationRef, T]:
         """Try candidates newest first; the first that ``load`` accepts wins.
 
@@ -204,17 +264,34 @@ class CandidateSelector:
         candidates failed verification, ``RollbackError`` instead of trying an older
         one. Generations refused for the floor (abandoned by an allowed rollback) do
         not count: skipping them is the ledger's decision, not a fallback.
+
+        ``selection.newer`` candidates are only checked, with ``check`` (default
+        ``load``): one that passes is ``RollbackError`` (the step asked for would roll
+        the run back), or, when the rollback is allowed, noted in
+        ``selection.passed_over``; one that fails is skipped and counted as above
+        (when allowed: neither, it is being abandoned on purpose).
         """
         refused_for_floor = False
         failed = 0
         for ref in selection.candidates:
-            if max_fallback is not None and failed > max_fallback:
+            newer = ref in selection.newer
+            allowed = newer and selection.rollback_to is not None
+            if allowed and selection.passed_over:
+                continue  # the newest passing one is known; the rest go with it
+            if max_fallback is not None and failed > max_fallback and not allowed:
                 raise self._too_many_skipped(selection, ref, failed, max_fallback)
             try:
                 if ref in selection.missing:
                     raise GenerationRejected(ref, [_missing_problem(ref, self.store)])
-                return ref, load(ref, selection.policy)
+                if not newer:
+                    return ref, load(ref, selection.policy)
+                (check or load)(ref, selection.policy)
+                if not allowed:
+                    raise self._explicit_rollback(selection, ref)
+                selection.passed_over.append(ref)
             except GenerationRejected as rejected:
+                if allowed:
+                    continue
                 logger.warning("skipping %s: %s", ref.location, rejected.reason)
                 selection.skipped.append(
                     SkippedGeneration(ref.generation_id, ref.step, rejected.reason)
@@ -223,13 +300,26 @@ class CandidateSelector:
                 failed += ROLLBACK not in rejected.codes
         raise self._none_verified(selection, refused_for_floor)
 
+    def _explicit_rollback(self, selection: Selection, newer: GenerationRef) -> RollbackError:
+        asked = selection.step
+        rejected = [(s.generation_id, s.step, s.reason) for s in selection.skipped]
+        return RollbackError(
+            f"step {asked} is older than generation {newer.generation_id} (step {newer.step}) "
+            f"of run {self.run_id!r}, which {self.store.location} holds and which passes every "
+            "check that needs no tensor byte (signature, run, files, sizes, headers): restoring "
+            f"step {asked} would roll the run back. Nothing was loaded and state is unchanged. "
+            "A checkpoint path or pointer naming an old step is only a hint: resume the newest "
+            f"with restore(state), or roll back on purpose with allow_rollback_to={asked} (the "
+            "newer generations are then abandoned, and the rollback is audited)",
+            rejected,
+        )
+
     def _too_many_skipped(
         self, selection: Selection, next_ref: GenerationRef, failed: int, max_fallback: int
     ) -> RollbackError:
         rejected = [(s.generation_id, s.step, s.reason) for s in selection.skipped]
-        floor = selection.policy.floor
-        below_floor = floor is not None and floor.step is not None and next_ref.step < floor.step
-        on_purpose = "allow_rollback_to" if below_floor else "step"
+        # With a ledger, an older step asked for by name is a rollback too.
+        on_purpose = "allow_rollback_to" if selection.policy.floor is not None else "step"
         return RollbackError(
             f"{failed} newer generation(s) of run {self.run_id!r} in {self.store.location} failed "
             f"verification, more than max_fallback={max_fallback} allows: refusing to fall back "

@@ -96,6 +96,7 @@ class AuditRecorder:
                 run_id=event.run_id,
                 store=event.store,
                 previous_floor=event.rollback.previous_floor,
+                from_step=event.rollback.from_step,
                 step=event.step,
                 generation_id=event.generation_id,
                 abandoned=[list(a) for a in event.rollback.abandoned],
