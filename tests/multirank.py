@@ -20,10 +20,16 @@ def free_port() -> int:
 
 
 def launch(
-    scenario: str, store: str | Path, world: int, out: Path, timeout: float = 180
+    scenario: str,
+    store: str | Path,
+    world: int,
+    out: Path,
+    timeout: float = 180,
+    worker: Path = WORKER,
 ) -> tuple[list[int], list[dict[str, Any]]]:
-    """Run ``world`` ranks of ``scenario``; their exit codes and reports (a rank that
-    died leaves an empty report)."""
+    """Run ``world`` ranks of ``scenario`` (of ``worker``, by default
+    ``rank_worker.py``); their exit codes and reports (a rank that died leaves an
+    empty report)."""
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("rank*.json"):
         old.unlink()
@@ -46,7 +52,7 @@ def launch(
         with open(log_path, "w") as log:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, str(WORKER), scenario, str(store), str(out)],
+                    [sys.executable, str(worker), scenario, str(store), str(out)],
                     env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT,

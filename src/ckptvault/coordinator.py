@@ -37,9 +37,20 @@ class Coordinator(Protocol):
     def all_gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (JSON-able), in rank order, on every rank."""
 
+    def gather(self, value: Any) -> list[Any] | None:
+        """Every rank's ``value`` (JSON-able), in rank order, on the coordinator;
+        None on the other ranks. When a message is refused only the coordinator
+        raises (``PeerMessageError``): its caller must still take part in what the
+        others do next, and tell them."""
+
+    def scatter(self, values: list[Any] | None) -> Any:
+        """The coordinator's ``values[rank]`` (JSON-able) on each rank; the other
+        ranks pass None. A refused message raises on the rank that received it."""
+
     @property
     def process_group(self) -> Any:
-        """The torch.distributed group DCP runs on; None for one process."""
+        """The torch.distributed group ckptvault's own collectives run on; None for
+        one process. No DCP collective runs on it: DCP's are pickled."""
 
 
 class SingleProcess:
@@ -57,6 +68,13 @@ class SingleProcess:
 
     def all_gather(self, value: Any) -> list[Any]:
         return [value]
+
+    def gather(self, value: Any) -> list[Any] | None:
+        return [value]
+
+    def scatter(self, values: list[Any] | None) -> Any:
+        assert values is not None and len(values) == 1
+        return values[0]
 
     process_group = None
 

@@ -168,6 +168,13 @@ class CollectiveError(CheckpointError):
     is stuck, or failed its part of a save or restore (the message names it)."""
 
 
+class PeerMessageError(CollectiveError):
+    """A collective completed, but a message a rank received in it is not one
+    ckptvault sends: not bounded JSON, too large, or a field of the wrong type or out
+    of range (a bug, or a dishonest rank). Nothing in it was run or trusted; the
+    message names the rank that sent it and the collective."""
+
+
 __all__ = [
     "AuditError",
     "CheckpointError",
@@ -181,6 +188,7 @@ __all__ = [
     "KeyServiceError",
     "KeyUnavailableError",
     "NoValidCheckpoint",
+    "PeerMessageError",
     "RollbackError",
     "SaveFailedError",
     "SignatureError",

@@ -8,9 +8,15 @@ that:
 - a rank that died (SIGKILL, OOM, a lost node) makes the survivors' next collective
   raise after the timeout instead of hanging: gloo enforces the group's timeout.
 
-Values travel as canonical JSON in uint8 tensors: a length first, then the bytes.
-Nothing is pickled; a rank cannot make another run code, only send it JSON that is
-parsed and validated like anything else.
+Values travel as JSON in uint8 tensors: a length first, then the bytes, parsed with
+the bounded loader (size, nesting depth) into plain JSON values. Nothing is pickled
+and no ``*_object`` collective runs; a rank cannot make another run code, only send
+it JSON that is parsed and validated like anything else. A message that is refused
+raises :class:`~ckptvault.errors.PeerMessageError`: in a broadcast or an all-gather
+on every rank alike (they all received the same bytes), in a gather on rank 0 only,
+in a scatter on the rank that received it (their callers keep the ranks in step).
+DCP's own collectives are pickled (``gather_object`` and kin), so ckptvault never
+runs them: :mod:`ckptvault.distributed.dcp_save` drives DCP's planner over these.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ckptvault.errors import CollectiveError, UsageError
+from ckptvault.errors import CollectiveError, FormatError, PeerMessageError, UsageError
+from ckptvault.format.bounded_json import MAX_DOCUMENT_DEPTH, loads_bounded
 
 T = TypeVar("T")
 
@@ -73,9 +80,9 @@ class TorchDistributed:
         data = _encode(value) if self.is_coordinator else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
         self._collective("a broadcast", lambda: dist.broadcast(size, src=0, group=self.group))
-        buffer = _buffer(data, int(size.item()))
+        buffer = _buffer(data, int(size.item()), "a broadcast")
         self._collective("a broadcast", lambda: dist.broadcast(buffer, src=0, group=self.group))
-        decoded: T = _checked(_decode(buffer), 0)
+        decoded: T = _checked(_decode(buffer, 0, "a broadcast"), 0)
         return decoded
 
     def all_gather(self, value: Any) -> list[Any]:
@@ -85,15 +92,76 @@ class TorchDistributed:
         mine = torch.tensor([len(data)], dtype=torch.int64)
         self._collective("an all-gather", lambda: dist.all_gather(sizes, mine, group=self.group))
         longest = max(int(s.item()) for s in sizes)
-        padded = _buffer(data, longest, pad=True)
+        padded = _buffer(data, longest, "an all-gather", pad=True)
         gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self._world_size)]
         self._collective(
             "an all-gather", lambda: dist.all_gather(gathered, padded, group=self.group)
         )
         return [
-            _checked(_decode(buffer[: int(size.item())]), rank)
+            _checked(_decode(buffer[: int(size.item())], rank, "an all-gather"), rank)
             for rank, (buffer, size) in enumerate(zip(gathered, sizes, strict=True))
         ]
+
+    def gather(self, value: Any) -> list[Any] | None:
+        """Every rank's ``value`` (JSON) on rank 0, in rank order; None elsewhere.
+
+        Rank 0 alone receives the messages (a job of 1,024 ranks does not send every
+        plan to every rank): the longest length is agreed first (one integer), then
+        each rank sends its message framed by its length and padded to that. A
+        refused message (not bounded JSON, a frame that lies about its length, over
+        the limits) raises ``PeerMessageError`` on rank 0 only, after the collective:
+        the caller tells the other ranks in its next collective."""
+        data = _encode(value)
+        longest = torch.tensor([len(data)], dtype=torch.int64)
+        what = "a gather"
+        self._collective(
+            what,
+            lambda: dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=self.group),
+        )
+        size = int(longest.item())
+        refused = _refused_size(size, self._world_size, what)
+        if refused is not None:  # every rank sees the same size: none sends the data
+            if self.is_coordinator:
+                raise PeerMessageError(refused)
+            return None
+        framed = _framed(data, size)
+        received = (
+            [torch.zeros(size + _FRAME, dtype=torch.uint8) for _ in range(self._world_size)]
+            if self.is_coordinator
+            else None
+        )
+        self._collective(what, lambda: dist.gather(framed, received, dst=0, group=self.group))
+        if received is None:
+            return None
+        return [
+            _checked(_decode(_unframed(buffer, size, rank, what), rank, what), rank)
+            for rank, buffer in enumerate(received)
+        ]
+
+    def scatter(self, values: list[Any] | None) -> Any:
+        """Rank 0's ``values[rank]`` (JSON) on each rank; the others pass None.
+
+        The longest length is broadcast first, then each rank receives its own
+        framed message (never another rank's). A refused message raises
+        ``PeerMessageError`` on the rank that received it."""
+        what = "a scatter"
+        frames: list[torch.Tensor] | None = None
+        longest = torch.zeros(1, dtype=torch.int64)
+        if self.is_coordinator:
+            if values is None or len(values) != self._world_size:
+                raise UsageError(f"scatter on rank 0 needs one value per rank ({self._world_size})")
+            encoded = [_encode(value) for value in values]
+            longest[0] = max(len(data) for data in encoded)
+        self._collective(what, lambda: dist.broadcast(longest, src=0, group=self.group))
+        size = int(longest.item())
+        refused = _refused_size(size, 1, what)
+        if refused is not None:  # every rank sees the same size: none sends the data
+            raise PeerMessageError(refused)
+        if self.is_coordinator:
+            frames = [_framed(data, size) for data in encoded]
+        mine = torch.zeros(size + _FRAME, dtype=torch.uint8)
+        self._collective(what, lambda: dist.scatter(mine, frames, src=0, group=self.group))
+        return _checked(_decode(_unframed(mine, size, 0, what), 0, what), 0)
 
     def _collective(self, what: str, call: Any) -> None:
         try:
@@ -111,6 +179,11 @@ class TorchDistributed:
 
 
 _OVERSIZED = "$oversized"
+_FRAME = 8  # a gathered or scattered message starts with its length (int64, little-endian)
+# What rank 0 holds at once in a gather: the world size times the longest message.
+_MAX_GATHERED = 4 * 1024 * 1024 * 1024
+# Nesting of a message: a state tree (at most 128 levels) inside a few of its own.
+_MAX_DEPTH = MAX_DOCUMENT_DEPTH + 8
 
 
 def _encode(value: Any) -> bytes:
@@ -125,27 +198,64 @@ def _encode(value: Any) -> bytes:
 
 def _checked(value: Any, rank: int) -> Any:
     if isinstance(value, dict) and set(value) == {_OVERSIZED}:
-        raise CollectiveError(
-            f"rank {rank} had a message of {value[_OVERSIZED]} bytes to send, more than the "
-            f"{_MAX_MESSAGE} a collective carries; every rank stops here"
+        raise PeerMessageError(
+            f"rank {rank} had a message of {str(value[_OVERSIZED])[:20]} bytes to send, more "
+            f"than the {_MAX_MESSAGE} a collective carries; every rank stops here"
         )
     return value
 
 
-def _buffer(data: bytes, size: int, pad: bool = False) -> torch.Tensor:
+def _refused_size(size: int, senders: int, what: str) -> str | None:
+    """Why a collective announced to carry ``senders`` messages of ``size`` bytes
+    each must not, or None. Every rank computes it from the same numbers."""
+    if not 0 <= size <= _MAX_MESSAGE or senders * (size + _FRAME) > _MAX_GATHERED:
+        return (
+            f"{what} among the ranks announced messages of {size} bytes from {senders} "
+            f"rank(s), over the {_MAX_MESSAGE}-byte limit of a message or the "
+            f"{_MAX_GATHERED} bytes one rank receives: refused before any was sent"
+        )
+    return None
+
+
+def _buffer(data: bytes, size: int, what: str, pad: bool = False) -> torch.Tensor:
     if size < 0 or size > _MAX_MESSAGE:
-        raise CollectiveError(f"a peer announced a {size}-byte message: refused")
+        raise PeerMessageError(f"{what}: a rank announced a {size}-byte message: refused")
     buffer = torch.zeros(size, dtype=torch.uint8)
     if data:
         buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return buffer
 
 
-def _decode(buffer: torch.Tensor) -> Any:
+def _framed(data: bytes, size: int) -> torch.Tensor:
+    """``data`` after its length, padded to ``size`` bytes of message."""
+    return _buffer(len(data).to_bytes(_FRAME, "little") + data, size + _FRAME, "a frame")
+
+
+def _unframed(buffer: torch.Tensor, size: int, rank: int, what: str) -> torch.Tensor:
+    """The message inside a frame; PeerMessageError when its length lies."""
+    length = int.from_bytes(bytes(buffer[:_FRAME].numpy().tobytes()), "little")
+    if length > size:
+        raise PeerMessageError(
+            f"rank {rank} framed a {length}-byte message in {what} of {size}-byte messages: refused"
+        )
+    return buffer[_FRAME : _FRAME + length]
+
+
+def _decode(buffer: torch.Tensor, rank: int, what: str) -> Any:
+    """The JSON value rank ``rank`` sent, parsed with the bounded loader (size, depth,
+    no NaN, no repeated keys) and never anything but JSON."""
     try:
-        return json.loads(bytes(buffer.numpy().tobytes()).decode())
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CollectiveError(f"a peer sent a message that is not JSON: {exc}") from exc
+        return loads_bounded(
+            buffer.numpy().tobytes(),
+            f"the message rank {rank} sent in {what}",
+            max_depth=_MAX_DEPTH,
+            max_bytes=_MAX_MESSAGE,
+        )
+    except FormatError as exc:
+        raise PeerMessageError(
+            f"{exc}; refused, nothing in it was used. A bug or a dishonest rank: check rank "
+            f"{rank}'s host and software; every rank stops this save or restore"
+        ) from exc
 
 
 def default_coordinator(timeout_s: float) -> TorchDistributed | None:

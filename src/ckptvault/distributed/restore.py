@@ -10,10 +10,11 @@ ranks fall back together and all restore the same generation:
 
 1. the checks that need no tensor byte (structure, signature, authenticity, keys,
    the state tree) on the rank's own view of the store;
-2. the tensors, collectively through DCP on the job's group, into private buffers
-   shaped like the rank's live tensors (a DTensor's buffer is its local shard):
-   DCP's planner maps saved chunks onto them, so a generation saved by N ranks
-   loads onto M; every byte read is checked against its chunk digest first;
+2. the tensors, through DCP's planner on each rank alone (DCP's own collectives
+   are pickled and carry nothing for these planners: :mod:`~ckptvault.distributed.dcp_load`),
+   into private buffers shaped like the rank's live tensors (a DTensor's buffer is
+   its local shard): the planner maps saved chunks onto them, so a generation saved
+   by N ranks loads onto M; every byte read is checked against its chunk digest first;
 3. the state decoded for this rank (:func:`~ckptvault.io.load.decode_for_rank`).
 
 When the coordinator is done it broadcasts the outcome: the generation taken, or the
@@ -27,17 +28,21 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from blake3 import blake3
-from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptvault import errors
 from ckptvault.coordinator import Coordinator
-from ckptvault.errors import CheckpointError, FormatError
+from ckptvault.distributed import messages
+from ckptvault.distributed.dcp_load import load_local
+from ckptvault.distributed.messages import MAX_REFUSAL_CHARS
+from ckptvault.distributed.shard_buffers import hinted, regions, shard_buffers
+from ckptvault.distributed.shard_buffers import (  # the restorer imports it from here
+    optimizer_param_hints as optimizer_param_hints,
+)
+from ckptvault.errors import CheckpointError, FormatError, PeerMessageError
 from ckptvault.format.layout import GenerationName, parse_generation_dirname
 from ckptvault.format.manifest import Manifest
-from ckptvault.format.tensor_table import Box
-from ckptvault.io.dcp_metadata import metadata_from_json, tensor_metadata
+from ckptvault.io.dcp_metadata import metadata_from_json
 from ckptvault.io.load import (
     LoadedGeneration,
     PreparedLoad,
@@ -47,9 +52,7 @@ from ckptvault.io.load import (
     saved_world_size,
     unwrap_data_keys,
 )
-from ckptvault.io.planners import TensorOnlyLoadPlanner
 from ckptvault.io.ranged_reader import RangedStorageReader
-from ckptvault.state.codec import tensor_key
 from ckptvault.state.ranks import tensor_references, tree_for_rank
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import TrustPolicy, extend_checked
@@ -117,9 +120,10 @@ class CollectiveLoader:
         and what rank 0 skipped (None: the store is empty), or rank 0's error."""
         last: tuple[Store, GenerationRef, LoadedGeneration] | None = None
         listed: dict[int, dict[GenerationName, GenerationRef]] = {}  # one listing per tier
+        refused: PeerMessageError | None = None
         while True:
             message: dict[str, Any] = self.coordinator.broadcast({})
-            if "try" in message:
+            if "try" in message and refused is None:
                 tier_index, dirname = message["try"]
                 store = self.tiers[tier_index]
                 if tier_index not in listed:
@@ -130,6 +134,13 @@ class CollectiveLoader:
                     last = (store, ref, loaded)
                 except GenerationRejected:
                     last = None
+                except PeerMessageError as exc:
+                    # Raised on every rank alike (a broadcast's or all-gather's bytes):
+                    # rank 0 ends the choice with it; take that message, then raise.
+                    refused = exc
+            elif "try" in message or ("done" in message and refused is not None):
+                assert refused is not None
+                raise refused
             elif "done" in message:
                 if last is None or last[1].name.dirname != message["done"]:
                     raise errors.CollectiveError(
@@ -145,7 +156,7 @@ class CollectiveLoader:
                 error_type = getattr(errors, kind, errors.CheckpointError)
                 if not (isinstance(error_type, type) and issubclass(error_type, CheckpointError)):
                     error_type = errors.CheckpointError
-                raise error_type(f"rank 0: {text}")
+                raise error_type(f"rank 0: {text}") from refused
 
     # -- both --------------------------------------------------------------------------
 
@@ -155,17 +166,18 @@ class CollectiveLoader:
         mine = [[p.code, p.detail, p.file] for p in rejected.problems] if rejected else []
         gathered = self.coordinator.all_gather(mine)
         problems = [
-            Problem(str(code), f"rank {rank}: {detail}", file)
+            Problem(code, f"rank {rank}: {detail}", file)
             for rank, found in enumerate(gathered)
-            for code, detail, file in found
+            for code, detail, file in messages.problems(found, rank)
         ]
         if problems:
             raise GenerationRejected(ref, problems)
 
     def agree_to_apply(self, error: CheckpointError | None) -> None:
         """Apply only when every rank's state matched; otherwise every rank raises."""
-        mine = None if error is None else [type(error).__name__, str(error)]
-        failed = [(r, m) for r, m in enumerate(self.coordinator.all_gather(mine)) if m]
+        mine = None if error is None else [type(error).__name__, str(error)[:MAX_REFUSAL_CHARS]]
+        gathered = self.coordinator.all_gather(mine)
+        failed = [(r, m) for r, raw in enumerate(gathered) if (m := messages.refusal(raw, r))]
         if error is not None:
             raise error
         if failed:
@@ -193,7 +205,10 @@ class CollectiveLoader:
         """Every rank must have checked the very same manifest bytes: a manifest
         swapped while the ranks read it would give them different state."""
         digest = blake3(prepared.checked.manifest_bytes).hexdigest()
-        seen = self.coordinator.all_gather(digest)
+        seen = [
+            messages.manifest_digest(raw, rank)
+            for rank, raw in enumerate(self.coordinator.all_gather(digest))
+        ]
         if len(set(seen)) > 1:
             groups = ", ".join(f"rank {rank}: {d[:16]}" for rank, d in enumerate(seen))
             raise GenerationRejected(
@@ -247,14 +262,14 @@ class CollectiveLoader:
         error: BaseException | None = None
         reader: RangedStorageReader | None = None
         try:
-            live = {**_hinted(keys, self.param_hints), **self.live}
+            live = {**hinted(keys, self.param_hints), **self.live}
             data_keys = prepared.data_keys
             if manifest.indexed:  # the indexes holding what this rank reads, and no other
-                wanted = indexes_for_regions(manifest, _regions(keys, live, manifest))
+                wanted = indexes_for_regions(manifest, regions(keys, live, manifest))
                 manifest = extend_checked(store, prepared.checked, wanted).manifest
                 data_keys = unwrap_data_keys(ref, manifest, self.keystore, data_keys)
             metadata, locations = metadata_from_json(manifest.dcp, where)
-            destinations = _destinations(metadata, keys, live, manifest, where)
+            destinations = shard_buffers(metadata, keys, live, manifest, where)
             # Each rank reads (and verifies) only the byte ranges its shards need.
             reader = RangedStorageReader(
                 store,
@@ -270,19 +285,9 @@ class CollectiveLoader:
             error = exc
         self._stage(ref, lambda: _raise(error))  # everyone can read, or no one tries
         assert reader is not None
-        try:
-            dcp.load(
-                destinations,
-                storage_reader=reader,
-                planner=TensorOnlyLoadPlanner(),
-                process_group=self.coordinator.process_group,
-            )
-        except CheckpointException as exc:
-            problems = [
-                Problem(_code(ref, original), f"rank {rank}: {original}")
-                for rank, (original, _trace) in sorted(exc.failures.items())
-            ]
-            raise GenerationRejected(ref, problems) from exc
+        # DCP's steps on this rank alone (no pickled collective: dcp_load), then the
+        # ranks' verdicts combined like every other stage's.
+        self._stage(ref, lambda: _load_local(ref, destinations, reader, self.coordinator))
         return destinations
 
 
@@ -291,12 +296,21 @@ def _raise(error: BaseException | None) -> None:
         raise error
 
 
-def _code(ref: GenerationRef, error: BaseException) -> str:
-    if isinstance(error, (CheckpointError, OSError)):
-        found = rejection(ref, error)
-        if isinstance(found, GenerationRejected):
-            return found.problems[0].code
-    return UNREADABLE
+def _load_local(
+    ref: GenerationRef,
+    destinations: dict[str, torch.Tensor],
+    reader: RangedStorageReader,
+    coordinator: Coordinator,
+) -> None:
+    """This rank's reads; any failure a rejection of the candidate (DCP's planner
+    raises ValueError and the like for a plan that cannot be made)."""
+    try:
+        load_local(destinations, reader, coordinator.is_coordinator)
+    except (CheckpointError, OSError):
+        raise  # _stage makes a rejection of it, with its reason code
+    except Exception as exc:
+        problem = Problem(UNREADABLE, f"{type(exc).__name__}: {exc}")
+        raise GenerationRejected(ref, [problem]) from exc
 
 
 def _find(
@@ -329,83 +343,3 @@ def _referenced(prepared: PreparedLoad, ref: GenerationRef, coordinator: Coordin
     except FormatError as exc:
         raise GenerationRejected(ref, [Problem(MANIFEST_INVALID, str(exc))]) from exc
     return tensor_references(view)
-
-
-def optimizer_param_hints(state: Any) -> dict[str, torch.Tensor]:
-    """For each optimizer among the top-level entries (and one level of dicts) of a
-    live state: its parameters by the key prefix their state is saved under."""
-    hints: dict[str, torch.Tensor] = {}
-    entries: list[tuple[tuple[str, ...], Any]] = [((key,), value) for key, value in state.items()]
-    entries += [
-        ((key, inner), nested)
-        for key, value in state.items()
-        if isinstance(value, dict)
-        for inner, nested in value.items()
-        if isinstance(inner, str)
-    ]
-    for path, value in entries:
-        if isinstance(value, torch.optim.Optimizer):
-            params = [p for group in value.param_groups for p in group["params"]]
-            for index, param in enumerate(params):
-                hints[tensor_key((*path, "state", index)) + "/"] = param
-    return hints
-
-
-def _hinted(keys: set[str], hints: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Live stand-ins for optimizer state a fresh optimizer lacks: its parameter,
-    so that a sharded parameter's state is read as a shard of the same layout."""
-    found = {}
-    for key in keys:
-        prefix, _sep, _name = key.rpartition("/")
-        param = hints.get(prefix + "/")
-        if param is not None:
-            found[key] = param.detach()
-    return found
-
-
-def _regions(
-    keys: set[str], live: dict[str, torch.Tensor], manifest: Manifest
-) -> dict[str, list[Box] | None]:
-    """The part of each referenced tensor this rank reads: a live tensor of the saved
-    shape, its own chunks (a DTensor's local shard; a plain tensor whole); any other,
-    all of the saved one (None)."""
-    assert manifest.tensor_table is not None
-    table = manifest.tensor_table.tensors
-    regions: dict[str, list[Box] | None] = {}
-    for key in keys:
-        current, saved = live.get(key), table.get(key)
-        if current is None or saved is None or tuple(current.shape) != saved.shape:
-            regions[key] = None
-            continue
-        chunk_list = getattr(current, "__create_chunk_list__", None)
-        if chunk_list is None:
-            regions[key] = [((0,) * current.dim(), tuple(current.shape))]
-        else:
-            regions[key] = [(tuple(c.offsets), tuple(c.sizes)) for c in chunk_list()]
-    return regions
-
-
-def _destinations(
-    metadata: Any,
-    keys: set[str],
-    live: dict[str, torch.Tensor],
-    manifest: Manifest,
-    where: str,
-) -> dict[str, torch.Tensor]:
-    """A private buffer per referenced tensor: shaped like the live tensor (a DTensor:
-    its local shard) when the saved one matches it, else the saved tensor whole."""
-    destinations: dict[str, torch.Tensor] = {}
-    whole = 0
-    for key in sorted(keys):
-        if key not in metadata.state_dict_metadata:
-            raise FormatError(f"{where}: the state refers to tensor {key!r}, which it lacks")
-        info = tensor_metadata(metadata, key)
-        current = live.get(key)
-        if current is not None and tuple(current.shape) == tuple(info.size):
-            destinations[key] = torch.empty_like(current, dtype=info.properties.dtype)
-            continue
-        whole += torch.Size(info.size).numel() * info.properties.dtype.itemsize
-        if whole > manifest.total_bytes:  # what the files hold bounds what they can fill
-            raise FormatError(f"{where}: its tensors take more bytes than its files hold")
-        destinations[key] = torch.empty(tuple(info.size), dtype=info.properties.dtype)
-    return destinations

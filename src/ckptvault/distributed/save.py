@@ -7,9 +7,10 @@ collective the others will never reach:
 1. the coordinator removes stale attempts, checks capacity, draws the generation id
    and begins the staging area; the id (or its error) is broadcast;
 2. every other rank joins the staging area; the outcomes are gathered;
-3. every rank writes its tensors through DCP (``dcp.save`` on the job's group):
-   DCP plans globally, so a sharded tensor is written by the ranks holding its
-   shards and a replicated one once; its write results (file records, digests,
+3. every rank writes its tensors through DCP's planner, driven over ckptvault's own
+   JSON collectives (:mod:`ckptvault.distributed.dcp_save`; ``dcp.save`` on a
+   process group would pickle): a sharded tensor is written by the ranks holding
+   its shards and a replicated one once; the write results (file records, digests,
    wrapped keys) reach the coordinator, and an error on any rank raises on all;
 4. every rank's own state tree (RNGs, loaders: :mod:`ckptvault.state.ranks`), its
    file names and outcome are gathered;
@@ -31,10 +32,12 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from ckptvault.distributed import messages
+from ckptvault.distributed.dcp_save import write_tensors_together
 from ckptvault.distributed.replicas import Disagreement, disagreements, replica_digests
-from ckptvault.errors import CheckpointError, CollectiveError, SaveFailedError
+from ckptvault.distributed.wire import MAX_ERROR_CHARS
+from ckptvault.errors import CheckpointError, PeerMessageError, SaveFailedError
 from ckptvault.format.layout import new_generation_id
-from ckptvault.io.dcp_io import write_tensors
 from ckptvault.io.writer import VaultStorageWriter, files_per_rank
 from ckptvault.saving.generation_writer import (
     MANIFEST_ALLOWANCE,
@@ -162,25 +165,17 @@ class CollectiveSave:
     def _write_tensors(
         self, area: StagingArea, generation_id: str, captured: CapturedState
     ) -> VaultStorageWriter:
-        """Phase 3: DCP, collectively; a failure anywhere raises on every rank."""
+        """Phase 3: DCP's planner, collectively over ckptvault's own JSON collectives
+        (never DCP's pickled ones); a failure anywhere raises on every rank."""
         settings = self.writer.settings
-        try:
-            return write_tensors(
-                captured.tensors,
-                area,
-                settings.chunk_size,
-                files_per_rank(settings.threads, self.coordinator.world_size),
-                self.writer.encryption(generation_id),
-                rank=self.coordinator.rank,
-                process_group=self.coordinator.process_group,
-                ranks=self.coordinator.world_size,
-            )
-        except RuntimeError as exc:  # a collective inside DCP: a peer died or timed out
-            raise CollectiveError(
-                f"rank {self.coordinator.rank}: writing tensors among "
-                f"{self.coordinator.world_size} ranks failed ({' '.join(str(exc).split())[:300]}); "
-                "another rank died or is stuck. Nothing was published"
-            ) from exc
+        return write_tensors_together(
+            captured.tensors,
+            area,
+            settings.chunk_size,
+            files_per_rank(settings.threads, self.coordinator.world_size),
+            self.writer.encryption(generation_id),
+            self.coordinator,
+        )
 
     def _gather(self, captured: CapturedState, tensors: VaultStorageWriter) -> list[Any]:
         """Phase 4: every rank's own state tree, file names and replica digests, on
@@ -188,7 +183,14 @@ class CollectiveSave:
         mine: dict[str, Any] = {"tree": captured.rank_tree or {}, "files": tensors.own_files}
         if self.writer.settings.on_replica_mismatch != "ignore":
             mine["digests"] = replica_digests(captured.tensors, self.coordinator.rank)
-        return self.coordinator.all_gather(mine)
+        try:
+            gathered = self.coordinator.all_gather(mine)
+            world = self.coordinator.world_size
+            return [messages.rank_part(raw, rank, world) for rank, raw in enumerate(gathered)]
+        except PeerMessageError as exc:
+            # Every rank received the same bytes and raises here alike: rank 0 cannot
+            # have published, so each rank may remove its files (SaveFailedError).
+            raise SaveFailedError(f"{exc}. Nothing was published") from exc
 
     def _check_replicas(self, gathered: list[Any], step: int) -> list[Disagreement]:
         """Replicas whose bytes differ (every rank reaches the same verdict); with
@@ -264,8 +266,12 @@ class CollectiveSave:
     def _all_succeeded(self, what: str, error: str | None) -> None:
         """Gather every rank's outcome of ``what``; raise the same error on every rank
         when any failed, naming those ranks."""
-        outcomes = self.coordinator.all_gather(error)
-        failed = [(rank, message) for rank, message in enumerate(outcomes) if message]
+        outcomes = self.coordinator.all_gather(None if error is None else error[:MAX_ERROR_CHARS])
+        failed = [
+            (rank, message)
+            for rank, raw in enumerate(outcomes)
+            if (message := messages.outcome(raw, rank, what))
+        ]
         if failed:
             named = "; ".join(f"rank {rank}: {message}" for rank, message in failed)
             raise SaveFailedError(

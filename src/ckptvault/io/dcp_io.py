@@ -2,7 +2,10 @@
 
 ``write_tensors`` saves a flat ``{key: tensor}`` dict into a staging area;
 ``read_tensors`` loads a verified generation's tensors into fresh buffers. Both run
-DCP in a single process here; the multi-rank path uses the same plugin. DCP wraps
+DCP in a single process (``no_dist``): DCP's collectives between ranks are pickled,
+so the multi-rank paths drive the same planners and storage plugin over ckptvault's
+own JSON collectives (:mod:`ckptvault.distributed.dcp_save`,
+:mod:`ckptvault.distributed.dcp_load`). DCP wraps
 errors raised inside the plugin in ``CheckpointException``; they are unwrapped so
 callers see ckptvault's typed errors.
 """
@@ -56,17 +59,9 @@ def _quiet_unheard_dcp_logger() -> None:
 _quiet_unheard_dcp_logger()
 
 
-def _reraise(
-    exc: CheckpointException, wrap: type[CheckpointError], what: str, ranks: int = 1
-) -> NoReturn:
-    """Re-raise the first rank's original error; wrap anything untyped in ``wrap``.
-    Among several ranks, every rank raises ``wrap`` naming the ranks that failed."""
+def _reraise(exc: CheckpointException, wrap: type[CheckpointError], what: str) -> NoReturn:
+    """Re-raise the original error; wrap anything untyped in ``wrap``."""
     for _rank, (original, _trace) in sorted(exc.failures.items()):
-        if ranks > 1:
-            failed = ", ".join(str(r) for r in sorted(exc.failures))
-            raise wrap(
-                f"{what}: rank {failed} failed: {type(original).__name__}: {original}"
-            ) from original
         if isinstance(original, (CheckpointError, OSError, KeyboardInterrupt, MemoryError)):
             raise original
         raise wrap(f"{what}: {type(original).__name__}: {original}") from original
@@ -81,20 +76,18 @@ def write_tensors(
     encryption: FileEncryption | None = None,
     plan_cache_key: str | None = None,
     rank: int = 0,
-    process_group: Any = None,
-    ranks: int = 1,
     direct: DirectWriter | None = None,
 ) -> VaultStorageWriter:
     """Write tensors as safetensors files (or encrypted containers of them), named
     after ``rank``; the returned writer holds the DCP metadata JSON, file records and
-    wrapped keys (on the coordinator, every rank's: DCP gathers them there).
+    wrapped keys.
 
-    With ``process_group`` (a job of ``ranks`` ranks) this is collective: every rank
-    calls it, DCP plans globally (sharded tensors by their shards, replicated ones
-    written once) and a failure on any rank raises on every rank. Without one,
-    ``direct`` (the caller's :class:`DirectWriter`, which keeps its layout between
-    saves) writes plain tensors without DCP's planner; same files, same metadata."""
-    if direct is not None and process_group is None:
+    One process: DCP runs without torch.distributed (``no_dist``), so none of its
+    pickled collectives. Many ranks write through
+    :func:`ckptvault.distributed.dcp_save.write_tensors_together` instead. ``direct``
+    (the caller's :class:`DirectWriter`, which keeps its layout between saves) writes
+    plain tensors without DCP's planner; same files, same metadata."""
+    if direct is not None:
         written = direct.write(
             tensors, staging, chunk_size, threads or default_threads(), encryption, rank
         )
@@ -103,19 +96,13 @@ def write_tensors(
     writer = VaultStorageWriter(
         staging, chunk_size=chunk_size, threads=threads, encryption=encryption, rank=rank
     )
-    if tensors or process_group is not None:
+    if tensors:
         try:
-            planner = TensorOnlySavePlanner(plan_cache_key if process_group is None else None)
-            dcp.save(
-                tensors,
-                storage_writer=writer,
-                planner=planner,
-                process_group=process_group,
-                no_dist=process_group is None,
-            )
+            planner = TensorOnlySavePlanner(plan_cache_key)
+            dcp.save(tensors, storage_writer=writer, planner=planner, no_dist=True)
             writer.reused_plan = planner.reused_plan
         except CheckpointException as exc:
-            _reraise(exc, SaveFailedError, "saving tensors", ranks)
+            _reraise(exc, SaveFailedError, "saving tensors")
     if writer.dcp_json is None:
         writer.dcp_json = {"version": None, "tensors": {}}
     return writer
