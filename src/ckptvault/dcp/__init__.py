@@ -17,8 +17,22 @@ loaders, optimizer hyperparameters) belongs to
 :class:`ckptvault.CheckpointManager`, whose state capture stores it as JSON.
 
 DCP reports failures inside its ``CheckpointException``;
-:func:`typed_errors` re-raises ckptvault's own error instead. The rollback floor,
-ledger and audit log are the manager's; the plugin neither reads nor writes them.
+:func:`typed_errors` re-raises ckptvault's own error instead. Given ``ledger=``
+(a path outside the store), the writer and the reader keep and check the manager's
+own control plane: the writer records each publish in the ledger's published table
+and the audit log; the reader applies the rollback floor, counts published
+generations that vanished as failed candidates (``max_fallback``), refuses a step
+older than a newer generation that verifies unless ``allow_rollback_to`` names it,
+and raises the floor to what it read. Without ``ledger=`` the plugin reads and
+writes no control-plane state: no floor, no rollback protection, no audit.
+
+Between ranks, plain ``dcp.save``/``dcp.load``/``dcp.async_save`` on a process
+group carry plans, write results and outcomes with DCP's own ``*_object``
+collectives, which pickle: a dishonest rank of such a job can run code in rank 0.
+That is DCP's path, taken by the calling code; these classes cannot change it.
+:class:`ckptvault.CheckpointManager` never takes it (it drives DCP's planner over
+bounded JSON collectives of its own: :mod:`ckptvault.distributed.dcp_save`), and
+is the way to save when the ranks of a job do not trust each other.
 """
 
 from __future__ import annotations

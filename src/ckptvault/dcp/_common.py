@@ -65,9 +65,29 @@ def plugin_trust(
     signing_key: PrivateKeyLike | None = None,
     trusted_keys: Iterable[PublicKeyLike] | PublicKeyLike | None = None,
     keystore: KeystoreLike | None = None,
+    ledger: StoreURL | None = None,
+    audit_log: StoreURL | None = None,
 ) -> TrustContext:
-    """Keys only: the plugin keeps no ledger and no audit log (those are the
-    manager's), so it neither reads nor raises a run's rollback floor."""
+    """The plugin's trust context. Without ``ledger``: keys only (no rollback floor,
+    no published table, no audit log; ``audit_log`` alone is refused). With it:
+    the manager's own control plane (``TrustContext.configure``), so the plugin keeps
+    and checks the same floor and published table, and audits into ``audit_log``
+    (default: beside the ledger). Neither may live inside ``store``."""
+    if ledger is not None:
+        trust = TrustContext.configure(
+            signing_key=signing_key,
+            trusted_keys=trusted_keys,
+            keystore=keystore,
+            ledger=ledger,
+            audit_log=audit_log,
+        )
+        trust.check_outside(store)
+        return trust
+    if audit_log is not None:
+        raise UsageError(
+            "audit_log= needs ledger=: the ledger keeps the audit log's head (without it "
+            "a cut-off log could not be told from a whole one)"
+        )
     trusted = None
     if trusted_keys is not None:
         single = (str, bytes, os.PathLike, Ed25519PublicKey, Ed25519PrivateKey)

@@ -9,6 +9,11 @@ file set and sizes, tensor file headers, signature, run id, encryption and keys:
 verdicts are gathered: a problem on any rank rejects the candidate on every rank,
 so all ranks read the same generation or all raise the same error. Tensor bytes are
 verified later, chunk by chunk, while DCP reads them.
+
+With a ledger the coordinator also holds the choice to the run's floor, the
+published generations that vanished and, for a step asked for by name, the newer
+generations restore would take first (:mod:`ckptvault.restoring.selector`): it
+checks those alone (a rollback is refused whatever the other ranks see).
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from ckptvault import errors
 from ckptvault.coordinator import Coordinator
 from ckptvault.errors import CheckpointError, CollectiveError, FormatError, NoValidCheckpoint
+from ckptvault.events import RollbackApplied
 from ckptvault.format.layout import GenerationName, parse_generation_dirname
 from ckptvault.io.dcp_metadata import StoredChunk, metadata_from_json
 from ckptvault.io.load import PreparedLoad, prepare_load, rejection
+from ckptvault.restoring.rollback import allowed_rollback
 from ckptvault.restoring.selector import CandidateSelector, SkippedGeneration
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import TrustPolicy
@@ -41,6 +48,7 @@ class Chosen:
     metadata: Metadata
     locations: dict[MetadataIndex, StoredChunk]
     skipped: list[SkippedGeneration]
+    rollback: RollbackApplied | None = None  # the coordinator's, allow_rollback_to
 
 
 class Chooser:
@@ -56,29 +64,35 @@ class Chooser:
         self._unlisted: set[GenerationRef] = set()  # rank 0's choices this rank cannot see
         self._listing: dict[GenerationName, GenerationRef] | None = None  # this rank's
 
-    def choose(self, step: int | None, max_fallback: int | None) -> Chosen:
+    def choose(
+        self, step: int | None, max_fallback: int | None, rollback_to: int | None = None
+    ) -> Chosen:
         """The newest generation (of ``step``) that passes on every rank; raises
         ``NoValidCheckpoint`` (listing why each was skipped) on every rank when none
-        does, and the coordinator's error on every rank when choosing failed."""
+        does, and the coordinator's error on every rank when choosing failed.
+        ``rollback_to``: as ``restore(allow_rollback_to=...)`` (with a ledger)."""
         if self.coordinator.is_coordinator:
-            return self._lead(step, max_fallback)
+            return self._lead(step, max_fallback, rollback_to)
         return self._follow()
 
     # -- the coordinator -------------------------------------------------------------------
 
-    def _lead(self, step: int | None, max_fallback: int | None) -> Chosen:
+    def _lead(self, step: int | None, max_fallback: int | None, rollback_to: int | None) -> Chosen:
         found: dict[GenerationRef, Chosen] = {}
 
         def load(ref: GenerationRef, policy: TrustPolicy) -> None:
             self.coordinator.broadcast({"try": ref.name.dirname})
             found[ref] = self._check_together(ref, policy)
 
+        def check(ref: GenerationRef, policy: TrustPolicy) -> None:
+            self._check(ref, policy)  # a newer generation: the coordinator's view decides
+
         try:
             selector = CandidateSelector(self.store, self.run_id, self.trust)
-            selection = selector.select(step)
+            selection = selector.select(step, rollback_to=rollback_to)
             if not selection.candidates:
                 raise NoValidCheckpoint(f"store {self.store.location} holds no generation to load")
-            ref, _ = selector.first_verified(selection, load, max_fallback)
+            ref, _ = selector.first_verified(selection, load, max_fallback, check)
         except CollectiveError:
             raise  # the other ranks are gone or stuck: nothing more to tell them
         except AgreedFailure as failure:
@@ -91,8 +105,14 @@ class Chooser:
             raise
         self._tell({"done": ref.name.dirname})
         chosen = found[ref]
+        rollback = allowed_rollback(selection, ref, self.trust.ledger is not None)
         return Chosen(
-            chosen.ref, chosen.prepared, chosen.metadata, chosen.locations, selection.skipped
+            chosen.ref,
+            chosen.prepared,
+            chosen.metadata,
+            chosen.locations,
+            selection.skipped,
+            rollback,
         )
 
     def _tell(self, message: dict[str, Any]) -> None:

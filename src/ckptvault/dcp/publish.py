@@ -31,6 +31,15 @@ PLUGIN_NAME = "ckptvault.dcp"
 
 
 @dataclass(frozen=True)
+class PublishedGeneration:
+    """What a publish made: the generation as listed, and the KEK its keys are
+    wrapped under (None when not encrypted), for the records."""
+
+    info: GenerationInfo
+    kek_id: str | None
+
+
+@dataclass(frozen=True)
 class SaveSettings:
     run_id: str
     step: int
@@ -45,7 +54,7 @@ def publish_generation(
     settings: SaveSettings,
     trust: TrustContext,
     world_size: int,
-) -> GenerationInfo:
+) -> PublishedGeneration:
     """Adopt the other ranks' files, write the manifest (and its signature) and
     publish; ``written`` has finished (it holds every rank's file records and the
     DCP metadata). The caller aborts ``area`` if this raises: nothing is visible
@@ -62,9 +71,10 @@ def publish_generation(
     manifest = _manifest(area, written, settings, generation_id, state, world_size, encryption)
     manifest_bytes = manifest.to_bytes()
     ref = area.publish(settings.step, manifest_bytes, trust.sign_manifest(manifest_bytes))
-    return GenerationInfo(
+    info = GenerationInfo(
         settings.step, generation_id, ref.location, manifest.stored_bytes, manifest.created_at
     )
+    return PublishedGeneration(info, manifest.encryption.kek_id if manifest.encryption else None)
 
 
 def _state(

@@ -13,6 +13,13 @@ DCP loads in place: a digest mismatch raises (inside DCP's ``CheckpointException
 :func:`ckptvault.dcp.typed_errors` re-raises it as ``IntegrityError``) after the
 tensors read before it were filled, so a state dict whose load raised must not be
 used. Only verified bytes are ever copied into it.
+
+With ``ledger=`` the reader holds its choice to the run's rollback floor and
+published table, as ``CheckpointManager.restore`` does (:mod:`ckptvault.dcp.records`):
+a published generation gone from the store is a candidate that fails (counted by
+``max_fallback``), a step asked for below a newer generation that verifies is a
+``RollbackError`` unless ``allow_rollback_to`` names it, and once the coordinator has
+read and verified its share the floor rises to the generation read.
 """
 
 from __future__ import annotations
@@ -37,9 +44,10 @@ from ckptvault.dcp._common import (
     plugin_trust,
     portable,
 )
-from ckptvault.dcp.choose import Chooser
+from ckptvault.dcp.choose import Chooser, Chosen
+from ckptvault.dcp.records import PluginRecords
 from ckptvault.distributed.coordinator import DEFAULT_TIMEOUT_S
-from ckptvault.errors import UsageError
+from ckptvault.errors import CheckpointError, UsageError
 from ckptvault.io.reader import VaultStorageReader
 from ckptvault.io.writer import default_threads
 from ckptvault.restoring.selector import SkippedGeneration
@@ -60,6 +68,12 @@ class StorageReader(DCPStorageReader):
     ``CheckpointManager`` (their tensors) can be read. :attr:`step`,
     :attr:`generation_id` and :attr:`skipped` say what was chosen and why newer
     generations were passed over.
+
+    ``ledger`` (a path outside the store; ``audit_log`` defaults beside it): the
+    manager's rollback floor and published table apply (see the module docstring),
+    and the load is recorded there; ``allow_rollback_to=STEP`` loads STEP on purpose,
+    lowering the floor and abandoning newer generations (:attr:`rolled_back_from`).
+    Without ``ledger``: no floor, and a step asked for is loaded whatever is newer.
     """
 
     def __init__(
@@ -74,19 +88,40 @@ class StorageReader(DCPStorageReader):
         threads: int | None = None,
         max_fallback: int | None = None,
         collective_timeout_s: float = DEFAULT_TIMEOUT_S,
+        ledger: StoreURL | None = None,
+        audit_log: StoreURL | None = None,
+        allow_rollback_to: int | None = None,
     ) -> None:
         super().__init__()
         run_id = check_run_id(run_id)
         if step is not None:
             step = validate_step(step)
+        if allow_rollback_to is not None:
+            allow_rollback_to = validate_step(allow_rollback_to, "allow_rollback_to")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise UsageError(f"threads must be a positive int, got {threads!r}")
         if max_fallback is not None and (not isinstance(max_fallback, int) or max_fallback < 0):
             raise UsageError(f"max_fallback must be an int >= 0 or None, got {max_fallback!r}")
         self.store = open_plugin_store(url, s3_endpoint_url, must_exist=True)
-        trust = plugin_trust(self.store, trusted_keys=trusted_keys, keystore=keystore)
+        trust = plugin_trust(
+            self.store,
+            trusted_keys=trusted_keys,
+            keystore=keystore,
+            ledger=ledger,
+            audit_log=audit_log,
+        )
         coordinator: Coordinator = job_coordinator(collective_timeout_s)
-        chosen = Chooser(self.store, run_id, trust, coordinator).choose(step, max_fallback)
+        self._records = PluginRecords(trust, self.store, run_id)
+        self._recorded = not coordinator.is_coordinator  # the job's records: rank 0's
+        try:
+            chosen = Chooser(self.store, run_id, trust, coordinator).choose(
+                step, max_fallback, allow_rollback_to
+            )
+        except CheckpointError as exc:
+            if coordinator.is_coordinator:
+                self._records.refused(exc)
+            raise
+        self._chosen: Chosen = chosen
         manifest = chosen.prepared.checked.manifest
         self.run_id = run_id
         self.step: int = chosen.ref.step
@@ -94,6 +129,9 @@ class StorageReader(DCPStorageReader):
         self.location: str = chosen.ref.location
         self.signer: str | None = chosen.prepared.checked.signer
         self.skipped: list[SkippedGeneration] = chosen.skipped
+        rollback = chosen.rollback
+        # allow_rollback_to with a ledger (the coordinator): the step gone back from.
+        self.rolled_back_from: int | None = rollback.from_step if rollback else None
         self._metadata = chosen.metadata
         self._reader = VaultStorageReader(
             self.store,
@@ -139,9 +177,23 @@ class StorageReader(DCPStorageReader):
         """Read this rank's chunks, verifying each chunk's digest before its bytes
         are copied into the state dict."""
         try:
-            return self._reader.read_data(plan, planner)
+            done = self._reader.read_data(plan, planner)
+            self._record_restore()
+            return done
         except BaseException as exc:
             raise portable(exc) from exc
+
+    def _record_restore(self) -> None:
+        """Once, on the coordinator, after its share was read and verified: the floor
+        rises to the generation (or the allowed rollback lowers it), and the load is
+        audited. Should another rank's share then fail its digests, the floor stays
+        raised: the next load refuses to fall back below this generation silently
+        (``RollbackError``; ``allow_rollback_to`` goes back on purpose)."""
+        if self._recorded:
+            return
+        self._recorded = True
+        chosen = self._chosen
+        self._records.restored(chosen.ref, chosen.skipped, chosen.rollback)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -20,6 +20,10 @@ Whenever a step fails, nothing is published: the failing rank removes what it wr
 (the coordinator: the whole attempt), DCP raises on every rank, and whatever a
 failure elsewhere left in the staging area is removed by this writer's next save,
 its :meth:`StorageWriter.close`, its garbage collection, or any later save's cleanup.
+
+With ``ledger=`` every publish is recorded in the run's ledger and audit log, as the
+manager records its own (:mod:`ckptvault.dcp.records`): a reader with the same
+ledger then notices a published generation that vanished from the store.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import time
 import weakref
 from collections.abc import Iterable
 from typing import Any, NoReturn
@@ -47,6 +52,7 @@ from ckptvault.dcp._common import (
     portable,
 )
 from ckptvault.dcp.publish import SaveSettings, publish_generation
+from ckptvault.dcp.records import PluginRecords
 from ckptvault.errors import StoreLockedError, UsageError
 from ckptvault.format.container import DEFAULT_SEGMENT_SIZE
 from ckptvault.format.layout import is_generation_id, new_generation_id
@@ -104,7 +110,9 @@ class StorageWriter(DCPStorageWriter):
     rank. The store's writer lock is held by the coordinator from planning to
     publish, so a ``CheckpointManager`` writing the same store at the same time is
     refused (``StoreLockedError``). After a successful save, :attr:`published` (on
-    the coordinator) describes the generation.
+    the coordinator) describes the generation. ``ledger`` (a path outside the store;
+    ``audit_log`` defaults beside it): the publish is recorded there, as the
+    manager's are, for readers that check the run's floor and published table.
     """
 
     def __init__(
@@ -117,6 +125,8 @@ class StorageWriter(DCPStorageWriter):
         keystore: KeystoreLike | None = None,
         s3_endpoint_url: str | None = None,
         threads: int | None = None,
+        ledger: StoreURL | None = None,
+        audit_log: StoreURL | None = None,
     ) -> None:
         super().__init__()
         self.run_id = check_run_id(run_id)
@@ -124,8 +134,15 @@ class StorageWriter(DCPStorageWriter):
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise UsageError(f"threads must be a positive int, got {threads!r}")
         self.store = open_plugin_store(url, s3_endpoint_url, must_exist=False)
-        self.trust = plugin_trust(self.store, signing_key=signing_key, keystore=keystore)
+        self.trust = plugin_trust(
+            self.store,
+            signing_key=signing_key,
+            keystore=keystore,
+            ledger=ledger,
+            audit_log=audit_log,
+        )
         self.trust.ensure_key_usable(self.run_id)
+        self._records = PluginRecords(self.trust, self.store, self.run_id)
         self.settings = SaveSettings(
             self.run_id, self.step, DEFAULT_CHUNK_SIZE, DEFAULT_SEGMENT_SIZE,
             threads or default_threads(),
@@ -218,10 +235,14 @@ class StorageWriter(DCPStorageWriter):
             if area is None or written is None:
                 raise UsageError("finish() without a save in progress on this writer")
             written.finish(metadata, results)
-            self.published = publish_generation(
+            started = time.perf_counter()
+            published = publish_generation(
                 area, written, self.settings, self.trust, world_size=len(results)
             )
             self._pending.area = None  # published: nothing left to remove
+            self.published = published.info
+            # After the publish: a failure to record it says so (the generation exists).
+            self._records.published(published.info, time.perf_counter() - started, published.kek_id)
         except BaseException as exc:
             raise portable(exc) from exc
         finally:
@@ -261,7 +282,9 @@ class StorageWriter(DCPStorageWriter):
             nbytes = sum(item.tensor_storage_size() or 0 for item in items)
             metadata = MANIFEST_ALLOWANCE + METADATA_PER_TENSOR * len(items)
             self.store.check_capacity(nbytes + metadata, len(plans) * self.settings.threads + 4)
-            self._pending.area = self.store.begin_generation(new_generation_id())
+            # After the run's latest rollback cutoff, or the rollback abandons it.
+            cutoff = self._records.newest_cutoff()
+            self._pending.area = self.store.begin_generation(new_generation_id(not_before=cutoff))
         except BaseException:
             self._pending.abandon()
             raise
