@@ -19,12 +19,16 @@ everything else through the strict JSON codec. Anything the codec cannot represe
 At the path Lightning names (``.../epoch=0-step=10.ckpt``, ``last.ckpt``) the plugin
 writes a small JSON *pointer* to that generation
 (:mod:`ckptvault.integrations.lightning_pointers`), so ``ModelCheckpoint``'s file
-logic, ``save_last="link"`` and ``ckpt_path="last"`` work unchanged. Loading reads
-the pointer and restores that step through the manager: the whole generation is
-verified (digests, signature and rollback floor with the manager's trust options)
-before Lightning sees a byte of it, and the dict comes back with the same keys,
-nesting, key order and types (tuples, int keys, ``OrderedDict``, the module state's
-``_metadata``). Removing a checkpoint removes its pointer and prunes the generation
+logic, ``save_last="link"`` and ``ckpt_path="last"`` work unchanged. A pointer is
+only a hint: whoever can write ``ModelCheckpoint``'s directory can copy an old one
+over another. Loading ``last*.ckpt`` (what ``ckpt_path="last"`` picks) restores the
+newest generation that verifies, whatever step the pointer names; loading any other
+pointer restores its step as ``restore(state, step=...)`` does, so with a ledger a
+step older than a newer generation that verifies is a ``RollbackError`` unless
+``allow_rollback_to`` names it. The whole generation is verified (digests, signature
+and rollback floor with the manager's trust options) before Lightning sees a byte of
+it, and the dict comes back with the same keys, nesting, key order and types
+(tuples, int keys, ``OrderedDict``, the module state's ``_metadata``). Removing a checkpoint removes its pointer and prunes the generation
 through ckptvault's retention machinery (:mod:`ckptvault.integrations.lightning_prune`).
 
 Saves are synchronous: Lightning calls ``save_checkpoint`` on global rank 0 only, and
@@ -49,13 +53,14 @@ from ckptvault.coordinator import SingleProcess
 from ckptvault.durable import fsync_directory
 from ckptvault.errors import NoValidCheckpoint, UnsupportedValueError, UsageError
 from ckptvault.integrations.lightning_pointers import (
+    SUFFIX,
     Pointer,
     read_pointer,
     try_read_pointer,
     write_pointer,
 )
 from ckptvault.integrations.lightning_prune import LightningPruner
-from ckptvault.manager import CheckpointManager
+from ckptvault.manager import CheckpointManager, RestoreInfo
 from ckptvault.state.codec import Encoder, KeyPath
 
 if TYPE_CHECKING:
@@ -67,6 +72,9 @@ if TYPE_CHECKING:
 __all__ = ["CkptvaultCheckpointIO"]
 
 logger = logging.getLogger("ckptvault")
+
+# ModelCheckpoint.CHECKPOINT_NAME_LAST: "last" pointers stand for the newest generation.
+LAST_PREFIX = "last"
 
 # The saved state: Lightning's dict under one key, and the module state's per-submodule
 # versions (``state_dict()._metadata``, an attribute the JSON tree cannot carry).
@@ -94,9 +102,16 @@ class CkptvaultCheckpointIO(CheckpointIO):
             at once (no longer a restore candidate; ``ckptvault gc --undelete STEP``
             brings it back) and deleted by a later removal after the delay. 0 (the
             default) deletes at once what retention's safety net does not keep.
+        allow_rollback_to: a step to roll back to on purpose: the first load of a
+            pointer of that step restores it with ``restore(state,
+            allow_rollback_to=STEP)`` (with a ledger: the floor is lowered, newer
+            generations are abandoned, a WARNING and an audit entry say so). Never
+            applies to ``last*.ckpt``. Remove it once the rollback is done.
         options: :class:`~ckptvault.CheckpointManager` options (``run_id``,
             ``signing_key``, ``trusted_keys``, ``keystore``, ``contract``, ...), except
             ``coordinator`` and ``async_save``: saves are synchronous, on rank 0.
+
+    ``restore_info`` is the :class:`~ckptvault.RestoreInfo` of the last load.
     """
 
     def __init__(
@@ -104,6 +119,7 @@ class CkptvaultCheckpointIO(CheckpointIO):
         store: StoreLocation,
         *,
         delete_delay: float = 0.0,
+        allow_rollback_to: int | None = None,
         **options: Unpack[ManagerOptions],
     ) -> None:
         for refused in ("coordinator", "async_save"):
@@ -117,6 +133,12 @@ class CkptvaultCheckpointIO(CheckpointIO):
             raise UsageError(f"delete_delay must be a number of seconds >= 0, got {delete_delay!r}")
         self.store = store
         self.delete_delay = float(delete_delay)
+        self.allow_rollback_to = (
+            None
+            if allow_rollback_to is None
+            else validate_step(allow_rollback_to, "allow_rollback_to")
+        )
+        self.restore_info: RestoreInfo | None = None
         self._options = options
         self._manager: CheckpointManager | None = None
         self._pruner: LightningPruner | None = None
@@ -169,12 +191,15 @@ class CkptvaultCheckpointIO(CheckpointIO):
         map_location: Any | None = None,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """The checkpoint the pointer at ``path`` names, verified before it is returned.
+        """The checkpoint the pointer at ``path`` stands for, verified before it is
+        returned: for ``last*.ckpt`` the newest generation that verifies, otherwise
+        the pointer's step (see the module docstring).
 
         Tensors come back on the CPU, or on ``map_location`` (a device or its name).
         ``weights_only`` changes nothing: nothing here is unpickled, ever."""
         device = _device(map_location)
-        pointer = read_pointer(_local_path(path))
+        target = _local_path(path)
+        pointer = read_pointer(target)
         manager = self.manager
         if pointer.run_id != manager.run_id:
             raise UsageError(
@@ -190,26 +215,45 @@ class CkptvaultCheckpointIO(CheckpointIO):
                 manager.store.location,
             )
         state: dict[str, Any] = {CHECKPOINT: {}, MODULE_METADATA: None}
-        info = manager.restore(state, step=pointer.step)
+        info = self._restore(state, target, pointer)
         if info is None:
             raise NoValidCheckpoint(
                 f"{path} points to step {pointer.step}, but {manager.store.location} holds "
                 "no generation at all: was the store moved? Pass its location to "
                 "CkptvaultCheckpointIO"
             )
+        self.restore_info = info
         if info.generation_id != pointer.generation_id:
-            logger.info(
-                "%s names generation %s; restored %s, the newest of step %d that verifies",
+            logger.log(
+                logging.WARNING if info.step != pointer.step else logging.INFO,
+                "%s names generation %s (step %d); restored %s (step %d), the newest %s "
+                "that verifies",
                 path,
                 pointer.generation_id,
-                info.generation_id,
                 pointer.step,
+                info.generation_id,
+                info.step,
+                "generation" if is_last_pointer(target) else f"of step {pointer.step}",
             )
         checkpoint: dict[str, Any] = state[CHECKPOINT]
         weights = checkpoint.get("state_dict")
         if isinstance(weights, OrderedDict) and isinstance(state[MODULE_METADATA], dict):
             weights._metadata = state[MODULE_METADATA]  # type: ignore[attr-defined]
         return _to_device(checkpoint, device) if device is not None else checkpoint
+
+    def _restore(self, state: dict[str, Any], target: Path, pointer: Pointer) -> RestoreInfo | None:
+        """``last*.ckpt``: the newest that verifies (the pointer is only a hint; a
+        planted old one must not roll the run back). Any other pointer: its step, which
+        with a ledger is a rollback when a newer generation verifies, allowed only by
+        ``allow_rollback_to`` (honoured once)."""
+        manager = self.manager
+        if is_last_pointer(target):
+            return manager.restore(state)
+        if self.allow_rollback_to is not None and pointer.step == self.allow_rollback_to:
+            info = manager.restore(state, allow_rollback_to=pointer.step)
+            self.allow_rollback_to = None  # done: a later load is held to the rule again
+            return info
+        return manager.restore(state, step=pointer.step)
 
     def remove_checkpoint(self, path: _PATH) -> None:
         """Remove the pointer at ``path`` and let its generation go (unless another
@@ -232,6 +276,13 @@ class CkptvaultCheckpointIO(CheckpointIO):
         manager, self._manager = self._manager, None
         if manager is not None:
             manager.close()
+
+
+def is_last_pointer(path: Path) -> bool:
+    """Whether ``path`` is one of ``ModelCheckpoint``'s "last" checkpoints
+    (``last.ckpt``, ``last-v1.ckpt``, ...: what ``ckpt_path="last"`` chooses among,
+    by the same rule Lightning uses: the name begins with ``last``)."""
+    return path.suffix == SUFFIX and path.name.startswith(LAST_PREFIX)
 
 
 def check_encodable(checkpoint: Mapping[str, Any]) -> None:
