@@ -98,12 +98,24 @@ class Checkpointer:
         ``CheckpointManager.save``. Every rank calls it."""
         return self.manager.save(step, self._state(), blocking=blocking, metrics=metrics, **options)
 
-    def load_state(self, step: int | None = None) -> RestoreInfo | None:
+    def load_state(
+        self, step: int | None = None, *, allow_rollback_to: int | None = None
+    ) -> RestoreInfo | None:
         """``accelerator.load_state``: restore the newest generation that verifies (of
         ``step``, when given) into the prepared objects, in place. ``None`` (nothing
         changed) when the store holds no generation. Raises as
-        ``CheckpointManager.restore``, leaving every object untouched."""
-        info = self.manager.restore(self._state(), step=step)
+        ``CheckpointManager.restore``, leaving every object untouched: with a ledger,
+        a ``step`` older than a newer generation that verifies is a ``RollbackError``
+        unless ``allow_rollback_to`` names it. It takes a step, never a directory
+        (``accelerator.load_state(input_dir)``'s form): nothing is read from a path
+        anyone could have planted or renamed."""
+        if step is not None and not isinstance(step, int):
+            raise UsageError(
+                f"load_state takes the step of a generation, not {step!r}: the Checkpointer "
+                "keeps no directories (accelerator.load_state(input_dir) reads pickles). Pass "
+                "load_state() for the newest that verifies, or load_state(step=N)"
+            )
+        info = self.manager.restore(self._state(), step=step, allow_rollback_to=allow_rollback_to)
         # The RNGs were just set to the saved states: read back, they are set again
         # when the resumed pass starts (skip_first_batches).
         self._rng = RNGState().state_dict() if info is not None else None

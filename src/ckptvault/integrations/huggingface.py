@@ -17,6 +17,10 @@ log entries of the step go into the manifest's ``metrics`` (``loss``, ``eval_los
 directory, so none of its pickles (``optimizer.pt``, ``scheduler.pt``,
 ``rng_state.pth``, ``training_args.bin``); retention replaces ``save_total_limit``.
 
+A path is only a hint (:mod:`ckptvault.integrations.resume_paths`): once the run has
+history, ``.../checkpoint-N`` is step N from the store, under restore's rollback rule
+(``train(..., allow_rollback_to=N)`` goes back on purpose); any other path is refused.
+
 Resuming goes through Trainer's own resume path, so that it positions the data
 exactly as Trainer does: the generation is restored (and verified) where Trainer would
 load its model; the TrainerState goes to Trainer as the JSON file it reads (in a
@@ -56,6 +60,7 @@ from transformers import Trainer, TrainerState
 from transformers.trainer_callback import ExportableState
 
 from ckptvault.errors import NoValidCheckpoint, StateMismatchError, UsageError
+from ckptvault.integrations.resume_paths import step_of_path
 from ckptvault.state.rng import RNGState
 
 if TYPE_CHECKING:
@@ -83,6 +88,7 @@ class _Resume:
 
     directory: str  # the path Trainer is given as resume_from_checkpoint
     step: int | None  # None: the newest generation that verifies
+    allow_rollback_to: int | None = None
     info: RestoreInfo | None = None
     optimizer: dict[str, Any] = field(default_factory=dict)
     scheduler: dict[str, Any] = field(default_factory=dict)
@@ -98,9 +104,12 @@ class CkptvaultTrainer(Trainer):
     ``class MyTrainer(CkptvaultTrainer, SFTTrainer)`` (both derive from ``Trainer``).
     ``train(resume_from_checkpoint=...)`` takes ``True`` (the newest generation that
     verifies; a fresh start when the store has none), a step number (that step's
-    generation), ``None``/``False`` (a fresh start), or a path (Trainer's own
-    ``checkpoint-N`` directory, read by Trainer itself: a way to move a run over).
-    ``restore_info`` is the :class:`~ckptvault.RestoreInfo` of the last resume.
+    generation), ``None``/``False`` (a fresh start), or a path: ``.../checkpoint-N``
+    is step N once the run has history in the store (see the module docstring);
+    before that, Trainer's own directory, read by Trainer itself (a way to move a run
+    over). ``train(..., allow_rollback_to=N)`` passes ``allow_rollback_to`` to
+    ``restore``. ``restore_info`` is the :class:`~ckptvault.RestoreInfo` of the last
+    resume.
     """
 
     def __init__(self, *args: Any, checkpoint_manager: CheckpointManager, **kwargs: Any) -> None:
@@ -148,11 +157,21 @@ class CkptvaultTrainer(Trainer):
         resume_from_checkpoint: str | bool | int | None = None,
         trial: Any = None,
         ignore_keys_for_eval: list[str] | None = None,
+        *,
+        allow_rollback_to: int | None = None,
         **kwargs: Any,
     ) -> TrainOutput:
-        """Trainer's ``train``; ``resume_from_checkpoint`` as the class docstring says.
-        Returns once every save of the run is durable (``checkpoint_manager.wait()``)."""
+        """Trainer's ``train``; ``resume_from_checkpoint`` and ``allow_rollback_to`` as
+        the class docstring says. Returns once every save of the run is durable
+        (``checkpoint_manager.wait()``)."""
         resume = self._plan_resume(resume_from_checkpoint)
+        if allow_rollback_to is not None:
+            if resume is None:
+                raise UsageError(
+                    "allow_rollback_to= rolls back to a generation of the store: resume "
+                    "with resume_from_checkpoint=True or the step"
+                )
+            resume.allow_rollback_to = allow_rollback_to
         self._ckptvault_resume = resume
         target: str | bool | None
         if resume is not None:
@@ -171,6 +190,8 @@ class CkptvaultTrainer(Trainer):
         return output
 
     def _plan_resume(self, request: str | bool | int | None) -> _Resume | None:
+        if isinstance(request, str):
+            request = step_of_path(self.checkpoint_manager, request)
         if request is None or request is False or isinstance(request, str):
             return None
         if request is True:
@@ -208,7 +229,9 @@ class CkptvaultTrainer(Trainer):
             "rng": RNGState(),
             "trainer_state": {},
         }
-        info = self.checkpoint_manager.restore(holder, step=resume.step)
+        info = self.checkpoint_manager.restore(
+            holder, step=resume.step, allow_rollback_to=resume.allow_rollback_to
+        )
         if info is None:
             raise NoValidCheckpoint(
                 f"{self.checkpoint_manager!r} holds no generation to resume from: train with "
