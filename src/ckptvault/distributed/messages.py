@@ -20,6 +20,9 @@ _HEX64_RE = re.compile(r"^[0-9a-f]{64}\Z")
 _MAX_KIND = 100  # an exception class name
 _MAX_SLOT = 8192  # a replica slot: a tensor key and a shard's offsets
 _MAX_FILE_NAME = 1024  # a store entry's name (an S3 key's length)
+# A problem's detail: at most MAX_DETAIL characters and "...", or the summary of
+# the problems left out, which lists their codes.
+_MAX_DETAIL_CHARS = MAX_DETAIL + 4096
 MAX_REFUSAL_CHARS = 20_000  # a rank's reason not to apply the state (a list of entries)
 
 
@@ -42,7 +45,7 @@ def problems(raw: Any, rank: int) -> list[tuple[str, str, str | None]]:
         code, detail, file = field.sequence(entry, "a problem", 3)
         if not isinstance(code, str) or not _CODE_RE.match(code):
             raise field.refuse("a problem's code is not a reason code")
-        detail = field.text(detail, "a problem's detail", MAX_DETAIL + 3, least=0)
+        detail = field.text(detail, "a problem's detail", _MAX_DETAIL_CHARS, least=0)
         if file is not None:
             file = field.text(file, "a problem's file", _MAX_FILE_NAME)
         checked.append((code, detail, file))
