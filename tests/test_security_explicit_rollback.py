@@ -182,3 +182,29 @@ def test_without_a_ledger_an_explicit_step_is_what_it_was(store, signed_run):
         info = mgr.restore(fresh, step=10)
     assert info.step == 10 and info.skipped == [] and info.rolled_back_from is None
     assert_same_tensors(model_snapshot(fresh["model"]), weights[10])
+
+
+def keep_only(store: Path, step: int) -> None:
+    for generation in store.glob("step-*"):
+        if int(generation.name[5:17]) != step:
+            shutil.rmtree(generation)
+
+
+@pytest.mark.parametrize(("local_keeps", "remote_keeps"), [(10, None), (40, 10)])
+def test_a_newer_generation_in_another_tier_counts_too(tmp_path, local_keeps, remote_keeps):
+    # The local tier lost the newer steps (a replaced disk, per-tier retention), or
+    # holds only the newest while the replica holds only step 10: a generation newer
+    # than step 10 that verifies in any tier makes step 10 a rollback.
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    options = {"run_id": "r", "ledger": tmp_path / "control" / "ledger.sqlite3"}
+    with cv.CheckpointManager(local, replicate_to=remote, **options) as mgr:
+        for step in STEPS:
+            mgr.save(step, make_training_state())
+    keep_only(local, local_keeps)
+    if remote_keeps is not None:
+        keep_only(remote, remote_keeps)
+    with (
+        cv.CheckpointManager(local, replicate_to=remote, **options) as mgr,
+        pytest.raises(RollbackError, match=r"\(step 40\)"),
+    ):
+        mgr.restore(make_training_state(), step=10)

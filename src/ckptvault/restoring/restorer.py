@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptvault.distributed.restore import CollectiveLoader, optimizer_param_hints
@@ -24,13 +24,13 @@ from ckptvault.errors import (
     NoValidCheckpoint,
 )
 from ckptvault.events import Refused, Restored, RollbackApplied
-from ckptvault.format.layout import GenerationName
 from ckptvault.io.load import LoadedGeneration, load_verified, prepare_load, saved_world_size
 from ckptvault.lifecycle.leases import reading_lease
 from ckptvault.restoring.gc_pause import cyclic_gc_paused
 from ckptvault.restoring.lineage import Lineage
 from ckptvault.restoring.rollback import allowed_rollback, warn_rollback
 from ckptvault.restoring.selector import CandidateSelector, Selection, SkippedGeneration
+from ckptvault.restoring.tiers import merge_tiers
 from ckptvault.run_context import RunContext
 from ckptvault.state.apply import checked_plan
 from ckptvault.state.contract import compare_contracts
@@ -275,20 +275,24 @@ class Restorer:
         tier has nothing to offer (empty, or without that step) the others still
         count; when no tier has a candidate, the first tier's error is raised."""
         selections: list[tuple[Store, Selection]] = []
-        first_error: NoValidCheckpoint | None = None
+        errors: list[NoValidCheckpoint] = []
         for selector in self.selectors:
             try:
                 with clock.stage("discovery"):
-                    selection = selector.select(step, rollback_to=allow_rollback_to)
+                    # A tier without the step still shows what is newer than it.
+                    selection = selector.select(
+                        step, rollback_to=allow_rollback_to, keep_newer=True
+                    )
                 selections.append((selector.store, selection))
+                errors += [selection.absent] if selection.absent is not None else []
             except NoValidCheckpoint as exc:
-                first_error = first_error or exc
+                errors.append(exc)
         tiers = [(store, selection) for store, selection in selections if selection.candidates]
-        if not tiers:
-            if first_error is not None:
-                raise first_error
+        if not any(selection.absent is None for _store, selection in tiers):
+            if errors:
+                raise errors[0]
             return None
-        merged, store_of = _merge_tiers(tiers)
+        merged, store_of = merge_tiers(tiers)
 
         def load(ref: GenerationRef, policy: TrustPolicy) -> LoadedGeneration:
             return self._load(store_of[ref.location], ref, policy, clock)
@@ -364,36 +368,3 @@ class Restorer:
             self.events.emit(event)
         except Exception as failure:  # the refusal itself matters more than its record
             logger.error("could not record a refusal: %s", failure)
-
-
-def _merge_tiers(
-    tiers: list[tuple[Store, Selection]],
-) -> tuple[Selection, dict[str, Store]]:
-    """One selection over several tiers: newest generation first and, for the same
-    generation, the tiers in their order (local first). A generation the ledger saw
-    published is missing only when no tier lists it: then one placeholder stands for
-    it (a refusal counted once), otherwise the tiers' real copies do."""
-    listed_names = {ref.name for _store, sel in tiers for ref in sel.listed}
-    placeholders: dict[GenerationName, GenerationRef] = {}
-    for _store, sel in tiers:
-        for ref in sel.missing:
-            if ref.name not in listed_names:
-                placeholders.setdefault(ref.name, ref)
-    missing = frozenset(placeholders.values())
-    ordered = [
-        (ref, rank, store)
-        for rank, (store, sel) in enumerate(tiers)
-        for ref in sel.candidates
-        if ref not in sel.missing or ref in missing
-    ]
-    ordered.sort(key=lambda item: item[1])  # stable: tier order within a generation
-    ordered.sort(key=lambda item: item[0].name, reverse=True)
-    base = tiers[0][1]
-    merged = replace(
-        base,
-        candidates=[ref for ref, _rank, _store in ordered],
-        listed=list({ref.generation_id: ref for _s, sel in tiers for ref in sel.listed}.values()),
-        skipped=[],
-        missing=missing,
-    )
-    return merged, {ref.location: store for ref, _rank, store in ordered}

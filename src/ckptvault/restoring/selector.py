@@ -66,6 +66,9 @@ class Selection:
     newer: frozenset[GenerationRef] = frozenset()
     # The newest of ``newer`` that passed its check, when the rollback was allowed.
     passed_over: list[GenerationRef] = field(default_factory=list)
+    # select(keep_newer=True) in a store without the step asked for: why (the
+    # candidates are then only ``newer``: another tier may hold the step).
+    absent: NoValidCheckpoint | None = None
 
 
 def summarize_steps(steps: list[int]) -> str:
@@ -91,6 +94,7 @@ class CandidateSelector:
         *,
         rollback_to: int | None = None,
         floor_applies: bool = True,
+        keep_newer: bool = False,
     ) -> Selection:
         """The generations to try: all, or those of ``step``, newest first.
 
@@ -100,7 +104,8 @@ class CandidateSelector:
         selection, except that a run that restored before refuses to start over
         (``RollbackError``); a missing step is ``NoValidCheckpoint``. With a ledger
         and a step, the generations above it come first, marked ``newer`` (see the
-        module docstring).
+        module docstring). ``keep_newer=True`` (one tier of several): a store without
+        the step still gives its ``newer`` generations, the error in ``absent``.
         """
         if rollback_to is not None:
             rollback_to = validate_step(rollback_to, "allow_rollback_to")
@@ -123,17 +128,20 @@ class CandidateSelector:
             if floor_applies and rollback_to is None
             else []
         )
+        absent = None
         if not listed:  # a floor says more than what vanished; with neither: empty
-            self._refuse_empty_store(floor, step, quietly=not vanished)
+            absent = self._empty_store_error(floor, step, quietly=not vanished)
         candidates = listed if step is None else [ref for ref in listed if ref.step == step]
         candidates = self._without_marked(candidates, step)
         if listed and not candidates and not vanished:
             present = summarize_steps(sorted({ref.step for ref in listed}))
-            raise NoValidCheckpoint(
+            absent = NoValidCheckpoint(
                 f"store {self.store.location} has no generation of step {step}; "
                 f"steps present: {present}"
             )
         newer = self._newer(listed, step, floor) if floor_applies else []
+        if absent is not None and not (keep_newer and newer):
+            raise absent
         shown = set(listed)
         missing = frozenset([*vanished, *(ref for ref in newer if ref not in shown)])
         if vanished or newer:
@@ -148,6 +156,7 @@ class CandidateSelector:
             missing=missing,
             step=step,
             newer=frozenset(newer),
+            absent=absent,
         )
 
     def _newer(
@@ -231,10 +240,11 @@ class CandidateSelector:
             )
         return kept
 
-    def _refuse_empty_store(
+    def _empty_store_error(
         self, floor: RestoreFloor | None, step: int | None, quietly: bool = True
-    ) -> None:
-        """An empty store is a fresh start only when nothing says otherwise."""
+    ) -> NoValidCheckpoint | None:
+        """An empty store is a fresh start only when nothing says otherwise: raises
+        ``RollbackError`` when the run restored before; the error for a step asked for."""
         if floor is not None and floor.step is not None:
             raise RollbackError(
                 f"store {self.store.location} holds no generation, but run {self.run_id!r} "
@@ -242,9 +252,10 @@ class CandidateSelector:
                 "the store from a copy, or start a new run id"
             )
         if step is not None and quietly:
-            raise NoValidCheckpoint(
+            return NoValidCheckpoint(
                 f"store {self.store.location} holds no generation (asked for step {step})"
             )
+        return None
 
     def first_verified(
         self,
@@ -305,8 +316,8 @@ class CandidateSelector:
         rejected = [(s.generation_id, s.step, s.reason) for s in selection.skipped]
         return RollbackError(
             f"step {asked} is older than generation {newer.generation_id} (step {newer.step}) "
-            f"of run {self.run_id!r}, which {self.store.location} holds and which passes every "
-            "check that needs no tensor byte (signature, run, files, sizes, headers): restoring "
+            f"of run {self.run_id!r} at {newer.location}, which passes every check that needs "
+            "no tensor byte (signature, run, files, sizes, headers): restoring "
             f"step {asked} would roll the run back. Nothing was loaded and state is unchanged. "
             "A checkpoint path or pointer naming an old step is only a hint: resume the newest "
             f"with restore(state), or roll back on purpose with allow_rollback_to={asked} (the "
