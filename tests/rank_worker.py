@@ -95,6 +95,27 @@ def restore(store: str, out: dict[str, Any]) -> None:
     out["after_step_exact"] = bool(torch.equal(full_of(w.detach()), weight(info.step) * 0.0))
 
 
+def restore_older_step(store: str, out: dict[str, Any]) -> None:
+    """With a ledger, step 1 below a newer step 2 that verifies: refused on every rank
+    (nothing applied), then restored on purpose with allow_rollback_to=1."""
+    live = {
+        "model": {"w": sharded(torch.zeros(ROWS, COLS)), "b": torch.zeros(3)},
+        "rng": cv.RNGState(),
+        "meta": {"tokens_seen": 0},
+    }
+    with manager(store, ledger=os.environ["TEST_LEDGER"]) as mgr:
+        try:
+            mgr.restore(live, step=1)
+        except cv.errors.RollbackError as exc:
+            out["refused"] = str(exc).splitlines()[0]
+        out["untouched"] = bool(torch.equal(live["model"]["b"], torch.zeros(3)))
+        info = mgr.restore(live, allow_rollback_to=1)
+    assert info is not None
+    out.update(
+        step=info.step, rolled_back_from=info.rolled_back_from, bias=live["model"]["b"].tolist()
+    )
+
+
 def fail_in_write(store: str, out: dict[str, Any]) -> None:
     """Rank 1's disk fails while it writes its shard."""
     from ckptvault.io import writer
@@ -336,6 +357,7 @@ SCENARIOS = {
     "preempt_one_rank": preempt_one_rank,
     "save_async": lambda store, out: save(store, out, async_save=True),
     "restore": restore,
+    "restore_older_step": restore_older_step,
     "fail_in_write": fail_in_write,
     "die_in_write": die_in_write,
     "die_after_publish": die_after_publish,

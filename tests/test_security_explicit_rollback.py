@@ -32,6 +32,13 @@ from conftest import (
     train_steps,
 )
 from forging import read_logical, write_logical
+from multirank import launch
+
+
+def ok(codes: list[int], reports: list[dict]) -> list[dict]:
+    assert codes == [0] * len(codes), reports
+    return reports
+
 
 STEPS = (10, 20, 30, 40)
 
@@ -208,3 +215,16 @@ def test_a_newer_generation_in_another_tier_counts_too(tmp_path, local_keeps, re
         pytest.raises(RollbackError, match=r"\(step 40\)"),
     ):
         mgr.restore(make_training_state(), step=10)
+
+
+def test_every_rank_refuses_an_explicit_older_step_together(tmp_path, monkeypatch):
+    # Rank 0 chooses (and checks the newer generation alone); every rank raises the
+    # same RollbackError with nothing applied, then rolls back on purpose together.
+    store = tmp_path / "store"
+    ok(*launch("save", store, 2, tmp_path / "save"))
+    monkeypatch.setenv("TEST_LEDGER", str(tmp_path / "control" / "ledger.sqlite3"))
+    reports = ok(*launch("restore_older_step", store, 2, tmp_path / "restore"))
+    for report in reports:
+        assert "step 1 is older than generation" in report["refused"]
+        assert report["untouched"] and report["step"] == 1 and report["bias"] == [1.0] * 3
+    assert [r["rolled_back_from"] for r in reports] == [2, None]  # the coordinator's
