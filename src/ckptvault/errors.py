@@ -74,7 +74,9 @@ class NoValidCheckpoint(CheckpointError):
 
 
 class RollbackError(NoValidCheckpoint):
-    """Restore found no valid generation at or above the run's restore floor.
+    """Restore found no valid generation at or above the run's restore floor, or
+    (with a ledger) the step asked for is older than a newer generation that verifies,
+    or more newer generations failed than ``max_fallback`` allows.
 
     Raised instead of silently going back to an older step; ``rejected`` lists every
     generation tried and why. ``restore(..., allow_rollback_to=STEP)`` overrides.
