@@ -250,9 +250,9 @@ def test_pointers_stand_at_lightnings_paths_and_removed_checkpoints_leave_the_st
     trainer = _trainer(plugin, ckpt, 8, every_n_train_steps=2, save_top_k=1, save_last="link")
     trainer.fit(_module(seed=0), _loader())
 
-    # The journal remembers 6: released by Lightning, kept by retention for now.
+    # 6 was released by Lightning (a record in the store), kept by retention for now.
     names = sorted(p.name for p in ckpt.iterdir())
-    assert names == [".ckptvault-released.json", "epoch=0-step=8.ckpt", "last.ckpt"]
+    assert names == ["epoch=0-step=8.ckpt", "last.ckpt"]
     assert os.readlink(ckpt / "last.ckpt") == "epoch=0-step=8.ckpt"
     # Reopened after the fit's teardown; 2 and 4 are deleted, 6 is the verified fallback.
     assert [g.step for g in plugin.manager.generations()] == [8, 6]

@@ -1,6 +1,6 @@
 """``CkptvaultCheckpointIO`` called directly, as Lightning's strategy calls it: the
 pointer files are read as hostile input, removals with a delay mark first and the
-directory's journal hands what is still to go to the next process, ``map_location``
+store's records hand what is still to go to the next process, ``map_location``
 and what the plugin refuses; and only the integration itself imports Lightning."""
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ def test_a_removal_with_a_delay_marks_first_and_deletes_later(tmp_path: Path):
     listed = {g.step: g for g in plugin.manager.generations(include_marked=True)}
     assert sorted(listed) == [1, 2, 3]
     assert listed[1].mark_reason is not None and listed[2].mark_reason is None
-    assert sorted(p.name for p in ckpt.iterdir()) == [".ckptvault-released.json", "step=3.ckpt"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step=3.ckpt"]
     plugin.teardown()
 
-    # A later process, after the delay: the journal says what was released here.
+    # A later process, after the delay: the store's records say what was released.
     later = CkptvaultCheckpointIO(store, run_id="r", delete_delay=0)
     later.save_checkpoint(_lightning_like(4), ckpt / "step=4.ckpt")
     later.remove_checkpoint(ckpt / "step=3.ckpt")  # 3 becomes the fallback: 1, 2 go

@@ -28,8 +28,11 @@ step older than a newer generation that verifies is a ``RollbackError`` unless
 ``allow_rollback_to`` names it. The whole generation is verified (digests, signature
 and rollback floor with the manager's trust options) before Lightning sees a byte of
 it, and the dict comes back with the same keys, nesting, key order and types
-(tuples, int keys, ``OrderedDict``, the module state's ``_metadata``). Removing a checkpoint removes its pointer and prunes the generation
-through ckptvault's retention machinery (:mod:`ckptvault.integrations.lightning_prune`).
+(tuples, int keys, ``OrderedDict``, the module state's ``_metadata``). Removing a
+checkpoint removes its pointer and prunes the generation the plugin put at that path
+(its record in the store says which, never the file:
+:mod:`ckptvault.integrations.lightning_records`) through ckptvault's retention
+machinery (:mod:`ckptvault.integrations.lightning_prune`).
 
 Saves are synchronous: Lightning calls ``save_checkpoint`` on global rank 0 only, and
 the pointer is written only once its generation is durable.
@@ -150,10 +153,7 @@ class CkptvaultCheckpointIO(CheckpointIO):
         if self._manager is None:
             options: ManagerOptions = {**self._options, "coordinator": SingleProcess()}
             manager = CheckpointManager(self.store, **options)
-            pruner = LightningPruner(manager, self.delete_delay)
-            for directory in self._pruner.released if self._pruner is not None else ():
-                pruner.watch(directory)  # an earlier fit's directories still count
-            self._manager, self._pruner = manager, pruner
+            self._manager, self._pruner = manager, LightningPruner(manager, self.delete_delay)
         return self._manager
 
     @property
@@ -175,15 +175,13 @@ class CkptvaultCheckpointIO(CheckpointIO):
         target = _local_path(path)
         step = _global_step(checkpoint)
         check_encodable(checkpoint)  # before anything is written, naming the key
-        previous = try_read_pointer(target) if os.path.lexists(target) else None
         manager = self.manager
         info = manager.save(step, _saved_state(checkpoint)).result()
         assert info is not None  # a synchronous save is never skipped
         pointer = Pointer(manager.run_id, step, info.generation_id, manager.store.location)
         write_pointer(target, pointer)
-        self.pruner.watch(target.parent)
-        if previous is not None and previous.name != pointer.name:
-            self.pruner.release(previous, target.parent)  # an overwritten last.ckpt
+        # What was there before is released by the store's record of it, not by the file.
+        self.pruner.pointed(target, pointer.name)
 
     def load_checkpoint(
         self,
@@ -261,14 +259,14 @@ class CkptvaultCheckpointIO(CheckpointIO):
         target = _local_path(path)
         if not os.path.lexists(target):
             return
-        pointer = try_read_pointer(target)
-        if pointer is None and not target.is_symlink():
+        if try_read_pointer(target) is None and not target.is_symlink():
             logger.warning("leaving %s alone: it is not a pointer this plugin wrote", target)
             return
         target.unlink()  # a link (save_last="link") goes, never what it points to
         fsync_directory(target.parent)
-        if pointer is not None:
-            self.pruner.release(pointer, target.parent)
+        # Releases what the plugin put at this path (the store's record), not what the
+        # file said: a link, or a pointer someone rewrote, releases nothing else.
+        self.pruner.removed(target)
 
     def teardown(self) -> None:
         """Close the manager (waits for nothing: saves are synchronous) and release the

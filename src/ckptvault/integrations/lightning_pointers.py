@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptvault.config import validate_step
-from ckptvault.durable import fsync_directory, make_dirs_durable, write_atomically
+from ckptvault.durable import make_dirs_durable, write_atomically
 from ckptvault.errors import FormatError, UsageError
 from ckptvault.format.bounded_json import loads_bounded
 from ckptvault.format.canonical import dumps_canonical
-from ckptvault.format.layout import MAX_STEP, GenerationName, is_generation_id
+from ckptvault.format.layout import GenerationName, is_generation_id
 
 logger = logging.getLogger("ckptvault")
 
@@ -129,95 +129,6 @@ def try_read_pointer(path: Path) -> Pointer | None:
     except (OSError, FormatError) as exc:
         logger.debug("not a checkpoint pointer: %s (%s)", path, exc)
         return None
-
-
-def pointers_in(directory: Path) -> dict[Path, Pointer]:
-    """Every pointer among the ``*.ckpt`` entries of ``directory`` (not recursive)."""
-    found: dict[Path, Pointer] = {}
-    try:
-        entries = list(os.scandir(directory))
-    except FileNotFoundError:
-        return found
-    for entry in entries:
-        if entry.name.endswith(SUFFIX) and not entry.is_dir():
-            pointer = try_read_pointer(Path(entry.path))
-            if pointer is not None:
-                found[Path(entry.path)] = pointer
-    return found
-
-
-# -- the directory's journal of released generations ----------------------------------
-#
-# A generation Lightning let go of may outlive the removal (retention keeps a verified
-# fallback, a reader's lease, a delay). The directory remembers it, so that the next
-# process still prunes it: ``.ckptvault-released.json`` beside the pointers (Lightning
-# lists only ``*.ckpt`` files), holding ``{"ckptvault_lightning_released": 1,
-# "generations": [[step, generation_id], ...]}``.
-
-RELEASED_FILE = ".ckptvault-released.json"
-RELEASED_KEY = "ckptvault_lightning_released"
-MAX_RELEASED = 10_000
-_MAX_RELEASED_BYTES = 64 * MAX_RELEASED
-
-
-def read_released(directory: Path) -> set[GenerationName]:
-    """The generations released in ``directory`` (none when it has no journal). A
-    journal that cannot be read is logged and treated as empty: what it named stays in
-    the store (``ckptvault gc`` can prune it), nothing else is at risk."""
-    path = directory / RELEASED_FILE
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return set()
-    except OSError as exc:
-        logger.warning("cannot read %s (%s); starting a new one", path, exc)
-        return set()
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            logger.warning("%s is not a regular file; starting a new one", path)
-            return set()
-        data = _read_bounded(fd, _MAX_RELEASED_BYTES)
-        return _parse_released(data, str(path))
-    except FormatError as exc:
-        logger.warning("ignoring %s: %s", path, exc)
-        return set()
-    finally:
-        os.close(fd)
-
-
-def _parse_released(data: bytes, where: str) -> set[GenerationName]:
-    value = loads_bounded(data, where, max_depth=3, max_bytes=_MAX_RELEASED_BYTES)
-    if not isinstance(value, dict) or set(value) != {RELEASED_KEY, "generations"}:
-        raise FormatError("not a journal of released generations")
-    entries = value["generations"]
-    if value[RELEASED_KEY] != 1 or not isinstance(entries, list) or len(entries) > MAX_RELEASED:
-        raise FormatError("unknown version, or too many entries")
-    names = set()
-    for entry in entries:
-        if not (
-            isinstance(entry, list)
-            and len(entry) == 2
-            and type(entry[0]) is int
-            and 0 <= entry[0] <= MAX_STEP
-            and type(entry[1]) is str
-            and is_generation_id(entry[1])
-        ):
-            raise FormatError("an entry is not [step, generation_id]")
-        names.add(GenerationName(entry[0], entry[1]))
-    return names
-
-
-def write_released(directory: Path, names: set[GenerationName]) -> None:
-    """Record ``names`` as the directory's released generations (none: no journal)."""
-    path = directory / RELEASED_FILE
-    if not names:
-        if os.path.lexists(path):
-            path.unlink()
-            fsync_directory(directory)
-        return
-    kept = sorted(names)[-MAX_RELEASED:]  # the newest: older ones are long gone or pinned
-    payload = {RELEASED_KEY: 1, "generations": [[n.step, n.generation_id] for n in kept]}
-    write_atomically(path, dumps_canonical(payload))
 
 
 def _read_bounded(fd: int, limit: int) -> bytes:

@@ -11,30 +11,28 @@ the two-phase deletion (mark now, delete later; ``ckptvault gc --undelete`` in
 between). A generation kept for one of those reasons goes on a later pass, once
 nothing protects it any more.
 
-Only generations of this run that a pointer named are ever candidates, and only
-their decisions are applied: generations the plugin never pointed at (another run's,
-or saved with ``CheckpointManager`` directly) and marks others made (``ckptvault
-gc``, the manager's own ``retention=``) are never touched.
+Only generations the plugin itself put at a path Lightning then removed or
+overwrote are ever candidates (its records in the store say which:
+:mod:`~ckptvault.integrations.lightning_records`; the pointer files in the checkpoint
+directory decide nothing), and only their decisions are applied: generations the
+plugin never pointed at (another run's, or saved with ``CheckpointManager``
+directly) and marks others made (``ckptvault gc``, the manager's own ``retention=``)
+are never touched.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from ckptvault.errors import AuditError, CheckpointError
 from ckptvault.events import Event, Published, Restored
 from ckptvault.format.layout import GenerationName
-from ckptvault.integrations.lightning_pointers import (
-    Pointer,
-    pointers_in,
-    read_released,
-    write_released,
-)
+from ckptvault.integrations.lightning_records import PointerBook
 from ckptvault.lifecycle.apply import AppliedPlan
 from ckptvault.lifecycle.collector import GarbageCollector
 from ckptvault.lifecycle.retention import RuleInput
@@ -45,6 +43,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ckptvault")
 
 REMOVED_REASON = "kept: Lightning still uses it"
+T = TypeVar("T")
 
 
 class KeepUnlessRemoved:
@@ -58,15 +57,17 @@ class KeepUnlessRemoved:
 
 
 class LightningPruner:
-    """Tracks the generations Lightning let go of and prunes them from the store.
+    """Releases the generations Lightning let go of and prunes them from the store.
 
-    Each checkpoint directory keeps a journal of what was released in it
-    (:func:`~ckptvault.integrations.lightning_pointers.read_released`), so that a
-    generation retention had to keep (the verified fallback, say) is still pruned by
-    the next process once nothing protects it."""
+    What the plugin put at each path and what was released are records in the store
+    (:class:`~ckptvault.integrations.lightning_records.PointerBook`), never read from
+    the checkpoint directory: whoever can write that directory cannot make the plugin
+    delete anything. A released generation retention had to keep (the verified
+    fallback, say) is pruned by a later pass, or by the next process."""
 
     def __init__(self, manager: CheckpointManager, delete_delay: float) -> None:
         self.manager = manager
+        self.book = PointerBook(manager.store)
         self.rule = KeepUnlessRemoved()
         self.collector = GarbageCollector(
             [manager.store],
@@ -76,8 +77,7 @@ class LightningPruner:
             run_id=manager.run_id,
             emit=manager.events.emit,
         )
-        # Per checkpoint directory: the generations released there and not yet gone.
-        self.released: dict[Path, set[GenerationName]] = {}
+        self._started = False
         manager.events.subscribe(self._heard)
 
     def _heard(self, event: Event) -> None:
@@ -85,37 +85,51 @@ class LightningPruner:
         if isinstance(event, (Published, Restored)) and event.store == self.manager.store.location:
             self.collector.known[GenerationName(event.step, event.generation_id)] = True
 
-    def watch(self, directory: Path) -> None:
-        """Count ``directory``'s pointers and journal from now on; what an earlier
-        process released there is pruned now, if nothing keeps it any more."""
-        if directory not in self.released:
-            self.released[directory] = read_released(directory)
-            if self.released[directory]:
+    def start(self) -> None:
+        """Once per process: prune what an earlier process released, if nothing keeps
+        it any more."""
+        if not self._started:
+            self._started = True
+            if self._released():
                 self.prune()
 
-    def release(self, pointer: Pointer, directory: Path) -> AppliedPlan | None:
-        """Lightning no longer uses ``pointer`` (removed or overwritten in
-        ``directory``): prune its generation unless another pointer still names it."""
-        self.watch(directory)
-        if pointer.run_id != self.manager.run_id:
-            logger.warning(
-                "not deleting generation %s (step %d): its pointer names run %r, this plugin "
-                "writes run %r",
-                pointer.generation_id,
-                pointer.step,
-                pointer.run_id,
-                self.manager.run_id,
-            )
+    def pointed(self, path: Path, name: GenerationName) -> None:
+        """The plugin put a pointer to ``name`` at ``path``: record it (after the
+        pointer file is durable), and release what the plugin had put there before."""
+        self.start()
+        previous = self._book(lambda: self.book.at(path))
+        self._book(lambda: self.book.put(path, name))
+        if previous is not None and previous != name:
+            self.release(previous)  # an overwritten last.ckpt
+
+    def removed(self, path: Path) -> None:
+        """Lightning removed the pointer at ``path``: release what the plugin put there
+        (whatever the file said: it was only a hint)."""
+        self.start()
+        name = self._book(lambda: self.book.at(path))
+        if name is None:
+            return
+        self._book(lambda: self.book.drop(path))
+        self.release(name)
+
+    def release(self, name: GenerationName) -> AppliedPlan | None:
+        """Lightning no longer uses ``name``: prune it unless a pointer record still
+        names it."""
+        try:
+            self.book.release(name)
+        except (OSError, CheckpointError) as exc:
+            self._failed("record a release in", exc)  # not recorded: it stays
             return None
-        self.released[directory].add(pointer.name)
-        write_released(directory, self.released[directory])
         return self.prune()
 
     def prune(self) -> AppliedPlan | None:
         """One retention pass over the store; None when nothing is to go (or it failed:
         logged, and the next removal retries, as retention after a save does)."""
-        named = {p.name for d in self.released for p in pointers_in(d).values()}
-        doomed = frozenset(set().union(*self.released.values()) - named)
+        released = self._released()
+        named = self._book(self.book.named)
+        if not released or named is None:
+            return None
+        doomed = frozenset(released - named)
         if not doomed:
             return None
         self.rule.removed = doomed
@@ -130,15 +144,27 @@ class LightningPruner:
         except AuditError:
             raise
         except (OSError, CheckpointError) as exc:
-            logger.error(
-                "could not delete the checkpoints Lightning removed from %s: %s; the next "
-                "removal retries",
-                self.manager.store.location,
-                exc,
-            )
+            self._failed("delete the checkpoints Lightning removed from", exc)
             return None
-        for directory, names in self.released.items():
-            if names - listed:
-                names &= listed
-                write_released(directory, names)
+        self._book(lambda: self.book.forget(released - listed))
         return applied
+
+    def _released(self) -> set[GenerationName]:
+        return self._book(self.book.released) or set()
+
+    def _book(self, call: Callable[[], T]) -> T | None:
+        """``call()`` on the store's records; None (logged) when the store fails: the
+        generations stay, and the next save or removal tries again."""
+        try:
+            return call()
+        except (OSError, CheckpointError) as exc:
+            self._failed("keep the plugin's records in", exc)
+            return None
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        logger.error(
+            "could not %s %s: %s; nothing more was deleted, the next removal retries",
+            what,
+            self.manager.store.location,
+            exc,
+        )
