@@ -174,13 +174,39 @@ def poison(store: str, out_dir: str, out: dict[str, Any]) -> None:
     out["marker"] = rec.marker.exists()
 
 
+def poison_plugin_choice(store: str, out_dir: str, out: dict[str, Any]) -> None:
+    """The DCP plugin's reader chooses its generation with ckptvault's collectives
+    (one verdict all-gather per candidate): rank 1 sends a pickle there, then a
+    verdict that is JSON but not one ckptvault sends. Both ranks must refuse at once
+    (never wait out the timeout). The save before it is plain ``dcp.save``, whose
+    pickled collectives are the caller's (the recorder goes on after it)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(4)}, storage_writer=cv.dcp.StorageWriter(store, run_id="p", step=1))
+    rec = Recorder(Path(out_dir) / "PWNED")
+    rec.install()
+    out["choices"] = []
+    forged = {"problems": [], "fatal": 5}
+    for poisoned in ("pickle", "forged"):
+        if poisoned == "forged" and RANK == 1:
+            encode = wire._encode
+            wire._encode = lambda value: encode(forged if "problems" in value else value)
+        rec.reset(poison_at=1 if poisoned == "pickle" else None)
+        error = attempt(lambda: cv.dcp.StorageReader(store, run_id="p", collective_timeout_s=60))
+        out["choices"].append({"error": error, "marker": rec.marker.exists()})
+    out["object_calls"] = rec.object_calls
+
+
 def main() -> None:
     scenario, store, out_dir = sys.argv[1:4]
-    assert scenario == "poison" and WORLD == 2
+    assert scenario in ("poison", "plugin") and WORLD == 2
     dist.init_process_group("gloo")
     out: dict[str, Any] = {"rank": RANK, "world": WORLD}
     try:
-        poison(store, out_dir, out)
+        if scenario == "plugin":
+            poison_plugin_choice(store, out_dir, out)
+        else:
+            poison(store, out_dir, out)
     finally:
         Path(out_dir, f"rank{RANK}.json").write_text(json.dumps(out))
         dist.destroy_process_group()

@@ -104,3 +104,17 @@ def test_every_poisoned_restore_fails_typed_on_both_ranks_and_changes_nothing(po
         assert all(report["restores"][n]["untouched"] for report in reports)
     for report in reports:
         assert report["after_restores"] == [100, False]  # restored cleanly afterwards
+
+
+def test_the_dcp_plugins_choice_refuses_a_pickled_or_forged_verdict(tmp_path: Path):
+    """``cv.dcp.StorageReader`` agrees on its generation over ckptvault's coordinator:
+    a pickle from rank 1, or a verdict of JSON ckptvault never sends (a ``fatal`` that
+    is a number), is PeerMessageError on both ranks at once; nothing runs."""
+    codes, reports = launch("plugin", tmp_path / "store", 2, tmp_path / "out", worker=WORKER)
+    assert codes == [0, 0], reports
+    for report in reports:
+        assert report["object_calls"] == []
+        for choice in report["choices"]:
+            assert choice["marker"] is False
+            assert choice["error"] is not None and choice["error"][0] == "PeerMessageError"
+            assert "rank 1 sent" in choice["error"][1] or "not valid UTF-8 JSON" in choice["error"][1]

@@ -26,7 +26,15 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from ckptvault import errors
 from ckptvault.coordinator import Coordinator
-from ckptvault.errors import CheckpointError, CollectiveError, FormatError, NoValidCheckpoint
+from ckptvault.distributed import messages
+from ckptvault.distributed.wire import Field
+from ckptvault.errors import (
+    CheckpointError,
+    CollectiveError,
+    FormatError,
+    NoValidCheckpoint,
+    PeerMessageError,
+)
 from ckptvault.events import RollbackApplied
 from ckptvault.format.layout import GenerationName, parse_generation_dirname
 from ckptvault.io.dcp_metadata import StoredChunk, metadata_from_json
@@ -93,6 +101,10 @@ class Chooser:
             if not selection.candidates:
                 raise NoValidCheckpoint(f"store {self.store.location} holds no generation to load")
             ref, _ = selector.first_verified(selection, load, max_fallback, check)
+        except PeerMessageError as exc:
+            # Every rank raised it alike and waits for this last message: tell them.
+            self._tell({"error": [type(exc).__name__, str(exc)]})
+            raise
         except CollectiveError:
             raise  # the other ranks are gone or stuck: nothing more to tell them
         except AgreedFailure as failure:
@@ -125,9 +137,10 @@ class Chooser:
         """Check what the coordinator asks for until it is done."""
         policy = self.trust.policy(self.run_id, None)
         last: Chosen | None = None
+        refused: PeerMessageError | None = None
         while True:
             message: dict[str, Any] = self.coordinator.broadcast({})
-            if "try" in message:
+            if "try" in message and refused is None:
                 last = None
                 ref = self._find(str(message["try"]))
                 try:
@@ -136,6 +149,12 @@ class Chooser:
                     pass
                 except AgreedFailure as failure:
                     raise failure.error from None
+                except PeerMessageError as exc:
+                    # Raised on every rank alike: rank 0 ends the choice with it; take
+                    # that last message (so it is not left waiting), then raise.
+                    refused = exc
+            elif refused is not None:
+                raise refused
             elif "done" in message:
                 if last is None or last.ref.name.dirname != message["done"]:
                     raise errors.CollectiveError(
@@ -182,14 +201,17 @@ class Chooser:
             if isinstance(found, GenerationRejected):
                 mine["problems"] = [[p.code, p.detail, p.file] for p in found.problems]
             else:
-                mine["fatal"] = [type(exc).__name__, str(exc)]
-        gathered = self.coordinator.all_gather(mine)
+                mine["fatal"] = [type(exc).__name__, str(exc)[: messages.MAX_REFUSAL_CHARS]]
+        # Checked alike on every rank (the same bytes): a malformed verdict is the same
+        # PeerMessageError everywhere, before anything in it is used.
+        raws = self.coordinator.all_gather(mine)
+        gathered = [_verdict(raw, rank) for rank, raw in enumerate(raws)]
         for rank, verdict in enumerate(gathered):
             if "fatal" in verdict:
                 kind, text = verdict["fatal"]
                 raise AgreedFailure(_error(kind, f"rank {rank}: {text}"))
         problems = [
-            Problem(str(code), f"rank {rank}: {detail}" if len(gathered) > 1 else detail, file)
+            Problem(code, f"rank {rank}: {detail}" if len(gathered) > 1 else detail, file)
             for rank, verdict in enumerate(gathered)
             for code, detail, file in verdict["problems"]
         ]
@@ -225,6 +247,24 @@ class AgreedFailure(Exception):
     def __init__(self, error: CheckpointError) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+def _verdict(raw: Any, rank: int) -> dict[str, Any]:
+    """A rank's verdict on a candidate, every field checked
+    (:mod:`ckptvault.distributed.messages`): ``problems``, and ``fatal`` (an error
+    kind and its text) or ``manifest`` (the digest of the bytes it checked)."""
+    field = Field(rank, "its verdict on a candidate")
+    if not isinstance(raw, dict) or set(raw) not in _VERDICT_KEYS:
+        raise field.refuse("not a verdict")
+    verdict: dict[str, Any] = {"problems": messages.problems(raw["problems"], rank)}
+    if "fatal" in raw:
+        verdict["fatal"] = messages.refusal(raw["fatal"], rank)
+    if "manifest" in raw:
+        verdict["manifest"] = messages.manifest_digest(raw["manifest"], rank)
+    return verdict
+
+
+_VERDICT_KEYS = ({"problems"}, {"problems", "fatal"}, {"problems", "manifest"})
 
 
 def _error(kind: Any, text: str) -> CheckpointError:
