@@ -174,6 +174,16 @@ def poison(store: str, out_dir: str, out: dict[str, Any]) -> None:
     out["marker"] = rec.marker.exists()
 
 
+def forging(encode: Any, forged: dict[str, Any]) -> Any:
+    """``encode``, but a verdict (a dict with ``problems``) is sent as ``forged``."""
+
+    def forge(value: Any) -> bytes:
+        is_verdict = isinstance(value, dict) and "problems" in value
+        return encode(forged if is_verdict else value)
+
+    return forge
+
+
 def poison_plugin_choice(store: str, out_dir: str, out: dict[str, Any]) -> None:
     """The DCP plugin's reader chooses its generation with ckptvault's collectives
     (one verdict all-gather per candidate): rank 1 sends a pickle there, then a
@@ -189,8 +199,7 @@ def poison_plugin_choice(store: str, out_dir: str, out: dict[str, Any]) -> None:
     forged = {"problems": [], "fatal": 5}
     for poisoned in ("pickle", "forged"):
         if poisoned == "forged" and RANK == 1:
-            encode = wire._encode
-            wire._encode = lambda value: encode(forged if "problems" in value else value)
+            wire._encode = forging(wire._encode, forged)
         rec.reset(poison_at=1 if poisoned == "pickle" else None)
         error = attempt(lambda: cv.dcp.StorageReader(store, run_id="p", collective_timeout_s=60))
         out["choices"].append({"error": error, "marker": rec.marker.exists()})
