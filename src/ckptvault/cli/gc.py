@@ -18,7 +18,10 @@ passes restore's checks under the trust options given (``--trusted-key``,
 ``--keystore``, ``--ledger``, as ``verify`` takes them). On a store whose generations
 those options cannot authenticate (an encrypted generation without ``--keystore``, a
 signed one without ``--trusted-key``) it refuses with one line naming the option and
-marks nothing: a forgery there could take a rule's place.
+marks nothing: a forgery there could take a rule's place. Without ``--run-id`` the run
+is the one whose generations those options accept; a store where they accept
+generations of several runs is refused (``--run-id`` says whose): a genuine generation
+of another run, copied in, must not take this run's places.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from ckptvault.cli._common import (
     safe_text,
 )
 from ckptvault.cli._progress import progress_bar
-from ckptvault.errors import StoreLockedError, UsageError
+from ckptvault.errors import CheckpointError, StoreLockedError, UsageError
 from ckptvault.events import EventBus, Unmarked
 from ckptvault.format.layout import format_timestamp
 from ckptvault.lifecycle import marks
@@ -54,9 +57,10 @@ from ckptvault.lifecycle.collector import GarbageCollector
 from ckptvault.lifecycle.plan import Decision, RetentionPlan
 from ckptvault.lifecycle.retention import DEFAULT_DELETE_DELAY, Retention, format_seconds
 from ckptvault.storage.base import Store
-from ckptvault.trust.checks import VerificationReport
+from ckptvault.trust.checks import VerificationReport, check_trusted
 from ckptvault.trust.context import TrustContext
 from ckptvault.trust.ledger import RestoreFloor
+from ckptvault.trust.problems import GenerationRejected
 
 _DURATION_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([smhdw]?)\Z")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -84,7 +88,10 @@ _Undelete = Annotated[
 ]
 _KeepWithin = Annotated[str | None, typer.Option(help="Keep everything newer than this (e.g. 2d).")]
 _DeleteDelay = Annotated[str, typer.Option(help="Time between marking and deleting (e.g. 1d, 0s).")]
-_RunId = Annotated[str | None, typer.Option(help="Require this run id (default: the newest's).")]
+_RunId = Annotated[
+    str | None,
+    typer.Option(help="Require this run id (default: the one run the store's generations are)."),
+]
 _TrustedKeys = Annotated[
     list[Path] | None,
     typer.Option("--trusted-key", help="Require a signature by this public key (repeatable)."),
@@ -225,6 +232,7 @@ def _collect(
 ) -> dict[str, Any]:
     """Verify, plan and (unless ``dry_run``) apply, with bars on a terminal."""
     now = datetime.now(timezone.utc)
+    run_id = _the_run(store, trust, run_id)
     collector = GarbageCollector(
         [store],
         retention.rules if retention is not None else (),
@@ -248,6 +256,33 @@ def _collect(
             applied = collector.apply(plan, bar)
     staging = None if dry_run else store.remove_stale_staging(older_than=stale_seconds)
     return _report(store, retention, delay, stale_seconds, collector, plan, applied, staging)
+
+
+def _the_run(store: Store, trust: TrustContext, run_id: str | None) -> str | None:
+    """``--run-id``, or the one run whose generations pass restore's checks under these
+    trust options (None when none does). Every generation is asked, not only the
+    newest: a genuine generation of another run signed with the same key (or encrypted
+    under the same key store) and copied in with higher steps would otherwise be taken
+    for the run, take its rules' places and have the run's own generations deleted.
+    UsageError, before anything is marked, when they name several runs."""
+    if run_id is not None:
+        return run_id
+    policy = trust.policy(None, None)
+    runs: dict[str, int] = {}  # run id -> a step of it
+    for ref in store.list_generations():
+        try:
+            manifest = check_trusted(store, ref, policy).manifest
+        except (GenerationRejected, CheckpointError, OSError):
+            continue  # no rule counts it for any run
+        runs.setdefault(manifest.run_id, ref.step)
+    if len(runs) > 1:
+        found = ", ".join(f"{run[:80]!r} (step {step})" for run, step in sorted(runs.items())[:5])
+        raise UsageError(
+            f"store {store.location} holds generations of several runs that pass restore's "
+            f"checks: {found}; pass --run-id to say whose generations gc decides about. "
+            "Nothing was marked or deleted"
+        )
+    return next(iter(runs), None)
 
 
 def _report(
