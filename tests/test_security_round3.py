@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import ckptvault as cv
+from ckptvault.events import Deleted, Published, Validated
+from ckptvault.format.layout import GenerationName, generation_dirname, new_generation_id
+from ckptvault.lifecycle.catalog import Catalog, validated_generations
 from ckptvault.storage import open_store
 from ckptvault.storage.records import DELETION_MARK
 from ckptvault.trust.signing import generate_keypair
@@ -111,3 +115,42 @@ def test_gc_run_inference_ignores_what_fails_the_checks(tmp_path, keypair):
     )
     assert result.returncode == 0, result.stderr
     assert {step for step, _ in names(store)} >= {2, 3}
+
+
+# -- the newest validated generation is known by its name ----------------------------------
+
+
+def test_a_planted_copy_of_a_validated_id_takes_no_protection_in_either_tier(tmp_path):
+    """One policy over two tiers. Step 2 was validated (the catalog says so) and is
+    older than keep_last keeps, so only "newest validated" keeps it. Someone who can
+    write the local tier alone plants a directory under step 3 with step 2's id. Before
+    the fix the planted name took that protection, and the genuine step 2 was deleted
+    from the local tier and from the replica the attacker cannot write."""
+    local, replica, catalog = tmp_path / "local", tmp_path / "replica", tmp_path / "catalog.db"
+    save_steps(local, "r", range(1, 7), replicate_to=replica, catalog=catalog)
+    validated = next(name for name in names(local) if name[0] == 2)
+    with Catalog(catalog) as book:
+        assert book.mark_validated(validated[1], time.time())
+    planted = local / generation_dirname(3, validated[1])
+    planted.mkdir()
+    (planted / "manifest.json").write_text("{}")
+    retention = cv.Retention(keep_last=2, delete_delay=0)
+    save_steps(local, "r", (7,), replicate_to=replica, catalog=catalog, retention=retention)
+    assert validated in names(local) and validated in names(replica)
+    assert validated_generations(catalog, "r") == {GenerationName(*validated)}
+
+
+def test_the_catalog_keeps_its_record_when_a_planted_name_with_its_id_is_deleted(tmp_path):
+    """Retention deletes the planted directory (step 3, a genuine id): the catalog's
+    record of the genuine generation (step 2), its tiers and its validation stay."""
+    path, gid = tmp_path / "catalog.db", new_generation_id()
+    with Catalog(path) as book:
+        book.record(Published("r", "/s", 2, gid, f"/s/{generation_dirname(2, gid)}", 10, 0.1))
+        book.record(Validated("r", "/s", 2, gid, ok=True, seconds=0.1))
+        book.record(Deleted("r", "/s", 3, gid, "no retention rule keeps it"))
+        assert [g.step for g in book.generations("/s")] == [2]
+    assert validated_generations(path, "r") == {GenerationName(2, gid)}
+    with Catalog(path) as book:  # the genuine generation's own deletion still ends it
+        book.record(Deleted("r", "/s", 2, gid, "no retention rule keeps it"))
+        assert book.generations("/s") == []
+    assert validated_generations(path, "r") == frozenset()

@@ -39,6 +39,7 @@ from ckptvault.events import (
     Validated,
 )
 from ckptvault.format.canonical import dumps_canonical
+from ckptvault.format.layout import GenerationName
 from ckptvault.lifecycle.catalog_db import CatalogFile
 from ckptvault.lifecycle.catalog_schema import (
     FailureRecord,
@@ -71,23 +72,26 @@ def default_catalog_path(ledger_path: Path) -> Path:
     return Path(os.path.abspath(os.fspath(ledger_path))).parent / CATALOG_NAME
 
 
-def validated_generations(path: Path | None, run_id: str | None) -> frozenset[str]:
-    """The generation ids of ``run_id`` (any run: None) the catalog at ``path`` has
-    seen validated; empty when there is no catalog or it cannot be read (retention
-    then simply has no validated generation to spare)."""
+def validated_generations(path: Path | None, run_id: str | None) -> frozenset[GenerationName]:
+    """The generations (step and id) of ``run_id`` (any run: None) the catalog at
+    ``path`` has seen validated; empty when there is no catalog or it cannot be read
+    (retention then simply has no validated generation to spare). A generation is
+    known by its name, never by its id alone: a directory planted under another step
+    with a validated generation's id is another generation, and must not take the
+    protection of the one that was validated."""
     if path is None or not path.is_file():
         return frozenset()
     try:
         with Catalog(path) as catalog:
             where, parameters = ("WHERE run_id = ? AND", [run_id]) if run_id else ("WHERE", [])
             rows = catalog.query(
-                f"SELECT generation_id FROM generations {where} validated_at IS NOT NULL",
+                f"SELECT step, generation_id FROM generations {where} validated_at IS NOT NULL",
                 parameters,
             )
     except CheckpointError as exc:
         logger.warning("cannot read validated generations from %s: %s", path, exc)
         return frozenset()
-    return frozenset(str(row[0]) for row in rows)
+    return frozenset(GenerationName(int(row[0]), str(row[1])) for row in rows)
 
 
 def store_key(location: str | os.PathLike[str]) -> str:
@@ -202,15 +206,20 @@ class Catalog(CatalogFile):
     def _deleted(self, event: Deleted) -> None:
         """A deletion from the store a generation was published to ends its record
         (retention there also decides for the tiers it covers); one from another tier
-        only drops that tier."""
+        only drops that tier. The deletion of another step's generation under a known id
+        (a directory planted with it) touches nothing: the record, its tiers and its
+        validation stamp are the genuine generation's."""
         with self.transaction() as db:
+            home = db.execute(
+                "SELECT store, step FROM generations WHERE generation_id = ?",
+                (event.generation_id,),
+            ).fetchone()
+            if home is not None and int(home[1]) != event.step:
+                return
             db.execute(
                 "DELETE FROM tiers WHERE generation_id = ? AND tier = ?",
                 (event.generation_id, event.store),
             )
-            home = db.execute(
-                "SELECT store FROM generations WHERE generation_id = ?", (event.generation_id,)
-            ).fetchone()
             if home is not None and home[0] == event.store:
                 db.execute("DELETE FROM tiers WHERE generation_id = ?", (event.generation_id,))
                 db.execute(

@@ -79,9 +79,10 @@ class GarbageCollector:
         self._sound: set[GenerationName] = set()  # passed the structure checks
         self._rejected: dict[GenerationName, str] = {}  # failed them: the problem codes
         self._wants_metrics = any(isinstance(rule, KeepBest) for rule in self.rules)
-        # Generation ids a validation loaded and checked (from the catalog, when the
-        # manager or ``ckptvault gc`` has one): the newest of them is never pruned.
-        self.validated: Callable[[], Collection[str]] = lambda: ()
+        # Generations (step and id: a planted copy under another step with a validated
+        # id is another generation) a validation loaded and checked, from the catalog
+        # when the manager or ``ckptvault gc`` has one: the newest is never pruned.
+        self.validated: Callable[[], Collection[GenerationName]] = lambda: ()
         # ``ckptvault gc``: refuse generations these trust options cannot authenticate
         # (the manager's keeper trusts exactly what its restore trusts, and goes on).
         self.require_keys = False
@@ -190,7 +191,7 @@ class GarbageCollector:
                 verified=self.known.get(ref.name),
                 rejected=self._rejected.get(ref.name) or transient.get(ref.name),
                 unvouched=self.tiers.unvouched(ref.name),
-                validated=ref.generation_id in validated,
+                validated=ref.name in validated,
             )
             for ref in refs
         ]
