@@ -25,9 +25,11 @@ import pytest
 import torch
 
 import ckptvault as cv
+from ckptvault.errors import UsageError
 from ckptvault.events import Deleted, Published, Validated
 from ckptvault.format.layout import GenerationName, generation_dirname, new_generation_id
 from ckptvault.lifecycle.catalog import Catalog, validated_generations
+from ckptvault.ops.sign import sign_generations
 from ckptvault.storage import open_store
 from ckptvault.storage.records import DELETION_MARK
 from ckptvault.trust.signing import generate_keypair
@@ -154,3 +156,48 @@ def test_the_catalog_keeps_its_record_when_a_planted_name_with_its_id_is_deleted
         book.record(Deleted("r", "/s", 2, gid, "no retention rule keeps it"))
         assert book.generations("/s") == []
     assert validated_generations(path, "r") == frozenset()
+
+
+# -- signing vouches only for what restore would take ------------------------------------
+
+
+@pytest.fixture
+def encrypted_with_plant(tmp_path, keypair) -> tuple[Path, Path, Path]:
+    """An encrypted run (steps 1, 2) and, planted at step 9, a plaintext generation
+    that names the run: anyone can write one, with every digest right."""
+    store, keys, plain = tmp_path / "store", tmp_path / "keys", tmp_path / "plain"
+    save_steps(store, "r", (1, 2), keystore=keys, ledger=tmp_path / "a" / "ledger.db")
+    save_steps(plain, "r", (9,))
+    copy_generations(plain, store)
+    return store, keys, tmp_path / "a" / "ledger.db"
+
+
+def test_sign_with_the_key_store_never_signs_a_plaintext_generation_of_an_encrypted_run(
+    encrypted_with_plant, keypair
+):
+    """Before the fix step 9 was signed: a verifier or an export that trusts the key
+    (without the key store) then took the attacker's weights as the operator's."""
+    store, keys, ledger = encrypted_with_plant
+    private, public = keypair
+    report = sign_generations(store, private, every=True, keystore=keys, ledger=ledger)
+    outcomes = {g.step: (g.outcome, g.detail) for g in report.generations}
+    assert outcomes[1][0] == outcomes[2][0] == "signed"
+    assert outcomes[9][0] == "failed" and "not-encrypted" in outcomes[9][1]
+    assert not report.ok
+    planted = next(p for p in store.iterdir() if p.name.startswith("step-000000000009."))
+    assert not (planted / "manifest.sig").exists()
+    result = run_cli("verify", str(store), "--step", "9", "--trusted-key", str(public))
+    assert result.returncode == 1  # signature-missing: nothing vouches for it
+
+
+def test_sign_without_the_key_store_refuses_a_run_that_has_encrypted_generations(
+    encrypted_with_plant, keypair
+):
+    """Only step 9 chosen: nothing encrypted among the targets, but the run is encrypted,
+    so only its key store can tell the plaintext generation for the plant it is."""
+    store, _keys, ledger = encrypted_with_plant
+    private, _public = keypair
+    with pytest.raises(UsageError, match="keystore=") as refused:
+        sign_generations(store, private, step=9, ledger=ledger)
+    assert "Nothing was signed" in str(refused.value)
+    assert not any((p / "manifest.sig").exists() for p in store.iterdir() if p.is_dir())

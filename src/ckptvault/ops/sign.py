@@ -11,9 +11,12 @@ generation saved so far (``signature-missing``) and the run loses its history.
    them out);
 2. before anything is signed, reads their manifests and refuses (``UsageError``,
    nothing signed) a store holding generations of several runs without ``run_id``,
-   and encrypted generations without the run's key store (their manifests' MACs must
-   be checked first);
-3. verifies each generation completely, then adds its ``manifest.sig``
+   and a run with encrypted generations without the run's key store (their
+   manifests' MACs must be checked first, and a plaintext generation in an encrypted
+   run was planted: restore refuses it, so no signature may vouch for it);
+3. verifies each generation completely, as restore would (with a key store: every
+   file encrypted and the manifest's MAC made with the run's key), then adds its
+   ``manifest.sig``
    (:class:`~ckptvault.ops.sign_steps.GenerationSigner`); generations of another run
    and generations abandoned by an allowed rollback (per the ledger) are skipped,
    never signed;
@@ -138,7 +141,7 @@ def sign_generations(
     replaceable = TrustedKeys.load(trusted_keys) if replace_signatures and trusted_keys else None
     with _writer_lock(opened):
         chosen = _chosen(opened, step, every)
-        run = _the_run(opened, chosen, run_id, trust)
+        run = _the_run(opened, run_id, trust)
         signer = GenerationSigner(run, trust.signer, trust.keystore, replaceable)
         report = SignReport(opened.location, run, signer.key_id)
         _sign_each(signer, opened, chosen, trust, report, Meter(progress, len(chosen)))
@@ -176,25 +179,25 @@ def _chosen(store: Store, step: int | None, every: bool) -> list[GenerationRef]:
     return selection.candidates if every or step is not None else selection.candidates[:1]
 
 
-def _the_run(
-    store: Store, chosen: list[GenerationRef], run_id: str | None, trust: TrustContext
-) -> str:
+def _the_run(store: Store, run_id: str | None, trust: TrustContext) -> str:
     """The run whose generations are signed, and the refusals before anything is
-    signed: several runs without ``run_id``, encrypted generations without a key store.
+    signed: several runs without ``run_id``, a run with encrypted generations without
+    a key store.
 
-    Without ``run_id`` the run is inferred from every generation in the store, not
-    only the chosen ones: a generation of another run planted at the chosen step
-    would otherwise be taken for the run and signed with the operator's key."""
+    Every generation in the store is read, not only the chosen ones: without
+    ``run_id``, a generation of another run planted at the chosen step would otherwise
+    be taken for the run and signed with the operator's key; and a run that has
+    encrypted generations is an encrypted run, whose plaintext generations (planted:
+    restore refuses them) only its key store tells apart."""
     runs: set[str] = set()
     encrypted: list[GenerationRef] = []
-    targets = set(chosen)
-    for ref in chosen if run_id is not None else store.list_generations():
+    for ref in store.list_generations():
         try:
             manifest = check_structure(store, ref, TrustPolicy(run_id=run_id)).manifest
         except GenerationRejected:
             continue  # reported when it is verified for signing
         runs.add(manifest.run_id)
-        if ref in targets and manifest.encryption is not None and trust.keystore is None:
+        if manifest.encryption is not None and trust.keystore is None:
             encrypted.append(ref)
     if run_id is None and len(runs) > 1:
         found = ", ".join(repr(run[:80]) for run in sorted(runs)[:5])
@@ -207,7 +210,8 @@ def _the_run(
         raise UsageError(
             f"generations of steps {steps}{', ...' if len(encrypted) > 5 else ''} are encrypted: "
             "pass keystore= with the run's key store, so that each manifest's MAC is checked "
-            "before it is signed. Nothing was signed"
+            "before it is signed (and a plaintext generation planted in the run is not). "
+            "Nothing was signed"
         )
     if run_id is None and not runs:
         raise UsageError(

@@ -28,6 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from ckptvault.errors import CheckpointError, KeyDestroyedError, KeyServiceError, SignatureError
 from ckptvault.format.layout import SIGNATURE_NAME
 from ckptvault.storage.base import GenerationRef, Store
+from ckptvault.trust.authenticity import check_authenticity
 from ckptvault.trust.checks import (
     MAX_SIGNATURE_BYTES,
     CheckedGeneration,
@@ -36,7 +37,6 @@ from ckptvault.trust.checks import (
     check_structure,
 )
 from ckptvault.trust.keystore import KeyStore
-from ckptvault.trust.manifest_auth import authenticate_manifest
 from ckptvault.trust.problems import ROLLBACK, RUN_MISMATCH, GenerationRejected
 from ckptvault.trust.signing import (
     MANIFEST_DOMAIN,
@@ -88,9 +88,8 @@ class GenerationSigner:
         def outcome(kind: str, detail: str = "", previous: str | None = None) -> SignOutcome:
             return SignOutcome(ref.step, ref.generation_id, ref.location, kind, detail, previous)
 
-        where = f"generation {ref.generation_id} (step {ref.step}) in {store.location}"
         try:
-            checked = self._verified(store, ref, policy, where)
+            checked = self._verified(store, ref, policy)
             previous = self._signed_by(store, ref, checked)
             if previous == self.key_id:
                 return outcome(ALREADY_SIGNED)
@@ -116,19 +115,16 @@ class GenerationSigner:
         replaced = f"replaced the signature by {previous}" if previous else ""
         return outcome(SIGNED, replaced, previous)
 
-    def _verified(
-        self, store: Store, ref: GenerationRef, policy: TrustPolicy, where: str
-    ) -> CheckedGeneration:
-        """The generation checked as restore checks it, every byte hashed, and an
-        encrypted manifest's MAC checked; GenerationRejected or an integrity error
-        otherwise."""
+    def _verified(self, store: Store, ref: GenerationRef, policy: TrustPolicy) -> CheckedGeneration:
+        """The generation checked as restore checks it, every byte hashed, and what
+        restore requires in an encrypted run (a key store given): every file encrypted
+        and the manifest's MAC made with the run's key; GenerationRejected or an
+        integrity error otherwise."""
         checked = check_structure(store, ref, policy)
         problems = check_digests(store, checked)
         if problems:
             raise GenerationRejected(ref, problems)
-        if checked.manifest.encryption is not None:
-            assert self.keystore is not None  # refused up front otherwise
-            authenticate_manifest(checked.manifest, checked.manifest_bytes, self.keystore, where)
+        check_authenticity(checked, self.keystore, require_encryption=self.keystore is not None)
         return checked
 
     def _signed_by(
