@@ -201,3 +201,65 @@ def test_sign_without_the_key_store_refuses_a_run_that_has_encrypted_generations
         sign_generations(store, private, step=9, ledger=ledger)
     assert "Nothing was signed" in str(refused.value)
     assert not any((p / "manifest.sig").exists() for p in store.iterdir() if p.is_dir())
+
+
+# -- a deletion mark counts only where restore counts it, in every tier that holds it ----
+
+OLD = "1970-01-01T00:00:00.000000Z"
+MILESTONES = cv.Retention(keep_every=100, delete_delay=86400)  # a day's grace
+
+
+def plant_marks(store: Path, steps: set[int], marked_at: str = OLD) -> None:
+    opened = open_store(store)
+    for ref in opened.list_generations():
+        if ref.step in steps:
+            record = {"marked_at": marked_at, "reason": "no retention rule keeps it"}
+            opened.put_record(DELETION_MARK, ref.name.dirname, record)
+
+
+def present(store: Path) -> set[int]:
+    return {step for step, _ in names(store)}
+
+
+def test_marks_planted_in_the_local_tier_delete_nothing_in_the_replica(tmp_path):
+    """One policy over two tiers. Old-dated marks planted in the local tier on steps 104
+    and 105 made the next pass delete both from the replica at once: 105 (the fallback,
+    kept otherwise) and 104 (marked now, otherwise, with a day's grace)."""
+    local, replica = tmp_path / "local", tmp_path / "replica"
+    options = {"replicate_to": replica, "retention": MILESTONES}
+    save_steps(local, "r", range(100, 106), **options)
+    plant_marks(local, {104, 105})
+    save_steps(local, "r", (106,), **options)
+    assert {104, 105, 106} <= present(replica) and {104, 105, 106} <= present(local)
+
+
+def test_a_mark_both_tiers_carry_is_dated_by_the_later_one(tmp_path):
+    """Retention marked 101-103 in both tiers a moment ago; rewriting the local tier's
+    marks to 1970 must not end their day of grace in the replica."""
+    local, replica = tmp_path / "local", tmp_path / "replica"
+    options = {"replicate_to": replica, "retention": MILESTONES}
+    save_steps(local, "r", range(100, 106), **options)
+    marked = set(open_store(replica).list_records(DELETION_MARK))
+    assert {n.split(".")[0] for n in marked} >= {"step-000000000101", "step-000000000103"}
+    plant_marks(local, {101, 102, 103})
+    save_steps(local, "r", (106,), **options)
+    assert {101, 102, 103} <= present(replica)
+
+
+def test_with_a_ledger_retention_ignores_the_marks_restore_ignores(tmp_path):
+    """One tier, with a ledger: restore ignores a mark the ledger has no record of
+    (it would otherwise roll the run back), and so must retention: before the fix the
+    planted old marks got 104 and 105 (the fallback) deleted at once."""
+    store, ledger = tmp_path / "store", tmp_path / "ctl" / "ledger.db"
+    save_steps(store, "r", range(100, 106), retention=MILESTONES, ledger=ledger)
+    plant_marks(store, {104, 105})
+    save_steps(store, "r", (106,), retention=MILESTONES, ledger=ledger)
+    assert {104, 105, 106} <= present(store)
+    with cv.CheckpointManager(store, run_id="r", ledger=ledger) as mgr:
+        info = mgr.restore({"w": torch.zeros(4)})
+    assert info is not None and info.step == 106
+    # ckptvault's own marks still count: 104 is marked again (now, recorded), and the
+    # ledger records it; the pass after its delay deletes it.
+    marks = open_store(store).list_records(DELETION_MARK)
+    mark_104 = next(data for name, data in marks.items() if name.startswith("step-000000000104."))
+    assert mark_104["marked_at"] != OLD

@@ -248,6 +248,8 @@ def _collect(
     # The newest validated generation is never pruned (the catalog beside the ledger).
     catalog = resolve_catalog_path(None, trust.ledger.path if trust.ledger else None)
     collector.validated = lambda: validated_generations(catalog, run)
+    # With a ledger, only the marks it recorded count (restore's rule for marks).
+    collector.recorded_marks = lambda: trust.recorded_marks(run) if run is not None else None
     floor: RestoreFloor | None = trust.floor(run) if run is not None else None
     plan = collector.plan(now=now, floor=floor)
     applied = None

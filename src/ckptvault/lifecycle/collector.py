@@ -16,6 +16,13 @@ place) is checked once (:func:`~ckptvault.trust.checks.check_structure`, bounded
 one that fails (its manifest names another generation or run, ...) is not counted
 by any rule and is left alone. Marks in any tier whose generation the first store no
 longer lists are finished in their own tier only (:class:`~ckptvault.lifecycle.plan.OrphanMark`).
+
+A deletion mark dates a deletion, and a marked generation is no restore candidate, so
+retention counts a mark only where restore would and where whoever wrote it could
+have deleted the generation anyway: with a ledger, only marks it recorded
+(ckptvault's own, as restore counts them); over several tiers, only a mark every tier
+holding the generation carries (retention marks them all at once), dated by the
+latest of them. A mark planted in one tier alone never advances a deletion in another.
 """
 
 from __future__ import annotations
@@ -29,7 +36,13 @@ from ckptvault.format.layout import GenerationName, generation_id_time
 from ckptvault.lifecycle.apply import AppliedPlan, PlanApplier
 from ckptvault.lifecycle.locks import keep_locked
 from ckptvault.lifecycle.marks import read_leases, read_marks, read_orphan_marks, read_pins
-from ckptvault.lifecycle.plan import GenerationFacts, OrphanMark, RetentionPlan, plan_retention
+from ckptvault.lifecycle.plan import (
+    GenerationFacts,
+    Mark,
+    OrphanMark,
+    RetentionPlan,
+    plan_retention,
+)
 from ckptvault.lifecycle.retention import KeepBest, RetentionRule
 from ckptvault.lifecycle.vouching import TierVouching
 from ckptvault.progress import Progress
@@ -83,6 +96,9 @@ class GarbageCollector:
         # id is another generation) a validation loaded and checked, from the catalog
         # when the manager or ``ckptvault gc`` has one: the newest is never pruned.
         self.validated: Callable[[], Collection[GenerationName]] = lambda: ()
+        # The marks ckptvault recorded (the ledger's, when the manager or ``ckptvault gc``
+        # keeps one): only those count, as in restore. None: no ledger, the store's go.
+        self.recorded_marks: Callable[[], Collection[GenerationName] | None] = lambda: None
         # ``ckptvault gc``: refuse generations these trust options cannot authenticate
         # (the manager's keeper trusts exactly what its restore trusts, and goes on).
         self.require_keys = False
@@ -176,7 +192,7 @@ class GarbageCollector:
         refs = self.store.list_generations()
         self.tiers.list_tiers()
         listed = [ref.name for ref in refs]
-        marks = read_marks(self.store, now, listed)
+        marks = self._marks(now, listed)
         pins = set().union(*(read_pins(store, listed) for store in self.pin_stores))
         leases = read_leases(self.store, now, listed)
         validated = frozenset(self.validated())
@@ -208,6 +224,25 @@ class GarbageCollector:
             home=self.store.location if self.tiers.tiers else None,
         )
         return plan, {ref.name: ref for ref in refs}
+
+    def _marks(self, now: datetime, listed: list[GenerationName]) -> dict[GenerationName, Mark]:
+        """The marks of ``listed`` that retention goes by (see the module docstring): the
+        first store's, each carried by every other tier that holds the generation too
+        (then dated by the latest), and recorded by the ledger when there is one."""
+        marks = read_marks(self.store, now, listed)
+        for tier in self.tiers.tiers:
+            held = [name for name in marks if self.tiers.holds(tier, name)]
+            theirs = read_marks(tier, now, held) if held else {}
+            for name in held:
+                if name in theirs:
+                    marks[name] = max(marks[name], theirs[name], key=_mark_order)
+                else:
+                    del marks[name]  # one tier's alone: it decides nothing for the others
+        recorded = self.recorded_marks()
+        if recorded is not None:
+            recorded = frozenset(recorded)
+            marks = {name: mark for name, mark in marks.items() if name in recorded}
+        return marks
 
     def _orphans(self, now: datetime, listed: list[GenerationName]) -> list[OrphanMark]:
         """Each tier's marks of generations the first store does not list, with what
@@ -302,3 +337,8 @@ class GarbageCollector:
         if ref.name not in self._metrics:
             self._check(ref, transient)
         return self._metrics.get(ref.name)
+
+
+def _mark_order(mark: Mark) -> tuple[datetime, bool]:
+    """Later marks first; an undated one (counted from now) wins a tie."""
+    return mark.marked_at, mark.undated

@@ -70,6 +70,8 @@ class RetentionKeeper:
             run_id=run.run_id,
             emit=run.events.emit,
         )
+        # With a ledger, only the marks it recorded count, as in restore.
+        self.collector.recorded_marks = lambda: run.trust.recorded_marks(run.run_id)
         self.store = self.collector.store
         self.locations = frozenset(store.location for store in self.collector.applier.stores)
         self.unreplicated = unreplicated

@@ -45,6 +45,10 @@ class TierVouching:
             tier.location: {ref.name: ref for ref in tier.list_generations()} for tier in self.tiers
         }
 
+    def holds(self, tier: Store, name: GenerationName) -> bool:
+        """Whether ``tier`` listed a copy of ``name`` in this pass."""
+        return name in self._listed.get(tier.location, {})
+
     def unvouched(self, name: GenerationName) -> str | None:
         """Why some tier cannot vouch for ``name`` as far as is known: it holds no copy,
         or its copy failed the checks. None when every tier holds a copy that passed or
