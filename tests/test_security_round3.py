@@ -263,3 +263,26 @@ def test_with_a_ledger_retention_ignores_the_marks_restore_ignores(tmp_path):
     marks = open_store(store).list_records(DELETION_MARK)
     mark_104 = next(data for name, data in marks.items() if name.startswith("step-000000000104."))
     assert mark_104["marked_at"] != OLD
+
+
+# -- a pin keeps the step, whatever else was put under it ------------------------------
+
+
+def test_a_directory_planted_under_a_pinned_step_does_not_take_the_pin(tmp_path):
+    """``mgr.pin(1)`` pinned "the newest generation of step 1": a directory planted in
+    the local tier under step 1 with a later id took the pin, and the genuine step 1
+    was deleted from both tiers by the next pass."""
+    local, replica = tmp_path / "local", tmp_path / "replica"
+    save_steps(local, "r", (1, 2, 3), replicate_to=replica)
+    genuine = next(name for name in names(local) if name[0] == 1)
+    planted = local / generation_dirname(1, new_generation_id())
+    planted.mkdir()
+    (planted / "manifest.json").write_text("{}")
+    retention = cv.Retention(keep_last=1, delete_delay=0)
+    with cv.CheckpointManager(local, run_id="r", replicate_to=replica, retention=retention) as mgr:
+        mgr.pin(1)
+        mgr.save(4, weights(4))
+    assert genuine in names(local) and genuine in names(replica)
+    result = run_cli("gc", str(local), "--unpin", "1")
+    assert result.returncode == 0, result.stderr
+    assert open_store(local).list_records("pinned") == {}  # every pin of the step goes

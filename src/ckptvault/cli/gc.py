@@ -400,7 +400,8 @@ def _change_records(
             )
         done = "undeleted and pinned" if refs else "nothing marked to undelete"
     elif option == "--pin":
-        refs = [marks.pin(store, step, now)]
+        marks.pin(store, step, now)  # every generation of the step
+        refs = marks.generations_of(store, step)
         done = "pinned"
     else:
         refs = marks.unpin(store, step)

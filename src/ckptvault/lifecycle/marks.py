@@ -212,14 +212,22 @@ def generations_of(store: Store, step: int) -> list[GenerationRef]:
 
 
 def pin(store: Store, step: int, now: datetime) -> GenerationRef:
-    """Pin the newest generation of ``step``: retention never marks or deletes it, and
-    a mark it carries is removed by the next retention pass. In a store with
-    ``object_lock_days`` its objects are also put under Object Lock retention."""
-    ref = generations_of(store, step)[0]
-    store.put_record(PIN, ref.name.dirname, {"pinned_at": format_timestamp(now), "step": step})
-    if isinstance(store, RetainingStore):
-        store.lock_generation(ref)
-    return ref
+    """Pin every generation of ``step`` (returns the newest): retention never marks or
+    deletes them, and a mark one carries is removed by the next retention pass. In a
+    store with ``object_lock_days`` their objects are also put under Object Lock
+    retention.
+
+    Every one, not only the newest: nothing here can tell a genuine generation from a
+    directory planted under the step with a later id, which would otherwise take the
+    pin and leave the genuine one to retention, in every tier. A pin only keeps, so
+    keeping a planted one too costs space, never a generation."""
+    refs = generations_of(store, step)
+    for ref in refs:
+        record = {"pinned_at": format_timestamp(now), "step": step}
+        store.put_record(PIN, ref.name.dirname, record)
+        if isinstance(store, RetainingStore):
+            store.lock_generation(ref)
+    return refs[0]
 
 
 def unpin(store: Store, step: int) -> list[GenerationRef]:
