@@ -286,3 +286,30 @@ def test_a_directory_planted_under_a_pinned_step_does_not_take_the_pin(tmp_path)
     result = run_cli("gc", str(local), "--unpin", "1")
     assert result.returncode == 0, result.stderr
     assert open_store(local).list_records("pinned") == {}  # every pin of the step goes
+
+
+# -- status reads the records of what it lists, no more ----------------------------------
+
+
+def test_status_reads_no_planted_replica_record(tmp_path, monkeypatch):
+    """``ckptvault status`` (and a Prometheus scrape of it) read every replica record in
+    the store, whatever its name: thousands planted cost a read each, every scrape."""
+    from ckptvault.lifecycle.health import check_health
+    from ckptvault.storage import posix_records
+
+    local, replica = tmp_path / "local", tmp_path / "replica"
+    save_steps(local, "r", (1, 2), replicate_to=replica)
+    planted = local / ".records" / "replica"
+    for index in range(500):
+        (planted / f"x{index:04d}.json").write_text('{"tiers": []}')
+    reads: list[str] = []
+    original = posix_records.read_small_file
+
+    def counting(dir_fd: int, name: str, limit: int) -> bytes:
+        reads.append(name)
+        return original(dir_fd, name, limit)
+
+    monkeypatch.setattr(posix_records, "read_small_file", counting)
+    report = check_health(open_store(local), None)
+    assert report.replication_lag_s == 0.0  # the genuine records still count
+    assert len(reads) <= 2 and not any(name.startswith("x") for name in reads)

@@ -204,7 +204,7 @@ def check_health(
     _save_facts(report, saves, cadence_s, list(published.values()))
     report.storage_bytes = _tier_bytes(store.location, usage.used_bytes, recorded)
     report.filesystem = usage.filesystem
-    copied = replicated_ids(store) | {g.generation_id for g in recorded if len(g.tiers) > 1}
+    copied = replicated_ids(store, live) | {g.generation_id for g in recorded if len(g.tiers) > 1}
     report.replication_lag_s = replication_lag(published.items(), copied, at)
     report.warnings = thresholds(report)
     return report

@@ -13,7 +13,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ckptvault.errors import CheckpointError
-from ckptvault.format.layout import generation_id_time, parse_generation_dirname
+from ckptvault.format.layout import (
+    generation_dirname,
+    generation_id_time,
+    parse_generation_dirname,
+)
 from ckptvault.storage.base import Store
 from ckptvault.storage.listing import GenerationInfo, list_generation_infos
 from ckptvault.storage.records import REPLICA as REPLICA_RECORD
@@ -109,12 +113,15 @@ def is_future_dated(published_at: float, now: float) -> bool:
     return published_at > now + CLOCK_SKEW_S
 
 
-def replicated_ids(store: Store) -> set[str]:
-    """Ids of the generations the store's replica records say were copied to another
-    tier, verified (:class:`~ckptvault.lifecycle.replication.Replicator` writes one
-    after each copy). Empty when none is readable."""
+def replicated_ids(store: Store, live: Iterable[GenerationInfo]) -> set[str]:
+    """Ids of the ``live`` generations the store's replica records say were copied to
+    another tier, verified (:class:`~ckptvault.lifecycle.replication.Replicator` writes
+    one after each copy). Empty when none is readable. Only the records of ``live``
+    generations are read, judged by name first: records planted by the thousand cost a
+    listing, not a read each."""
+    wanted = {generation_dirname(info.step, info.generation_id) for info in live}
     try:
-        names = store.list_records(REPLICA_RECORD)
+        names = store.list_records(REPLICA_RECORD, wanted.__contains__)
     except (OSError, CheckpointError):
         return set()
     parsed = (parse_generation_dirname(name) for name in names)
