@@ -313,3 +313,21 @@ def test_status_reads_no_planted_replica_record(tmp_path, monkeypatch):
     report = check_health(open_store(local), None)
     assert report.replication_lag_s == 0.0  # the genuine records still count
     assert len(reads) <= 2 and not any(name.startswith("x") for name in reads)
+
+
+# -- export: a plaintext plant in an encrypted run names no run ---------------------------
+
+
+def test_export_does_not_count_a_planted_plaintext_generation_as_a_run(encrypted_with_plant):
+    """Without --run-id, export learns the run from the step's generations: a plaintext
+    generation of another run planted at the step of an encrypted run made it refuse
+    (two runs). Restore refuses the plant, so it names no run."""
+    from ckptvault.ops.export import export_weights
+    from ckptvault.trust.keystore import LocalKeyStore
+
+    store, keys, _ledger = encrypted_with_plant
+    save_steps(store.parent / "other", "x", (2,))
+    copy_generations(store.parent / "other", store)
+    out = store.parent / "w.safetensors"
+    result = export_weights(store, 2, out, key="w", keystore=LocalKeyStore(keys))
+    assert (result.run_id, result.step) == ("r", 2) and out.is_file()

@@ -53,7 +53,7 @@ from ckptvault.state.codec_names import tensor_key
 from ckptvault.state.ranks import tree_for_rank
 from ckptvault.storage import S3Options, StoreLocation, open_store
 from ckptvault.storage.base import GenerationRef, Store
-from ckptvault.trust.checks import TrustPolicy, check_structure
+from ckptvault.trust.checks import check_trusted
 from ckptvault.trust.context import TrustContext
 from ckptvault.trust.keystore import KeyStore
 from ckptvault.trust.problems import MANIFEST_INVALID, GenerationRejected, Problem
@@ -333,15 +333,16 @@ def _only_run(store: Store, step: int, trust: TrustContext) -> str:
     ``--run-id``). Bounded: only that step's generations, newest first, at most
     :data:`MAX_RUN_PROBES` of them, each through the restore checks (with trusted
     keys the signature is checked before the manifest is parsed, so a planted
-    unsigned manifest costs no parsing). Disagreement is an error."""
+    unsigned manifest costs no parsing; with a key store, an encrypted run's, a
+    plaintext one planted beside it names no run). Disagreement is an error."""
     candidates = CandidateSelector(store, None, trust).select(step, floor_applies=False)
     runs: set[str] = set()
     rejected: list[GenerationRejected] = []
-    policy = TrustPolicy(trusted_keys=trust.trusted)
+    policy = trust.policy(None, None)
     probed = candidates.candidates[:MAX_RUN_PROBES]
     for ref in probed:
         try:
-            runs.add(check_structure(store, ref, policy).manifest.run_id)
+            runs.add(check_trusted(store, ref, policy).manifest.run_id)
         except GenerationRejected as exc:
             rejected.append(exc)
     if not runs:
