@@ -346,7 +346,9 @@ class CheckpointManager:
         return list_generation_infos(self.store, include_marked)
 
     def pin(self, step: int) -> GenerationInfo:
-        """Keep the newest generation of ``step`` from retention (a mark on it goes too)."""
+        """Keep every generation of ``step`` from retention (a mark on one goes too; every
+        one, since a directory planted under the step could otherwise take the pin);
+        returns the newest."""
         ref = marks.pin(self.store, validate_step(step), datetime.now(timezone.utc))
         return next(g for g in self.generations(True) if g.generation_id == ref.generation_id)
 
