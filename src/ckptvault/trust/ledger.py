@@ -124,12 +124,17 @@ class RollbackRule:
 @dataclass(frozen=True)
 class RestoreFloor:
     """What a run may restore: nothing below ``step``, nothing in ``abandoned``, nothing
-    a rollback ``rules`` abandoned (oldest rule first)."""
+    a rollback ``rules`` abandoned (oldest rule first).
+
+    ``abandoned`` holds ``(generation id, step)`` pairs, matched together: the list is
+    what the store listed at a rollback, and a name planted there (a directory of a huge
+    step under the id of the very generation rolled back to) must not abandon the
+    genuine generation of that id at its own step."""
 
     run_id: str
     step: int | None = None
     generation_id: str | None = None
-    abandoned: frozenset[str] = field(default_factory=frozenset)
+    abandoned: frozenset[tuple[str, int]] = field(default_factory=frozenset)
     rules: tuple[RollbackRule, ...] = ()
 
     @property
@@ -143,7 +148,7 @@ class RestoreFloor:
 
     def refuses(self, step: int, generation_id: str) -> str | None:
         """The rollback reason for this generation, or None when it is allowed."""
-        if generation_id in self.abandoned:
+        if (generation_id, step) in self.abandoned:
             return (
                 f"generation {generation_id} (step {step}) was abandoned by an allowed rollback "
                 "and is never restored again"
@@ -218,9 +223,9 @@ class Ledger:
                 "SELECT step, generation_id FROM floors WHERE run_id = ?", (run_id,)
             ).fetchone()
             abandoned = {
-                g
-                for (g,) in db.execute(
-                    "SELECT generation_id FROM abandoned WHERE run_id = ?", (run_id,)
+                (str(g), int(s))
+                for g, s in db.execute(
+                    "SELECT generation_id, step FROM abandoned WHERE run_id = ?", (run_id,)
                 )
             }
             rules = tuple(

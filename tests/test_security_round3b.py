@@ -1,0 +1,77 @@
+"""Issue 23, item 5, second pass: attacks on what items 2-4 built (an explicit step is a
+rollback, pointers and paths are hints; no pickle between ranks; the DCP plugin's
+ledger), by someone who can write the store, one tier of it, a trainer's output
+directory, or one rank of the job. Each test performs the attack:
+
+- a directory planted in the store (or the replica tier) during an allowed rollback,
+  under a huge step and the id of the generation rolled back to, got that id into
+  the ledger's abandoned list, which matched ids alone: the genuine generation was
+  refused for good (and retention counted it abandoned);
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+import ckptvault as cv
+from ckptvault.format.layout import generation_dirname
+from ckptvault.storage import open_store
+from ckptvault.trust.ledger import Ledger
+
+
+def weights(step: float) -> dict:
+    return {"w": torch.full((4,), float(step))}
+
+
+def ids_by_step(store: Path) -> dict[int, str]:
+    return {ref.step: ref.generation_id for ref in open_store(store).list_generations()}
+
+
+# -- the ledger's abandoned list -----------------------------------------------------------
+
+
+def test_a_name_planted_in_the_replica_during_a_rollback_abandons_no_genuine_generation(
+    tmp_path,
+):
+    """The replica tier's writer removes its copy of step 1 and plants an empty
+    directory named step 9999 with step 1's id while the operator rolls back to step 1.
+    Before the fix, step 1 itself was abandoned: the next restore (and every
+    allow_rollback_to=1) refused everything."""
+    store, replica, ledger = tmp_path / "store", tmp_path / "replica", tmp_path / "c" / "l.db"
+    options = {"run_id": "r", "ledger": ledger, "replicate_to": replica}
+    with cv.CheckpointManager(store, **options) as mgr:  # type: ignore[arg-type]
+        for step in (1, 2):
+            mgr.save(step, weights(step))
+    first = ids_by_step(store)[1]
+    shutil.rmtree(replica / generation_dirname(1, first))
+    planted = replica / generation_dirname(9999, first)
+    planted.mkdir()
+    with cv.CheckpointManager(store, **options) as mgr:  # type: ignore[arg-type]
+        assert mgr.restore(weights(0), allow_rollback_to=1).step == 1
+    planted.rmdir()
+    assert Ledger(ledger).floor("r").refuses(1, first) is None
+    with cv.CheckpointManager(store, **options) as mgr:  # type: ignore[arg-type]
+        live = weights(0)
+        assert mgr.restore(live).step == 1  # step 2 stays abandoned, step 1 does not
+        assert torch.equal(live["w"], torch.ones(4))
+
+
+def test_a_name_planted_during_a_dcp_plugin_rollback_abandons_no_genuine_generation(tmp_path):
+    store, ledger = tmp_path / "store", tmp_path / "c" / "l.db"
+    for step in (1, 2):
+        writer = cv.dcp.StorageWriter(store, run_id="r", step=step, ledger=ledger)
+        dcp.save(weights(step), storage_writer=writer)
+    first = ids_by_step(store)[1]
+    planted = store / generation_dirname(9999, first)
+    planted.mkdir()
+    reader = cv.dcp.StorageReader(store, run_id="r", ledger=ledger, allow_rollback_to=1)
+    dcp.load(weights(0), storage_reader=reader)
+    planted.rmdir()
+    live = weights(0)
+    reader = cv.dcp.StorageReader(store, run_id="r", ledger=ledger)
+    dcp.load(live, storage_reader=reader)
+    assert reader.step == 1 and torch.equal(live["w"], torch.ones(4))
