@@ -7,18 +7,23 @@ directory, or one rank of the job. Each test performs the attack:
   under a huge step and the id of the generation rolled back to, got that id into
   the ledger's abandoned list, which matched ids alone: the genuine generation was
   refused for good (and retention counted it abandoned);
+- a newer generation saved on a node whose clock ran ahead, hidden during an allowed
+  rollback and put back, sorted after the rollback's cutoff: the next restore took
+  it, undoing the rollback silently (the ledger had recorded its publish);
 """
 
 from __future__ import annotations
 
 import shutil
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptvault as cv
-from ckptvault.format.layout import generation_dirname
+import ckptvault.saving.generation_writer as generation_writer
+from ckptvault.format.layout import generation_dirname, new_generation_id
 from ckptvault.storage import open_store
 from ckptvault.trust.ledger import Ledger
 
@@ -75,3 +80,36 @@ def test_a_name_planted_during_a_dcp_plugin_rollback_abandons_no_genuine_generat
     reader = cv.dcp.StorageReader(store, run_id="r", ledger=ledger)
     dcp.load(live, storage_reader=reader)
     assert reader.step == 1 and torch.equal(live["w"], torch.ones(4))
+
+
+# -- the rollback's cutoff -------------------------------------------------------------------
+
+
+def test_a_hidden_generation_from_a_node_whose_clock_ran_ahead_stays_abandoned(
+    tmp_path, monkeypatch
+):
+    """Steps 1-3 are saved on a node whose clock is an hour ahead; the store's writer
+    hides step 3 while the operator, on a node with the right time, rolls back to
+    step 1 (same ledger, on a shared file system); the run saves step 2 again; step 3
+    is put back. Before the fix the next restore took step 3."""
+    store, ledger = tmp_path / "store", tmp_path / "c" / "l.db"
+
+    def ahead(not_before: str | None = None) -> str:
+        return new_generation_id(datetime.now(timezone.utc) + timedelta(hours=1), not_before)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(generation_writer, "new_generation_id", ahead)
+        with cv.CheckpointManager(store, run_id="r", ledger=ledger) as mgr:
+            for step in (1, 2, 3):
+                mgr.save(step, weights(step))
+    third = store / generation_dirname(3, ids_by_step(store)[3])
+    third.rename(tmp_path / "hidden")
+    with cv.CheckpointManager(store, run_id="r", ledger=ledger) as mgr:
+        assert mgr.restore(weights(0), allow_rollback_to=1).step == 1
+        mgr.save(2, weights(22))
+    (tmp_path / "hidden").rename(third)
+    with cv.CheckpointManager(store, run_id="r", ledger=ledger) as mgr:
+        live = weights(0)
+        info = mgr.restore(live)
+    assert (info.step, live["w"][0].item()) == (2, 22.0)
+    assert [(s.step, s.reason.split(":")[0]) for s in info.skipped] == [(3, "rollback")]

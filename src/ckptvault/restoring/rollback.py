@@ -37,7 +37,7 @@ def allowed_rollback(
     return RollbackApplied(
         previous_floor=previous_step,
         abandoned=[(g.generation_id, g.step) for g in selection.listed if g.step > ref.step],
-        cutoff_generation_id=rollback_cutoff(previous, ref.generation_id),
+        cutoff_generation_id=rollback_cutoff(previous, ref.generation_id, selection.published),
         from_step=max(above, default=None),
     )
 

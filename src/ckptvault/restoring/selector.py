@@ -69,6 +69,9 @@ class Selection:
     # select(keep_newer=True) in a store without the step asked for: why (the
     # candidates are then only ``newer``: another tier may hold the step).
     absent: NoValidCheckpoint | None = None
+    # The ids of the run's publishes the ledger recorded: a rollback's cutoff sorts
+    # after them all (:func:`~ckptvault.trust.ledger.rollback_cutoff`).
+    published: frozenset[str] = frozenset()
 
 
 def summarize_steps(steps: list[int]) -> str:
@@ -157,6 +160,10 @@ class CandidateSelector:
             step=step,
             newer=frozenset(newer),
             absent=absent,
+            published=frozenset(
+                name.generation_id
+                for name in (self.trust.published(self.run_id) if self.run_id is not None else [])
+            ),
         )
 
     def _newer(

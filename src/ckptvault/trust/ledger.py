@@ -180,15 +180,19 @@ class RestoreFloor:
         return None
 
 
-def rollback_cutoff(previous: RestoreFloor | None, restored_generation_id: str) -> str:
+def rollback_cutoff(
+    previous: RestoreFloor | None, restored_generation_id: str, published: Iterable[str] = ()
+) -> str:
     """The cutoff id for an allowed rollback made now.
 
     It sorts after everything of the run the ledger vouches for — the generation
-    rolled back to, the previous floor's generation, earlier cutoffs — even when this
-    machine's clock is behind the one that wrote them. (Ids merely listed in the store
-    are not used: whoever can write the store could plant one far in the future.)
+    rolled back to, the previous floor's generation, earlier cutoffs, the publishes it
+    recorded (``published``) — even when this machine's clock is behind the one that
+    wrote them: a newer generation saved on a node whose clock ran ahead, hidden during
+    the rollback and put back, is abandoned too. (Ids merely listed in the store are
+    not used: whoever can write the store could plant one far in the future.)
     """
-    known = [restored_generation_id]
+    known = [restored_generation_id, *published]
     if previous is not None:
         known += [g for g in (previous.generation_id, previous.newest_cutoff) if g is not None]
     return new_generation_id(not_before=max(known))
