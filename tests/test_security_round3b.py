@@ -10,6 +10,10 @@ directory, or one rank of the job. Each test performs the attack:
 - a newer generation saved on a node whose clock ran ahead, hidden during an allowed
   rollback and put back, sorted after the rollback's cutoff: the next restore took
   it, undoing the rollback silently (the ledger had recorded its publish);
+- ``CkptvaultTrainer.train(resume_from_checkpoint=True)`` started fresh whenever the
+  manager listed no unmarked generation: deletion marks planted on every generation
+  (which restore, with a ledger, ignores) or an emptied local tier beside a full
+  replica made the run start over from step 0;
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import shutil
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -25,6 +30,7 @@ import ckptvault as cv
 import ckptvault.saving.generation_writer as generation_writer
 from ckptvault.format.layout import generation_dirname, new_generation_id
 from ckptvault.storage import open_store
+from ckptvault.storage.records import DELETION_MARK
 from ckptvault.trust.ledger import Ledger
 
 
@@ -113,3 +119,60 @@ def test_a_hidden_generation_from_a_node_whose_clock_ran_ahead_stays_abandoned(
         info = mgr.restore(live)
     assert (info.step, live["w"][0].item()) == (2, 22.0)
     assert [(s.step, s.reason.split(":")[0]) for s in info.skipped] == [(3, "rollback")]
+
+
+# -- Hugging Face: resume_from_checkpoint=True -----------------------------------------------
+
+
+def _trainer(root: Path, manager: cv.CheckpointManager):  # type: ignore[no-untyped-def]
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments, set_seed
+
+    from ckptvault.integrations.huggingface import CkptvaultTrainer
+
+    set_seed(0)
+    config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
+    tokens = torch.randint(0, 16, (8, 8), generator=torch.Generator().manual_seed(1))
+    args = TrainingArguments(
+        str(root / "out"),
+        max_steps=4,
+        save_steps=2,
+        per_device_train_batch_size=2,
+        use_cpu=True,
+        report_to="none",
+        disable_tqdm=True,
+    )
+    return CkptvaultTrainer(
+        model=GPT2LMHeadModel(config),
+        args=args,
+        train_dataset=[{"input_ids": t, "labels": t} for t in tokens],
+        checkpoint_manager=manager,
+    )
+
+
+def test_hf_resume_is_no_fresh_start_under_marks_planted_on_every_generation(tmp_path):
+    pytest.importorskip("transformers")
+    options = {"run_id": "hf", "ledger": tmp_path / "c" / "l.db"}
+    with cv.CheckpointManager(tmp_path / "store", **options) as mgr:  # type: ignore[arg-type]
+        _trainer(tmp_path, mgr).train()
+    store = open_store(tmp_path / "store")
+    for ref in store.list_generations():  # the store's writer marks every generation
+        mark = {"marked_at": "2020-01-01T00:00:00.000000Z", "reason": "planted"}
+        store.put_record(DELETION_MARK, ref.name.dirname, mark)
+    with cv.CheckpointManager(tmp_path / "store", **options) as mgr:  # type: ignore[arg-type]
+        trainer = _trainer(tmp_path, mgr)
+        trainer.train(resume_from_checkpoint=True)
+    assert trainer.restore_info is not None and trainer.restore_info.step == 4
+
+
+def test_hf_resume_reads_the_replica_when_the_local_tier_was_emptied(tmp_path):
+    pytest.importorskip("transformers")
+    options = {"run_id": "hf", "replicate_to": tmp_path / "replica"}
+    with cv.CheckpointManager(tmp_path / "store", **options) as mgr:  # type: ignore[arg-type]
+        _trainer(tmp_path, mgr).train()
+    for entry in (tmp_path / "store").iterdir():
+        if entry.name.startswith("step-"):
+            shutil.rmtree(entry)
+    with cv.CheckpointManager(tmp_path / "store", **options) as mgr:  # type: ignore[arg-type]
+        trainer = _trainer(tmp_path, mgr)
+        trainer.train(resume_from_checkpoint=True)
+    assert trainer.restore_info is not None and trainer.restore_info.step == 4

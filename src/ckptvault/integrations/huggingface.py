@@ -60,7 +60,7 @@ from transformers import Trainer, TrainerState
 from transformers.trainer_callback import ExportableState
 
 from ckptvault.errors import NoValidCheckpoint, StateMismatchError, UsageError
-from ckptvault.integrations.resume_paths import step_of_path
+from ckptvault.integrations.resume_paths import has_history, step_of_path
 from ckptvault.state.rng import RNGState
 
 if TYPE_CHECKING:
@@ -103,7 +103,8 @@ class CkptvaultTrainer(Trainer):
     Trainer. Another Trainer class gets the same by putting this one first:
     ``class MyTrainer(CkptvaultTrainer, SFTTrainer)`` (both derive from ``Trainer``).
     ``train(resume_from_checkpoint=...)`` takes ``True`` (the newest generation that
-    verifies; a fresh start when the store has none), a step number (that step's
+    verifies; a fresh start only when the run has no history at all: no generation in
+    any tier, marked or not, and none the ledger knows of), a step number (that step's
     generation), ``None``/``False`` (a fresh start), or a path: ``.../checkpoint-N``
     is step N once the run has history in the store (see the module docstring);
     before that, Trainer's own directory, read by Trainer itself (a way to move a run
@@ -195,7 +196,9 @@ class CkptvaultTrainer(Trainer):
         if request is None or request is False or isinstance(request, str):
             return None
         if request is True:
-            if not self.checkpoint_manager.generations():
+            # Fresh only where restore itself would start over: once the run has history,
+            # restore decides (planted marks, an emptied tier: its typed refusal).
+            if not has_history(self.checkpoint_manager):
                 logger.info(
                     "%r holds no generation: training starts fresh", self.checkpoint_manager
                 )

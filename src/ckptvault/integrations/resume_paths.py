@@ -44,9 +44,17 @@ def step_of_path(manager: CheckpointManager, path: str) -> int | str:
 
 
 def has_history(manager: CheckpointManager) -> bool:
-    """Whether the store holds generations, or the ledger knows the run restored or
-    published (a store emptied behind its back is no fresh start either)."""
+    """Whether the run has history, so that ``restore(state)`` would not start over
+    (it returns None only when this holds): a generation in any tier restore reads (the
+    store, and the replica with ``replicate_to``; marked ones too), or a restore or
+    publish the ledger knows of. Never "no generation that is not marked": marks
+    planted on every generation, or a local tier emptied beside a full replica, must
+    not make a resume a silent fresh start (restore ignores marks the ledger did not
+    record, refuses a store where every generation is marked, reads the replica)."""
     if manager.generations(include_marked=True):
+        return True
+    replicator = manager.replicator
+    if replicator is not None and replicator.target.list_generations():
         return True
     floor = manager.trust.floor(manager.run_id)
     return bool(manager.trust.published(manager.run_id)) or (
