@@ -14,11 +14,14 @@ directory, or one rank of the job. Each test performs the attack:
   manager listed no unmarked generation: deletion marks planted on every generation
   (which restore, with a ledger, ignores) or an emptied local tier beside a full
   replica made the run start over from step 0;
+- one rank's save plan of thousands of column chunks of one tensor kept rank 0 in
+  DCP's overlap check for hours, past every collective's timeout;
 """
 
 from __future__ import annotations
 
 import shutil
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -28,10 +31,13 @@ import torch.distributed.checkpoint as dcp
 
 import ckptvault as cv
 import ckptvault.saving.generation_writer as generation_writer
+from ckptvault.distributed.plan_wire import MAX_LOCAL_CHUNKS, plan_from_json
+from ckptvault.errors import PeerMessageError
 from ckptvault.format.layout import generation_dirname, new_generation_id
 from ckptvault.storage import open_store
 from ckptvault.storage.records import DELETION_MARK
 from ckptvault.trust.ledger import Ledger
+from multirank import launch
 
 
 def weights(step: float) -> dict:
@@ -176,3 +182,32 @@ def test_hf_resume_reads_the_replica_when_the_local_tier_was_emptied(tmp_path):
         trainer = _trainer(tmp_path, mgr)
         trainer.train(resume_from_checkpoint=True)
     assert trainer.restore_info is not None and trainer.restore_info.step == 4
+
+
+# -- one rank's messages -----------------------------------------------------------------------
+
+
+def test_a_plan_of_thousands_of_chunks_of_one_tensor_is_refused_at_once():
+    """Rank 1's plan: 4,000 column chunks of one made-up tensor (250 kB of JSON).
+    Before the fix it was accepted, and DCP's overlap check then took about 10 s on
+    rank 0 (50,000 chunks: most of an hour; the check is quadratic)."""
+    n = 4000
+    columns = [["e", "shard", "uint8", [n, n], [0, j], [n, 1]] for j in range(n)]
+    started = time.perf_counter()
+    with pytest.raises(PeerMessageError, match=r"rank 1 sent a save plan .*\(4000 chunks"):
+        plan_from_json({"items": columns}, 1)
+    assert time.perf_counter() - started < 5
+    honest = [["e", "shard", "uint8", [n, n], [0, j], [n, 1]] for j in range(MAX_LOCAL_CHUNKS)]
+    assert len(plan_from_json({"items": honest}, 1).items) == MAX_LOCAL_CHUNKS
+
+
+def test_one_rank_cannot_fake_a_preemption_nor_make_every_rank_receive_too_much(tmp_path):
+    worker = Path(__file__).with_name("dishonest_worker.py")
+    codes, reports = launch("dishonest", tmp_path / "store", 2, tmp_path / "run", worker=worker)
+    assert codes == [0, 0], [r.get("log", "")[-3000:] for r in reports]
+    for report in reports:
+        kind, text = report["preempted"]["error"]
+        assert kind == "PeerMessageError" and "rank 1 sent" in text, text
+        kind, text = report["oversized"]["error"]
+        assert kind == "PeerMessageError" and "rank 1" in text, text
+        assert report["after"] == {"value": [0, 1]}  # still in step

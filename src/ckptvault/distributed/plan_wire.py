@@ -10,7 +10,8 @@ one (``"shard"``, a DTensor's local box)::
 Rank 0 rebuilds DCP's ``WriteItem`` from each after checking every field: the name
 is a bounded string, the dtype one of the names tensor files hold
 (:data:`~ckptvault.format.tensorfile.DTYPES`, never ``getattr(torch, name)`` on
-what a peer sent), the shape bounded, the box inside it, no item twice.
+what a peer sent), the shape bounded, the box inside it, no item twice, at most
+:data:`MAX_LOCAL_CHUNKS` chunks of one tensor.
 
 DCP's global plan for a rank is its local plan with some items dropped (a replicated
 tensor is written once) and each item's chunk-index hint set. That is what rank 0
@@ -25,6 +26,7 @@ so each rank writes items it built itself, never items another rank described.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Any
 
 import torch
@@ -48,12 +50,18 @@ from ckptvault.format.tensorfile import DTYPES, MAX_TENSOR_BYTES, MAX_TENSOR_RAN
 from ckptvault.io.dcp_metadata import dtype_from_name, dtype_name
 
 _KINDS = {"tensor": WriteItemType.TENSOR, "shard": WriteItemType.SHARD}
+# Chunks of one tensor in one rank's plan: a tensor or a DTensor's local shard is one.
+# DCP checks the global plan's chunks for overlaps pairwise among those that span its
+# sweep: thousands of one tensor's column chunks from one rank kept rank 0 computing
+# for hours (past every collective's timeout) from a message of a few megabytes.
+MAX_LOCAL_CHUNKS = 8
 _NAMES = {kind: name for name, kind in _KINDS.items()}
 
 
 def plan_to_json(plan: SavePlan) -> dict[str, Any]:
     """This rank's local plan as a message; FormatError for what ckptvault does not
-    write (a non-tensor, a dtype tensor files cannot hold): this rank's own error."""
+    write (a non-tensor, a dtype tensor files cannot hold, more than
+    :data:`MAX_LOCAL_CHUNKS` chunks of one tensor): this rank's own error."""
     items = []
     for item in plan.items:
         data = item.tensor_data
@@ -74,6 +82,14 @@ def plan_to_json(plan: SavePlan) -> dict[str, Any]:
                 list(data.chunk.sizes),
             ]
         )
+    per_tensor = Counter(item[0] for item in items)
+    crowded = [fqn for fqn, count in per_tensor.items() if count > MAX_LOCAL_CHUNKS]
+    if crowded:
+        raise FormatError(
+            f"tensor {crowded[0]!r} has {per_tensor[crowded[0]]} local chunks on this rank; "
+            f"ckptvault saves at most {MAX_LOCAL_CHUNKS} per rank (a DTensor has one): "
+            "save it as a DTensor"
+        )
     return {"items": items}
 
 
@@ -87,6 +103,13 @@ def plan_from_json(raw: Any, rank: int) -> SavePlan:
     seen = {(item.index.fqn, item.index.offset) for item in plan}
     if len(seen) != len(plan):
         raise field.refuse("an item listed twice")
+    per_tensor = Counter(item.index.fqn for item in plan)
+    crowded = [fqn for fqn, count in per_tensor.items() if count > MAX_LOCAL_CHUNKS]
+    if crowded:
+        raise field.refuse(
+            f"{per_tensor[crowded[0]]} chunks of tensor {crowded[0][:100]!r}, more than the "
+            f"{MAX_LOCAL_CHUNKS} one rank holds"
+        )
     return SavePlan(plan)
 
 
