@@ -16,6 +16,9 @@ directory, or one rank of the job. Each test performs the attack:
   replica made the run start over from step 0;
 - one rank's save plan of thousands of column chunks of one tensor kept rank 0 in
   DCP's overlap check for hours, past every collective's timeout;
+- an all-gather brought every rank every rank's message padded to the longest, with
+  no bound on the total (a gather has one); and the preemption all-gather took any
+  truthy JSON value for a signal.
 """
 
 from __future__ import annotations

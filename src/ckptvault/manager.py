@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptvault.assembly import ManagerOptions, assemble
 from ckptvault.config import validate_step
+from ckptvault.distributed.messages import any_rank
 from ckptvault.errors import UsageError
 from ckptvault.lifecycle import marks
 from ckptvault.lifecycle.metrics import validate_metrics
@@ -206,7 +207,9 @@ class CheckpointManager:
         if self._preemption is None:
             return False
         requested = self._preemption.requested
-        if self.coordinator.world_size > 1 and any(self.coordinator.all_gather(requested)):
+        if self.coordinator.world_size > 1 and any_rank(
+            self.coordinator, requested, "whether a preemption signal arrived"
+        ):
             if not requested:
                 self._preemption.requested_elsewhere()
             return True

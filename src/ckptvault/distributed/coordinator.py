@@ -91,15 +91,25 @@ class TorchDistributed:
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self._world_size)]
         mine = torch.tensor([len(data)], dtype=torch.int64)
         self._collective("an all-gather", lambda: dist.all_gather(sizes, mine, group=self.group))
-        longest = max(int(s.item()) for s in sizes)
+        # Every rank receives every rank's message padded to the longest: the same
+        # bound as a gather's on rank 0, checked alike on every rank (the same sizes).
+        lengths = [int(s.item()) for s in sizes]
+        longest = max(lengths)
+        refused = _refused_size(longest, self._world_size, "an all-gather")
+        if refused is not None or min(lengths) < 0:
+            rank = lengths.index(min(lengths)) if refused is None else lengths.index(longest)
+            raise PeerMessageError(
+                f"rank {rank}: {refused or f'a {min(lengths)}-byte message in an all-gather'}; "
+                "every rank stops here"
+            )
         padded = _buffer(data, longest, "an all-gather", pad=True)
         gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self._world_size)]
         self._collective(
             "an all-gather", lambda: dist.all_gather(gathered, padded, group=self.group)
         )
         return [
-            _checked(_decode(buffer[: int(size.item())], rank, "an all-gather"), rank)
-            for rank, (buffer, size) in enumerate(zip(gathered, sizes, strict=True))
+            _checked(_decode(buffer[:size], rank, "an all-gather"), rank)
+            for rank, (buffer, size) in enumerate(zip(gathered, lengths, strict=True))
         ]
 
     def gather(self, value: Any) -> list[Any] | None:

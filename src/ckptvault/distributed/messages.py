@@ -10,10 +10,13 @@ store call as anything but the plain value it was checked to be.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptvault.distributed.wire import MAX_ERROR_CHARS, Field
 from ckptvault.trust.problems import MAX_DETAIL, MAX_PROBLEMS
+
+if TYPE_CHECKING:
+    from ckptvault.coordinator import Coordinator
 
 _CODE_RE = re.compile(r"^[a-z][a-z0-9-]{0,63}\Z")  # a problem's reason code
 _HEX64_RE = re.compile(r"^[0-9a-f]{64}\Z")
@@ -32,6 +35,17 @@ def outcome(raw: Any, rank: int, what: str) -> str | None:
         return None
     field = Field(rank, f"its outcome of {what}")
     return field.text(raw, "an error text", MAX_ERROR_CHARS, least=0)
+
+
+def any_rank(coordinator: Coordinator, mine: bool, what: str) -> bool:
+    """Whether ``mine`` is true on any rank (an all-gather). Every rank's answer must be
+    ``true`` or ``false``: a truthy string or list is refused alike on every rank."""
+    found = False
+    for rank, raw in enumerate(coordinator.all_gather(bool(mine))):
+        if type(raw) is not bool:
+            raise Field(rank, what).refuse("not true or false")
+        found = found or raw
+    return found
 
 
 def problems(raw: Any, rank: int) -> list[tuple[str, str, str | None]]:
