@@ -228,3 +228,29 @@ def test_every_rank_refuses_an_explicit_older_step_together(tmp_path, monkeypatc
         assert "step 1 is older than generation" in report["refused"]
         assert report["untouched"] and report["step"] == 1 and report["bias"] == [1.0] * 3
     assert [r["rolled_back_from"] for r in reports] == [2, None]  # the coordinator's
+
+
+def test_an_allowance_is_applied_once_so_a_requeued_job_keeps_its_work(store, signed_run):
+    """A requeued job starts with the same ``allow_rollback_to=10``: once the run has
+    saved after rolling back, applying it again would abandon that work. Refused
+    (nothing applied); without the option the job resumes its newest generation.
+    Before anything was saved since, the same allowance is harmless and still taken."""
+    options, _paths, _ = signed_run
+    state = make_training_state(seed=3)
+    with cv.CheckpointManager(store, **options) as mgr:
+        assert mgr.restore(state, allow_rollback_to=10).step == 10
+    with cv.CheckpointManager(store, **options) as mgr:  # crashed before saving: again
+        first = mgr.restore(state, allow_rollback_to=10)
+        assert first.step == 10
+        mgr.save(11, state)
+        mgr.save(12, state)
+    fresh = make_training_state(seed=8)
+    before = model_snapshot(fresh["model"])
+    with cv.CheckpointManager(store, **options) as mgr:
+        with pytest.raises(RollbackError) as raised:
+            mgr.restore(fresh, allow_rollback_to=10)
+        assert "already rolled back to step 10" in str(raised.value)
+        assert "(newest: step 12" in str(raised.value)
+        assert_same_tensors(model_snapshot(fresh["model"]), before)  # nothing applied
+        assert mgr.restore(fresh).step == 12
+        assert {11, 12} <= {g.step for g in mgr.generations()}  # the work since, kept

@@ -121,6 +121,8 @@ class CandidateSelector:
             step = validate_step(step)
         listed = self.store.list_generations()
         previous = self.trust.floor(self.run_id) if self.run_id is not None else None
+        if rollback_to is not None and previous is not None:
+            self._refuse_repeated_rollback(previous, rollback_to)
         floor = previous
         if previous is not None and (rollback_to is not None or not floor_applies):
             # Below the floor is the point; abandoned stays abandoned.
@@ -185,6 +187,28 @@ class CandidateSelector:
         return [
             ref for ref in [*above, *gone] if floor.refuses(ref.step, ref.generation_id) is None
         ]
+
+    def _refuse_repeated_rollback(self, floor: RestoreFloor, step: int) -> None:
+        """A rollback to ``step`` was made before and the run has published since:
+        ``RollbackError``. A requeued job passes the same ``allow_rollback_to`` on every
+        start; applied again, it would abandon everything saved since the first time."""
+        made = [rule for rule in floor.rules if rule.floor_step == step]
+        if not made or self.run_id is None:
+            return
+        rule = max(made)  # the latest rollback to this step
+        since = [n for n in self.trust.published(self.run_id) if n.generation_id > rule.cutoff]
+        if not since:
+            return  # nothing saved since: applying it again changes nothing
+        newest = max(since)
+        raise RollbackError(
+            f"run {self.run_id!r} already rolled back to step {step} (at {rule.created_at}) "
+            f"and has published since (newest: step {newest.step}, generation "
+            f"{newest.generation_id}): allow_rollback_to={step} is applied once, so that a "
+            "job requeued with the same option does not abandon that work. Nothing was "
+            "loaded and state is unchanged. Drop allow_rollback_to to resume the newest "
+            f"generation; to go back to step {step} once more, start a new run from it "
+            "(CheckpointManager.warm_start)"
+        )
 
     def _vanished(
         self,
