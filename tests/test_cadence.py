@@ -14,7 +14,7 @@ import pytest
 import ckptvault as cv
 from ckptvault.cli import main
 from ckptvault.errors import UsageError
-from ckptvault.lifecycle.cadence import (
+from ckptvault.planning.cadence import (
     PlanInputs,
     daly_interval,
     first_order_overhead_fraction,
@@ -26,7 +26,7 @@ from ckptvault.lifecycle.cadence import (
     seconds_to_steps,
     young_interval,
 )
-from ckptvault.lifecycle.sizing import (
+from ckptvault.planning.sizing import (
     RECIPES,
     bytes_per_param,
     checkpoint_bytes,
@@ -368,7 +368,7 @@ def test_plan_from_a_store_takes_the_save_cost_from_the_catalog(store: Path, cap
         for step in (1, 2, 3):
             train_steps(state, 1)
             mgr.save(step, state)
-    from ckptvault.lifecycle.catalog import Catalog, default_catalog_path
+    from ckptvault.observe.catalog import Catalog, default_catalog_path
     from ckptvault.trust.ledger import default_ledger_path
 
     with Catalog(default_catalog_path(default_ledger_path())) as catalog:

@@ -22,8 +22,8 @@ import torch
 
 import ckptvault as cv
 from ckptvault.errors import CatalogError, KeyUnavailableError, NoValidCheckpoint, UsageError
-from ckptvault.lifecycle.catalog import Catalog, SaveRecord, default_catalog_path
-from ckptvault.lifecycle.catalog_schema import SCHEMA_VERSION
+from ckptvault.observe.catalog import Catalog, SaveRecord, default_catalog_path
+from ckptvault.observe.catalog_schema import SCHEMA_VERSION
 from ckptvault.trust.keystore import LocalKeyStore
 from conftest import REPO, make_training_state, only_tensor_file, run_cli, train_steps, writable
 
@@ -331,7 +331,7 @@ def test_only_the_coordinator_of_a_job_records(tmp_path: Path, catalog_path: Pat
 def test_a_catalog_of_the_first_schema_is_brought_along(tmp_path: Path):
     """A catalog written before validations and supervised attempts were recorded
     gains their tables when it is next opened, and keeps its rows."""
-    from ckptvault.lifecycle.catalog_attempts import recent_attempts
+    from ckptvault.observe.catalog_attempts import recent_attempts
 
     path = tmp_path / "catalog.sqlite3"
     with cv.CheckpointManager(tmp_path / "store", run_id="r", catalog=path) as mgr:

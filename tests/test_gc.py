@@ -14,8 +14,8 @@ import torch
 import ckptvault as cv
 from ckptvault.cli.gc import parse_duration
 from ckptvault.errors import NoValidCheckpoint, UsageError
-from ckptvault.lifecycle.leases import reading_lease
 from ckptvault.storage import open_store
+from ckptvault.storage.leases import reading_lease
 from ckptvault.storage.records import DELETION_MARK, LEASE, PIN
 from conftest import only_tensor_file, run_cli, writable
 
@@ -406,7 +406,7 @@ def test_marks_and_deletions_reach_every_tier_and_an_unfinished_deletion_is_fini
 ):
     import shutil
 
-    from ckptvault.lifecycle.collector import GarbageCollector
+    from ckptvault.retention.collector import GarbageCollector
     from ckptvault.trust.checks import TrustPolicy
 
     local, remote = tmp_path / "local", tmp_path / "remote"

@@ -117,3 +117,20 @@ def test_the_command_line_starts_without_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_moved_modules_stay_importable_under_their_documented_paths():
+    """``lifecycle/`` was split by idea; code that imports an old path (the README
+    documented ``ckptvault.lifecycle.catalog.Catalog``) gets the very module now at
+    its new place, without importing anything else first."""
+    assert not (PACKAGE / "lifecycle").exists()
+    code = (
+        "import sys\n"
+        "from ckptvault.lifecycle.catalog import Catalog\n"
+        "import ckptvault.observe.catalog as new, ckptvault.lifecycle.collector as old\n"
+        "import ckptvault.retention.collector as moved\n"
+        "print(Catalog is new.Catalog, old is moved, 'torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "True", "False"]

@@ -38,7 +38,7 @@ from ckptvault.format.layout import (
     GenerationName,
     new_generation_id,
 )
-from ckptvault.lifecycle.marks import put_mark
+from ckptvault.retention.marks import put_mark
 from ckptvault.storage import open_store, posix_records
 from ckptvault.storage import s3 as s3_module
 from ckptvault.storage import s3_client as s3_client_module

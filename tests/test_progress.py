@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import ckptvault as cv
-from ckptvault.lifecycle.collector import GarbageCollector
-from ckptvault.lifecycle.replication import copy_generation
 from ckptvault.ops.export import consolidate_weights, export_weights
 from ckptvault.progress import ProgressCallbackError
+from ckptvault.replication.replicator import copy_generation
+from ckptvault.retention.collector import GarbageCollector
 from ckptvault.storage import open_store
 from ckptvault.trust.checks import verify_generation
 from ckptvault.trust.context import TrustContext

@@ -10,7 +10,7 @@ import pytest
 import ckptvault as cv
 from ckptvault.errors import UsageError
 from ckptvault.format.layout import GenerationName, new_generation_id
-from ckptvault.lifecycle.plan import (
+from ckptvault.retention.plan import (
     ABANDONED,
     DELETE,
     DROPPED,
@@ -32,7 +32,7 @@ from ckptvault.lifecycle.plan import (
     RetentionPlan,
     plan_retention,
 )
-from ckptvault.lifecycle.retention import (
+from ckptvault.retention.policy import (
     KeepBest,
     KeepCalendar,
     KeepEvery,

@@ -34,7 +34,7 @@ from ckptvault.format.layout import (
     new_generation_id,
     parse_generation_dirname,
 )
-from ckptvault.lifecycle.plan import DELETE, MARK, GenerationFacts, plan_retention
+from ckptvault.retention.plan import DELETE, MARK, GenerationFacts, plan_retention
 from ckptvault.saving import generation_writer
 from ckptvault.storage import open_store
 from ckptvault.storage.base import GenerationRef

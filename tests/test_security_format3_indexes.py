@@ -23,7 +23,7 @@ import ckptvault as cv
 from ckptvault.errors import CheckpointError, IntegrityError
 from ckptvault.format.manifest import parse_manifest
 from ckptvault.io.verified_ranges import VerifiedRanges
-from ckptvault.lifecycle.replication import copy_generation
+from ckptvault.replication.replicator import copy_generation
 from ckptvault.storage.posix import PosixStore
 from ckptvault.storage.posix_files import PosixWritableFile
 from ckptvault.storage.posix_publish import AtomicRename

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import ckptvault as cv
-from ckptvault.lifecycle.catalog import Catalog
+from ckptvault.observe.catalog import Catalog
 from ckptvault.ops.drills.context import context_from_store
 from ckptvault.storage import open_store
 from conftest import run_cli
@@ -58,7 +58,7 @@ def test_a_future_dated_generation_does_not_make_a_stale_store_healthy(tmp_path:
 
 
 def test_a_future_dated_generation_does_not_zero_the_metrics_age(tmp_path: Path):
-    from ckptvault.lifecycle.prometheus import ManagerMetrics
+    from ckptvault.observe.prometheus import ManagerMetrics
 
     store = tmp_path / "store"
     _save_steps(store, (1,))

@@ -28,7 +28,7 @@ import ckptvault as cv
 from ckptvault.errors import UsageError
 from ckptvault.events import Deleted, Published, Validated
 from ckptvault.format.layout import GenerationName, generation_dirname, new_generation_id
-from ckptvault.lifecycle.catalog import Catalog, validated_generations
+from ckptvault.observe.catalog import Catalog, validated_generations
 from ckptvault.ops.sign import sign_generations
 from ckptvault.storage import open_store
 from ckptvault.storage.records import DELETION_MARK
@@ -294,7 +294,7 @@ def test_a_directory_planted_under_a_pinned_step_does_not_take_the_pin(tmp_path)
 def test_status_reads_no_planted_replica_record(tmp_path, monkeypatch):
     """``ckptvault status`` (and a Prometheus scrape of it) read every replica record in
     the store, whatever its name: thousands planted cost a read each, every scrape."""
-    from ckptvault.lifecycle.health import check_health
+    from ckptvault.observe.health import check_health
     from ckptvault.storage import posix_records
 
     local, replica = tmp_path / "local", tmp_path / "replica"

@@ -17,7 +17,7 @@ import ckptvault as cv
 from ckptvault.events import Published
 from ckptvault.format.canonical import dumps_canonical
 from ckptvault.format.layout import MAX_STEP, parse_generation_dirname
-from ckptvault.lifecycle.replication import Replicator
+from ckptvault.replication.replicator import Replicator
 from ckptvault.storage import open_store
 from ckptvault.trust.audit_verify import verify_audit_log
 from ckptvault.trust.checks import TrustPolicy

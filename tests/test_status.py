@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import ckptvault as cv
 from ckptvault.events import Published
-from ckptvault.lifecycle.catalog import Catalog, store_key
+from ckptvault.observe.catalog import Catalog, store_key
 from conftest import REPO, mounted_tmpfs, run_cli
 from test_metrics import GatedKeyStore
 

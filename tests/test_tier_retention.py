@@ -16,8 +16,8 @@ import torch
 
 import ckptvault as cv
 from ckptvault.errors import UsageError
-from ckptvault.lifecycle import replication
-from ckptvault.lifecycle.plan import IN_FLIGHT
+from ckptvault.replication import replicator as replication
+from ckptvault.retention.plan import IN_FLIGHT
 from ckptvault.storage import open_store
 from ckptvault.storage.records import DELETION_MARK
 from conftest import make_training_state, model_snapshot, run_cli, train_steps

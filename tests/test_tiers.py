@@ -93,7 +93,7 @@ def test_a_copy_that_does_not_verify_is_never_published_remotely(tmp_path: Path)
     data = bytearray(shard.read_bytes())
     data[-1] ^= 1
     shard.write_bytes(bytes(data))
-    from ckptvault.lifecycle.replication import copy_generation
+    from ckptvault.replication.replicator import copy_generation
     from ckptvault.storage import open_store
 
     source, target = open_store(local), open_store(remote)

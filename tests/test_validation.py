@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import ckptvault as cv
-from ckptvault.lifecycle.catalog import Catalog
+from ckptvault.observe.catalog import Catalog
 from conftest import run_cli
 
 

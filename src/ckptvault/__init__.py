@@ -13,16 +13,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ckptvault import errors
+from ckptvault import _moved, errors
 from ckptvault._version import __version__
 
+_moved.install()  # modules that moved stay importable under their old paths
+
 if TYPE_CHECKING:
-    from ckptvault.lifecycle.retention import Retention
     from ckptvault.manager import (
         CheckpointManager,
         RestoreInfo,
         SkippedGeneration,
     )
+    from ckptvault.retention.policy import Retention
     from ckptvault.saving.handles import SaveHandle, SaveStats
     from ckptvault.saving.preemption import Preempted
     from ckptvault.state.ranks import PerRank
@@ -33,7 +35,7 @@ _LAZY = {
     "CheckpointManager": "ckptvault.manager",
     "GenerationInfo": "ckptvault.storage.listing",
     "RestoreInfo": "ckptvault.manager",
-    "Retention": "ckptvault.lifecycle.retention",
+    "Retention": "ckptvault.retention.policy",
     "SaveHandle": "ckptvault.saving.handles",
     "SaveStats": "ckptvault.saving.handles",
     "SkippedGeneration": "ckptvault.manager",

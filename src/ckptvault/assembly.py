@@ -18,22 +18,23 @@ from typing import Any, TypedDict
 
 from ckptvault.config import ManagerConfig, resolve_run_id
 from ckptvault.coordinator import Coordinator, SingleProcess
+from ckptvault.distributed.save import CollectiveSave
 from ckptvault.errors import UsageError
 from ckptvault.events import EventBus
 from ckptvault.io.writer import default_threads
-from ckptvault.lifecycle.catalog import validated_generations
-from ckptvault.lifecycle.catalog_recorder import (
+from ckptvault.observe.catalog import validated_generations
+from ckptvault.observe.catalog_recorder import (
     CatalogOption,
     resolve_catalog_path,
     subscribe_catalog,
 )
-from ckptvault.lifecycle.keeper import RetentionKeeper
-from ckptvault.lifecycle.prometheus import ManagerMetrics, subscribe_metrics
-from ckptvault.lifecycle.replication import Replicator
-from ckptvault.lifecycle.retention import Retention
-from ckptvault.lifecycle.tiers import attach_retention
-from ckptvault.lifecycle.validation import Factory, SampledValidation, Validator
+from ckptvault.observe.prometheus import ManagerMetrics, subscribe_metrics
+from ckptvault.replication.replicator import Replicator
+from ckptvault.replication.tiers import attach_retention
 from ckptvault.restoring.restorer import Restorer
+from ckptvault.restoring.validation import Factory, SampledValidation, Validator
+from ckptvault.retention.keeper import RetentionKeeper
+from ckptvault.retention.policy import Retention
 from ckptvault.run_context import RunContext
 from ckptvault.saving.generation_writer import GenerationWriter, WriteSettings
 from ckptvault.saving.preemption import DEFAULT_DEADLINE_S, PreemptionWatch
@@ -130,6 +131,7 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
         WriteSettings(
             config.threads, config.chunk_size, config.segment_size, _replica_policy(options)
         ),
+        collective=CollectiveSave,
     )
     scheduler = SaveScheduler(
         writer.write, writer.announce, config.max_in_flight, config.if_busy, writer.announce_failure

@@ -22,14 +22,14 @@ from ckptvault.assembly import ManagerOptions, assemble
 from ckptvault.config import validate_step
 from ckptvault.distributed.messages import any_rank
 from ckptvault.errors import UsageError
-from ckptvault.lifecycle import marks
-from ckptvault.lifecycle.metrics import validate_metrics
-from ckptvault.lifecycle.validation import Factory, ValidationResult
 from ckptvault.restoring.lineage import LINEAGE
 from ckptvault.restoring.restorer import RestoreInfo
 from ckptvault.restoring.selector import SkippedGeneration
+from ckptvault.restoring.validation import Factory, ValidationResult
 from ckptvault.restoring.warm_start import WarmStartSource, warm_start
+from ckptvault.retention import marks
 from ckptvault.saving.handles import SaveHandle, SaveStats
+from ckptvault.saving.metrics import validate_metrics
 from ckptvault.state.capture import CapturedState, capture_state
 from ckptvault.state.gradients import GradientWatch, with_gradients
 from ckptvault.state.names import ApplyOptions, Rename
@@ -105,7 +105,7 @@ class CheckpointManager:
         preemption_deadline_s: seconds from the signal to the end of that final save
             (default 120); a save the deadline cuts short is not published.
         metrics: Prometheus metrics of this manager's saves, restores, failures, storage
-            and replication (:mod:`ckptvault.lifecycle.prometheus`) in a registry of its
+            and replication (:mod:`ckptvault.observe.prometheus`) in a registry of its
             own, ``mgr.metrics_registry``; default on when prometheus-client is installed
             (``pip install 'ckptvault[metrics]'``), ``False``: off.
         metrics_port, metrics_addr: serve them at ``http://ADDR:PORT/metrics`` (default
@@ -336,7 +336,7 @@ class CheckpointManager:
 
     def validate(self, factory: Factory, step: int | None = None) -> ValidationResult:
         """Load the newest generation (of ``step``) into objects ``factory()`` builds
-        and run their check (:mod:`ckptvault.lifecycle.validation`); the catalog
+        and run their check (:mod:`ckptvault.restoring.validation`); the catalog
         records the outcome, and retention keeps the newest validated generation.
         Never touches the live state, the rollback floor or the next save's parent."""
         self._check_open()

@@ -73,7 +73,7 @@ def catalog_file(ledger: Path | None, catalog: Path | None, required: bool) -> P
     """The catalog a command reads: ``catalog``, the one beside ``ledger``, or the
     default one. One named explicitly (or any, when ``required``) must exist; else
     None when the default one does not."""
-    from ckptvault.lifecycle.catalog import default_catalog_path
+    from ckptvault.observe.catalog import default_catalog_path
     from ckptvault.trust.ledger import default_ledger_path
 
     if ledger is not None and catalog is not None:

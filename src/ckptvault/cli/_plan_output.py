@@ -14,7 +14,7 @@ from rich.table import Table
 
 from ckptvault.cli._common import err, out, safe_markup
 from ckptvault.errors import UsageError
-from ckptvault.lifecycle.cadence import (
+from ckptvault.planning.cadence import (
     CadencePlan,
     first_order_overhead_fraction,
     overhead_fraction,

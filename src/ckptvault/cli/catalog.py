@@ -1,6 +1,6 @@
 """``ckptvault catalog``: recent saves (with stage timings), restores and failures.
 
-Reads the catalog the manager writes (:mod:`ckptvault.lifecycle.catalog`): by
+Reads the catalog the manager writes (:mod:`ckptvault.observe.catalog`): by
 default the one beside the default ledger; ``--ledger PATH`` the one beside that
 ledger; ``--catalog PATH`` that file. ``--json`` prints one object with the lists
 ``saves``, ``restores``, ``failures``, ``generations`` and ``attempts`` (starts of
@@ -24,14 +24,14 @@ from ckptvault.cli._common import (
     print_json,
     safe_markup,
 )
-from ckptvault.lifecycle.catalog import (
+from ckptvault.observe.catalog import (
     Catalog,
     FailureRecord,
     RestoreRecord,
     SaveRecord,
     store_key,
 )
-from ckptvault.lifecycle.catalog_attempts import AttemptRecord, recent_attempts
+from ckptvault.observe.catalog_attempts import AttemptRecord, recent_attempts
 
 SAVE_STAGES = ("stage", "write", "fsync", "publish")
 RESTORE_STAGES = ("discovery", "verification", "read", "apply")

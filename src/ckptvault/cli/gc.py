@@ -49,13 +49,13 @@ from ckptvault.cli._progress import progress_bar
 from ckptvault.errors import CheckpointError, StoreLockedError, UsageError
 from ckptvault.events import EventBus, Unmarked
 from ckptvault.format.layout import format_timestamp
-from ckptvault.lifecycle import marks
-from ckptvault.lifecycle.apply import AppliedPlan
-from ckptvault.lifecycle.catalog import validated_generations
-from ckptvault.lifecycle.catalog_recorder import resolve_catalog_path
-from ckptvault.lifecycle.collector import GarbageCollector
-from ckptvault.lifecycle.plan import Decision, RetentionPlan
-from ckptvault.lifecycle.retention import DEFAULT_DELETE_DELAY, Retention, format_seconds
+from ckptvault.observe.catalog import validated_generations
+from ckptvault.observe.catalog_recorder import resolve_catalog_path
+from ckptvault.retention import marks
+from ckptvault.retention.apply import AppliedPlan
+from ckptvault.retention.collector import GarbageCollector
+from ckptvault.retention.plan import Decision, RetentionPlan
+from ckptvault.retention.policy import DEFAULT_DELETE_DELAY, Retention, format_seconds
 from ckptvault.storage.base import Store
 from ckptvault.trust.checks import VerificationReport, check_trusted
 from ckptvault.trust.context import TrustContext

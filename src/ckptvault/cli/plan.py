@@ -1,7 +1,7 @@
 """``ckptvault plan``: how often to checkpoint, how big, how fast, how much storage.
 
-The formulas live in :mod:`ckptvault.lifecycle.cadence` (intervals, overhead, lost
-work) and :mod:`ckptvault.lifecycle.sizing` (size, bandwidth, storage); this module
+The formulas live in :mod:`ckptvault.planning.cadence` (intervals, overhead, lost
+work) and :mod:`ckptvault.planning.sizing` (size, bandwidth, storage); this module
 gathers the inputs — from options, or measured: the size of a store's newest
 generation and the save cost from the catalog of its recent saves (``--from``) —
 checks that they fit together, and prints the answers as a table, JSON or a plot.
@@ -23,7 +23,7 @@ import typer
 from ckptvault.cli._common import S3EndpointUrl, open_store, print_json
 from ckptvault.cli._plan_output import print_plan, write_overhead_plot
 from ckptvault.errors import UsageError
-from ckptvault.lifecycle.cadence import (
+from ckptvault.planning.cadence import (
     SECONDS_PER_HOUR,
     PlanInputs,
     job_mtbf_seconds,
@@ -31,8 +31,8 @@ from ckptvault.lifecycle.cadence import (
     require_non_negative,
     require_positive,
 )
-from ckptvault.lifecycle.measured import measure_checkpoint
-from ckptvault.lifecycle.sizing import (
+from ckptvault.planning.measured import measure_checkpoint
+from ckptvault.planning.sizing import (
     RECIPES,
     bytes_per_param,
     checkpoint_bytes,
@@ -234,7 +234,7 @@ def _catalog_stalls(store: Store, path: Path | None) -> list[float]:
     :class:`UsageError` saying why not (and to give ``--save-seconds``) otherwise."""
     remedy = "give the save cost with --save-seconds"
     try:
-        from ckptvault.lifecycle import catalog as catalog_module
+        from ckptvault.observe import catalog as catalog_module
     except ImportError:
         raise UsageError(f"this ckptvault keeps no catalog of saves; {remedy}") from None
     if path is None:

@@ -1,6 +1,6 @@
 """``ckptvault status STORE``: is this store's checkpointing healthy?
 
-Reads the store's listing and the catalog (:mod:`ckptvault.lifecycle.health`): the
+Reads the store's listing and the catalog (:mod:`ckptvault.observe.health`): the
 last good checkpoint's age, recent save latency, the failure rate, storage use, the
 replication lag and the newest validation, with a warning for every alert threshold
 crossed. ``--json`` prints the report as one object; ``--prometheus`` prints the
@@ -31,8 +31,8 @@ from ckptvault.cli._common import (
     safe_markup,
 )
 from ckptvault.errors import UsageError
-from ckptvault.lifecycle.health import HealthReport, check_health
-from ckptvault.lifecycle.prometheus import import_prometheus
+from ckptvault.observe.health import HealthReport, check_health
+from ckptvault.observe.prometheus import import_prometheus
 
 
 def status(

@@ -19,8 +19,8 @@ import typer
 
 from ckptvault.cli._common import S3EndpointUrl
 from ckptvault.errors import UsageError
-from ckptvault.lifecycle.catalog import default_catalog_path
-from ckptvault.lifecycle.catalog_attempts import attempt_recorder
+from ckptvault.observe.catalog import default_catalog_path
+from ckptvault.observe.catalog_attempts import attempt_recorder
 from ckptvault.ops.done import DoneExpectation, file_digest
 from ckptvault.ops.preflight import free_space_preflight
 from ckptvault.ops.supervise import Policy, Supervisor

@@ -51,7 +51,7 @@ def validate(
 ) -> None:
     """Load generations into objects the factory builds and run its check."""
     import ckptvault as cv  # imports torch
-    from ckptvault.lifecycle.validation import load_factory
+    from ckptvault.restoring.validation import load_factory
 
     if step is not None and every is not None:
         raise UsageError("give --step N or --every K, not both")

@@ -2,7 +2,7 @@
 
 When ``ModelCheckpoint`` drops a checkpoint (``save_top_k``) or overwrites
 ``last.ckpt``, the generation that pointer named is no longer wanted. It is not
-unlinked by hand: a :class:`~ckptvault.lifecycle.collector.GarbageCollector` pass
+unlinked by hand: a :class:`~ckptvault.retention.collector.GarbageCollector` pass
 with one rule, "keep everything but what Lightning removed and no pointer still
 names", decides and applies, so every protection of retention holds. The newest
 verified generation and one verified fallback are kept, as are pins, the restore
@@ -33,9 +33,9 @@ from ckptvault.errors import AuditError, CheckpointError
 from ckptvault.events import Event, Published, Restored
 from ckptvault.format.layout import GenerationName
 from ckptvault.integrations.lightning_records import PointerBook
-from ckptvault.lifecycle.apply import AppliedPlan
-from ckptvault.lifecycle.collector import GarbageCollector
-from ckptvault.lifecycle.retention import RuleInput
+from ckptvault.retention.apply import AppliedPlan
+from ckptvault.retention.collector import GarbageCollector
+from ckptvault.retention.policy import RuleInput
 
 if TYPE_CHECKING:
     from ckptvault.manager import CheckpointManager

@@ -25,7 +25,6 @@ from ckptvault.errors import (
 )
 from ckptvault.events import Refused, Restored, RollbackApplied
 from ckptvault.io.load import LoadedGeneration, load_verified, prepare_load, saved_world_size
-from ckptvault.lifecycle.leases import reading_lease
 from ckptvault.restoring.gc_pause import cyclic_gc_paused
 from ckptvault.restoring.lineage import Lineage
 from ckptvault.restoring.rollback import allowed_rollback, warn_rollback
@@ -39,6 +38,7 @@ from ckptvault.state.gradients import gradient_slots
 from ckptvault.state.names import ApplyOptions
 from ckptvault.state.ranks import capture_ranked, leave_per_rank_alone
 from ckptvault.storage.base import GenerationRef, Store
+from ckptvault.storage.leases import reading_lease
 from ckptvault.timing import StageClock
 from ckptvault.trust.checks import TrustPolicy
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ckptvault._version import __version__
-from ckptvault.errors import KeyUnavailableError
+from ckptvault.errors import KeyUnavailableError, UsageError
 from ckptvault.events import Published, ReplicasDisagree, SaveFailed
 from ckptvault.format.container import CIPHER
 from ckptvault.format.layout import (
@@ -71,13 +72,32 @@ class WrittenGeneration:
     metrics: dict[str, int | float] | None = None
 
 
+class CollectiveWrite(Protocol):
+    """One save of a job of several ranks (:class:`~ckptvault.distributed.save.CollectiveSave`,
+    handed in by whoever builds the writer: the multi-rank path sits above this one)."""
+
+    def write(
+        self, step: int, captured: CapturedState, metrics: dict[str, int | float] | None
+    ) -> WrittenGeneration: ...
+
+
 class GenerationWriter:
-    """Writes and publishes generations of one run into one store."""
+    """Writes and publishes generations of one run into one store.
+
+    ``collective`` builds the save of a job of several ranks around this writer; a
+    writer without one refuses a coordinator of more than one rank."""
 
     # The manifest format written; older ones (1, 2) only by tests of old generations.
     format_version: int = FORMAT_VERSION
 
-    def __init__(self, run: RunContext, contract: dict[str, Any], settings: WriteSettings) -> None:
+    def __init__(
+        self,
+        run: RunContext,
+        contract: dict[str, Any],
+        settings: WriteSettings,
+        collective: Callable[[GenerationWriter], CollectiveWrite] | None = None,
+    ) -> None:
+        self.collective = collective
         self.store = run.store
         self.run_id = run.run_id
         self.trust = run.trust
@@ -100,9 +120,13 @@ class GenerationWriter:
         ``metrics`` (validated) go into the manifest. In a job of several ranks this
         is collective (:mod:`ckptvault.distributed.save`)."""
         if self.coordinator.world_size > 1:
-            from ckptvault.distributed.save import CollectiveSave
-
-            return CollectiveSave(self).write(step, captured, metrics)
+            if self.collective is None:
+                raise UsageError(
+                    f"a job of {self.coordinator.world_size} ranks saves collectively, but this "
+                    "writer was built without a collective save: build it through "
+                    "CheckpointManager"
+                )
+            return self.collective(self).write(step, captured, metrics)
         started = time.perf_counter()
         self.store.remove_stale_staging()
         tensor_bytes = sum(t.numel() * t.element_size() for t in captured.tensors.values())

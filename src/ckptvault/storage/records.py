@@ -31,7 +31,7 @@ MAX_RECORD_DEPTH = 16
 DELETION_MARK = "deleted"
 PIN = "pinned"
 LEASE = "lease"
-REPLICA = "replica"  # a verified copy reached another tier (lifecycle.replication)
+REPLICA = "replica"  # a verified copy reached another tier (replication.replicator)
 
 # The most records of one kind that retention reads from a store in one listing when
 # the store's own generations do not bound them (marks of generations it no longer

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptvault.lifecycle.catalog import Catalog, GenerationRecord, SaveRecord, store_key
-from ckptvault.lifecycle.usage import (
+from ckptvault.observe.catalog import Catalog, GenerationRecord, SaveRecord, store_key
+from ckptvault.observe.usage import (
     FilesystemUse,
     created_epoch,
     is_future_dated,

@@ -4,7 +4,7 @@ After every ``Published`` event it plans retention and applies it, synchronously
 on the thread that published (the background worker for asynchronous saves), so
 ``ls`` shows the result once ``close()`` has returned. A replica tier with its own
 policy has its own keeper, which runs after each copy into it (see
-:mod:`ckptvault.lifecycle.tiers`). The generation just written
+:mod:`ckptvault.replication.tiers`). The generation just written
 is complete (its writer made and checked every byte), so it is the newest verified
 generation; one restored is verified too. A failing pass is logged and retried
 after the next save: the generation was published either way, and training goes
@@ -23,10 +23,10 @@ from collections.abc import Callable, Collection, Sequence
 from ckptvault.errors import AuditError, CheckpointError, UsageError
 from ckptvault.events import Event, Published, Replicated, Restored
 from ckptvault.format.layout import GenerationName
-from ckptvault.lifecycle.apply import AppliedPlan
-from ckptvault.lifecycle.collector import GarbageCollector
-from ckptvault.lifecycle.plan import IN_FLIGHT, KEEP, MARKED, Decision, RetentionPlan
-from ckptvault.lifecycle.retention import Retention
+from ckptvault.retention.apply import AppliedPlan
+from ckptvault.retention.collector import GarbageCollector
+from ckptvault.retention.plan import IN_FLIGHT, KEEP, MARKED, Decision, RetentionPlan
+from ckptvault.retention.policy import Retention
 from ckptvault.run_context import RunContext
 from ckptvault.storage.base import Store
 
@@ -44,7 +44,7 @@ class RetentionKeeper:
     before its copy exists; when such a copy lands, the local keeper plans again.
     With ``count_only_copied`` (one policy over both tiers) they also do not count
     toward the rules until copied, so the replica keeps what the policy asks of the
-    generations it holds (see :mod:`ckptvault.lifecycle.tiers`). Passes never overlap
+    generations it holds (see :mod:`ckptvault.replication.tiers`). Passes never overlap
     (a lock), whichever thread runs them.
     """
 

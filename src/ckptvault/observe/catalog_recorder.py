@@ -31,7 +31,7 @@ from ckptvault.events import (
     SaveFailed,
     Validated,
 )
-from ckptvault.lifecycle.catalog import Catalog, default_catalog_path
+from ckptvault.observe.catalog import Catalog, default_catalog_path
 from ckptvault.storage.base import Store
 from ckptvault.trust.ledger import default_ledger_path
 

@@ -1,7 +1,7 @@
 """How big a checkpoint is, how fast it must be written, and how much storage it takes.
 
 Pure functions, no I/O; ``ckptvault plan`` uses them beside
-:mod:`ckptvault.lifecycle.cadence`.
+:mod:`ckptvault.planning.cadence`.
 
 Size: parameters × bytes per parameter, with named recipes for the usual training
 setups (:data:`RECIPES`). The recipes count what a checkpoint holds: weights,

@@ -115,7 +115,7 @@ def is_future_dated(published_at: float, now: float) -> bool:
 
 def replicated_ids(store: Store, live: Iterable[GenerationInfo]) -> set[str]:
     """Ids of the ``live`` generations the store's replica records say were copied to
-    another tier, verified (:class:`~ckptvault.lifecycle.replication.Replicator` writes
+    another tier, verified (:class:`~ckptvault.replication.replicator.Replicator` writes
     one after each copy). Empty when none is readable. Only the records of ``live``
     generations are read, judged by name first: records planted by the thousand cost a
     listing, not a read each."""

@@ -40,8 +40,8 @@ from ckptvault.errors import (
 from ckptvault.events import Event, EventBus, Published, Replicated
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, GenerationName, utc_now
 from ckptvault.format.manifest import Manifest
-from ckptvault.lifecycle.marks import read_marks
 from ckptvault.progress import Meter, Progress
+from ckptvault.retention.marks import read_marks
 from ckptvault.storage import S3Options, StoreLocation, open_store
 from ckptvault.storage.base import GenerationRef, StagingArea, Store, write_new_file
 from ckptvault.storage.records import REPLICA
@@ -53,7 +53,7 @@ from ckptvault.trust.keystore import KeyStore
 from ckptvault.trust.problems import GenerationRejected
 
 if TYPE_CHECKING:
-    from ckptvault.lifecycle.keeper import RetentionKeeper
+    from ckptvault.retention.keeper import RetentionKeeper
 
 logger = logging.getLogger("ckptvault")
 # Failures a second try cannot fix: the source does not verify, or the target holds

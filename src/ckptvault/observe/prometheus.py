@@ -43,9 +43,9 @@ from ckptvault.events import (
     SaveFailed,
     Validated,
 )
-from ckptvault.lifecycle.catalog import Catalog, store_key
-from ckptvault.lifecycle.health import median_interval
-from ckptvault.lifecycle.usage import StoreUsage, created_epoch, is_future_dated, store_usage
+from ckptvault.observe.catalog import Catalog, store_key
+from ckptvault.observe.health import median_interval
+from ckptvault.observe.usage import StoreUsage, created_epoch, is_future_dated, store_usage
 from ckptvault.storage.base import Store
 
 logger = logging.getLogger("ckptvault")

@@ -12,7 +12,7 @@ most :data:`~ckptvault.storage.records.MAX_RECORDS_READ` well-formed names), so 
 records cost a listing. Their times are bounded too: a mark dated in the future counts
 from now (and is written again with the time of the pass that keeps it marked), and
 a lease that claims to run longer than any ckptvault reader's
-(:data:`~ckptvault.lifecycle.leases.LEASE_SECONDS` from now) is not honoured.
+(:data:`~ckptvault.storage.leases.LEASE_SECONDS` from now) is not honoured.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any
 
 from ckptvault.errors import UsageError
 from ckptvault.format.layout import GenerationName, format_timestamp, parse_generation_dirname
-from ckptvault.lifecycle.leases import LEASE_SECONDS
-from ckptvault.lifecycle.plan import Mark
+from ckptvault.retention.plan import Mark
 from ckptvault.storage.base import GenerationRef, Store
+from ckptvault.storage.leases import LEASE_SECONDS
 from ckptvault.storage.records import (
     DELETION_MARK,
     LEASE,

@@ -1,14 +1,14 @@
 """Which generations the other tiers of a plan can vouch for.
 
 One retention policy over two tiers is planned from the first and applied to both
-(:mod:`ckptvault.lifecycle.tiers`). A generation that takes a rule's place there
+(:mod:`ckptvault.replication.tiers`). A generation that takes a rule's place there
 decides what the rule drops in *every* tier. So, in each other tier, it must be
 there and pass the checks restore applies before reading a tensor byte
 (:func:`~ckptvault.trust.checks.check_trusted`): otherwise whoever can write the
 first tier alone (a generation planted there, in a run with nothing to authenticate
 it) could make retention delete genuine generations from a replica they cannot
 write. :class:`TierVouching` says, per generation, why some tier cannot vouch for it
-(:attr:`~ckptvault.lifecycle.decisions.GenerationFacts.unvouched`); the planner
+(:attr:`~ckptvault.retention.decisions.GenerationFacts.unvouched`); the planner
 counts only the others.
 
 Each tier is listed once per pass; a copy's checks are made once (generations are

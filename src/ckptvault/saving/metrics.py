@@ -3,7 +3,7 @@
 They go into the manifest's optional ``metrics`` section, so the self-digest and the
 signature cover them; retention's ``keep_best`` reads them back through the same
 bounded structure checks a restore applies (never more than the checks read; see
-:class:`~ckptvault.lifecycle.collector.GarbageCollector`).
+:class:`~ckptvault.retention.collector.GarbageCollector`).
 """
 
 from __future__ import annotations

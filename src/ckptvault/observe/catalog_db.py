@@ -21,7 +21,7 @@ from types import TracebackType
 from typing import Any
 
 from ckptvault.errors import CatalogError
-from ckptvault.lifecycle.catalog_schema import SCHEMA_VERSION, TABLES
+from ckptvault.observe.catalog_schema import SCHEMA_VERSION, TABLES
 
 BUSY_TIMEOUT_S = 10.0  # a writer waits this long for another process's transaction
 

@@ -2,7 +2,7 @@
 
 ``CheckpointManager(..., retention=R)`` with ``replicate_to=`` applies ``R`` to both
 tiers: the plan is made from the local tier, and its marks and deletions reach the
-replica too (one :class:`~ckptvault.lifecycle.keeper.RetentionKeeper` over both).
+replica too (one :class:`~ckptvault.retention.keeper.RetentionKeeper` over both).
 A generation not yet copied is kept and does not count toward ``R``'s rules until
 its copy lands: while copies lag, the copied generations the rules would keep stay
 in both tiers, so the replica always holds what a new node can restore.
@@ -22,16 +22,16 @@ neither touches the other's generations or marks:
 
 ``R`` may be None with ``Q`` given: the local tier keeps everything. Each tier's
 policy also chooses what ``object_lock_days`` locks in it
-(:func:`~ckptvault.lifecycle.locks.install_lock_rule`).
+(:func:`~ckptvault.retention.locks.install_lock_rule`).
 """
 
 from __future__ import annotations
 
 from ckptvault.errors import UsageError
-from ckptvault.lifecycle.keeper import RetentionKeeper
-from ckptvault.lifecycle.locks import install_lock_rule
-from ckptvault.lifecycle.replication import Replicator
-from ckptvault.lifecycle.retention import Retention
+from ckptvault.replication.replicator import Replicator
+from ckptvault.retention.keeper import RetentionKeeper
+from ckptvault.retention.locks import install_lock_rule
+from ckptvault.retention.policy import Retention
 from ckptvault.run_context import RunContext
 
 

@@ -26,9 +26,9 @@ from typing import Any
 from ckptvault.errors import AuditError, CheckpointError, UsageError
 from ckptvault.events import Deleted, Event, Marked, Unmarked
 from ckptvault.format.layout import GenerationName, format_timestamp
-from ckptvault.lifecycle.marks import put_mark, read_leases, remove_mark, stale_leases
-from ckptvault.lifecycle.plan import DELETE, MARK, UNMARK, Decision, RetentionPlan
 from ckptvault.progress import Meter, Progress
+from ckptvault.retention.marks import put_mark, read_leases, remove_mark, stale_leases
+from ckptvault.retention.plan import DELETE, MARK, UNMARK, Decision, RetentionPlan
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.storage.records import LEASE
 from ckptvault.storage.retained import RetainedCopy, RetainingStore

@@ -7,7 +7,7 @@ every restore split into ``discovery``, ``verification``, ``read`` and ``apply``
 the failures: saves that failed after they were accepted, restores that were refused.
 The cadence planner, ``status`` and drills read it; ``ckptvault catalog`` shows it.
 
-It is written by an event subscriber (:mod:`ckptvault.lifecycle.catalog_recorder`),
+It is written by an event subscriber (:mod:`ckptvault.observe.catalog_recorder`),
 never by the save or restore path itself, and lives in the control-plane state
 directory beside the rollback ledger (:func:`default_catalog_path`), never in the
 store. Several processes may write it at once (the trainer, ``ckptvault``
@@ -40,8 +40,8 @@ from ckptvault.events import (
 )
 from ckptvault.format.canonical import dumps_canonical
 from ckptvault.format.layout import GenerationName
-from ckptvault.lifecycle.catalog_db import CatalogFile
-from ckptvault.lifecycle.catalog_schema import (
+from ckptvault.observe.catalog_db import CatalogFile
+from ckptvault.observe.catalog_schema import (
     FailureRecord,
     GenerationRecord,
     RestoreRecord,

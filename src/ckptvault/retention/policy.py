@@ -8,7 +8,7 @@ compose by union: a generation is kept when any rule keeps it, and the plan says
 which rule(s) did. Rules never delete anything; what is always kept regardless of
 them (newest verified generation, a verified fallback, pins, leases, the restore
 floor, what is in flight) and how deletion happens are decided by
-:mod:`ckptvault.lifecycle.plan`.
+:mod:`ckptvault.retention.plan`.
 
 Calendar rules follow restic/borg: ``keep_hourly=H`` keeps, for each of the H most
 recent hours that hold a generation, the newest generation of that hour; days and

@@ -7,7 +7,7 @@ Two decisions live here, both about stores that can hold objects under retention
   retention policy that governs the store (steps that are multiples of
   ``keep_every``), because those are the generations kept for ever; without any
   retention policy nothing is ever deleted, so every generation is. A generation
-  pinned later is locked when it is pinned (:func:`ckptvault.lifecycle.marks.pin`).
+  pinned later is locked when it is pinned (:func:`ckptvault.retention.marks.pin`).
   The manager installs the rule on each tier's store once (:func:`install_lock_rule`);
   the store's publish rule asks it with the step of each generation it publishes,
   whether written by a save or copied by replication.
@@ -29,8 +29,8 @@ from dataclasses import replace
 
 from ckptvault.errors import CheckpointError
 from ckptvault.format.layout import GenerationName
-from ckptvault.lifecycle.plan import DELETE, KEEP, MARK, MARKED, UNMARK, Decision, RetentionPlan
-from ckptvault.lifecycle.retention import Retention
+from ckptvault.retention.plan import DELETE, KEEP, MARK, MARKED, UNMARK, Decision, RetentionPlan
+from ckptvault.retention.policy import Retention
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.storage.retained import LockRule, RetainingStore
 

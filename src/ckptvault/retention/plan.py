@@ -5,7 +5,7 @@ metrics, deletion mark, pin, leases, whether it is known to verify), the rollbac
 floor, what is in flight and the time, and returns one :class:`Decision` per
 generation with its reasons. It reads and writes nothing, so every rule and every
 safety net is tested without a file (``tests/test_retention.py``); applying a plan
-is :mod:`ckptvault.lifecycle.apply`.
+is :mod:`ckptvault.retention.apply`.
 
 Deletion has two phases. A generation that no rule keeps is first *marked*: hidden
 from restore and ``ls`` but intact, so ``ckptvault gc --undelete STEP`` can bring it
@@ -59,7 +59,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 
 from ckptvault.format.layout import GenerationName, format_timestamp
-from ckptvault.lifecycle.decisions import (
+from ckptvault.retention.decisions import (
     ABANDONED,
     DELETE,
     DROPPED,
@@ -84,7 +84,7 @@ from ckptvault.lifecycle.decisions import (
     OrphanMark,
     RetentionPlan,
 )
-from ckptvault.lifecycle.retention import RetentionRule, RuleInput
+from ckptvault.retention.policy import RetentionRule, RuleInput
 from ckptvault.trust.ledger import RestoreFloor
 
 _LATEST = datetime.max.replace(tzinfo=timezone.utc)

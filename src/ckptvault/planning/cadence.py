@@ -1,7 +1,7 @@
 """How often to checkpoint: Young's and Daly's intervals and what an interval costs.
 
 Pure functions, no I/O; ``ckptvault plan`` (:mod:`ckptvault.cli.plan`) wires them to
-the command line, :mod:`ckptvault.lifecycle.sizing` sizes checkpoints and storage.
+the command line, :mod:`ckptvault.planning.sizing` sizes checkpoints and storage.
 
 Symbols, all in seconds: ``C`` the cost of one save (for asynchronous saves the
 stall, the time ``save()`` blocks training), ``M`` the job's mean time between
@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from ckptvault.errors import UsageError
-from ckptvault.lifecycle.sizing import (
+from ckptvault.planning.sizing import (
     StorageForecast,
     required_write_bytes_per_s,
     storage_forecast,
@@ -154,7 +154,7 @@ def job_mtbf_seconds(nodes: int, node_mtbf_years: float) -> float:
 class PlanInputs:
     """What the planner knows; ``None`` where it was not given. Seconds throughout;
     ``checkpoint_bytes`` from ``--params`` or a store; ``keep`` maps tier to
-    generations kept (:func:`ckptvault.lifecycle.sizing.parse_keep`)."""
+    generations kept (:func:`ckptvault.planning.sizing.parse_keep`)."""
 
     save_seconds: float | None = None
     mtbf_seconds: float | None = None

@@ -6,8 +6,8 @@ marks, pins, leases, and, for ``keep_best``, metrics from manifests through the
 bounded structure checks), remembers which generations are known to verify, and
 verifies more (every byte, :func:`~ckptvault.trust.checks.verify_generation`) only
 when the plan is held back for want of a verified generation or fallback. A
-generation a store holds under Object Lock is kept (:mod:`~ckptvault.lifecycle.locks`).
-Applying is :class:`~ckptvault.lifecycle.apply.PlanApplier`, over every store.
+generation a store holds under Object Lock is kept (:mod:`~ckptvault.retention.locks`).
+Applying is :class:`~ckptvault.retention.apply.PlanApplier`, over every store.
 
 Everything is known by the generation's *name* (step and id), never by its id alone:
 a copy planted under another step with a genuine id is another generation, unknown
@@ -15,7 +15,7 @@ until checked. The structure of every generation a rule keeps (each takes a rule
 place) is checked once (:func:`~ckptvault.trust.checks.check_structure`, bounded);
 one that fails (its manifest names another generation or run, ...) is not counted
 by any rule and is left alone. Marks in any tier whose generation the first store no
-longer lists are finished in their own tier only (:class:`~ckptvault.lifecycle.plan.OrphanMark`).
+longer lists are finished in their own tier only (:class:`~ckptvault.retention.plan.OrphanMark`).
 
 A deletion mark dates a deletion, and a marked generation is no restore candidate, so
 retention counts a mark only where restore would and where whoever wrote it could
@@ -33,19 +33,19 @@ from datetime import datetime, timezone
 from ckptvault.errors import CheckpointError, UsageError
 from ckptvault.events import Event
 from ckptvault.format.layout import GenerationName, generation_id_time
-from ckptvault.lifecycle.apply import AppliedPlan, PlanApplier
-from ckptvault.lifecycle.locks import keep_locked
-from ckptvault.lifecycle.marks import read_leases, read_marks, read_orphan_marks, read_pins
-from ckptvault.lifecycle.plan import (
+from ckptvault.progress import Progress
+from ckptvault.retention.apply import AppliedPlan, PlanApplier
+from ckptvault.retention.locks import keep_locked
+from ckptvault.retention.marks import read_leases, read_marks, read_orphan_marks, read_pins
+from ckptvault.retention.plan import (
     GenerationFacts,
     Mark,
     OrphanMark,
     RetentionPlan,
     plan_retention,
 )
-from ckptvault.lifecycle.retention import KeepBest, RetentionRule
-from ckptvault.lifecycle.vouching import TierVouching
-from ckptvault.progress import Progress
+from ckptvault.retention.policy import KeepBest, RetentionRule
+from ckptvault.retention.vouching import TierVouching
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import (
     UNVERIFIED_SIGNER,
@@ -150,7 +150,7 @@ class GarbageCollector:
         uncounted: Iterable[str] = (),
     ) -> RetentionPlan:
         """The plan for now (``in_flight`` and ``uncounted``: see
-        :func:`~ckptvault.lifecycle.plan.plan_retention`). When it is held back only because a generation's
+        :func:`~ckptvault.retention.plan.plan_retention`). When it is held back only because a generation's
         verification is unknown (no verified newest, no fallback yet) and something
         would go otherwise, that generation is verified and the plan made again."""
         now = now or datetime.now(timezone.utc)

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptvault.errors import CheckpointError
-from ckptvault.lifecycle.catalog import Catalog
-from ckptvault.lifecycle.catalog_schema import Record
+from ckptvault.observe.catalog import Catalog
+from ckptvault.observe.catalog_schema import Record
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What a retention plan is made of: the facts about a generation, a deletion mark,
 one decision per generation and the plan itself, and the names of actions and
-reasons. The planner that fills them is :mod:`ckptvault.lifecycle.plan`.
+reasons. The planner that fills them is :mod:`ckptvault.retention.plan`.
 """
 
 from __future__ import annotations
