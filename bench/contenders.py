@@ -61,7 +61,7 @@ def raw_write_behind(path: Path, tensors: dict[str, torch.Tensor], files: int) -
     """The disk's limit for a durable write: the same bytes split over ``files`` files
     written in parallel (as ckptvault does), 8 MiB writes handed to writeback at once
     (sync_file_range), one fsync per file. No hashing, no format, no manifest."""
-    from ckptvault.storage.posix_files import PosixWritableFile
+    from ckptvault.storage.posix.files import PosixWritableFile
 
     path.mkdir()
     groups: list[list[torch.Tensor]] = [[] for _ in range(files)]

@@ -133,7 +133,7 @@ def measure_listing(generations: int, root: Path) -> dict[str, float]:
 def copy_to_s3(store: Path, url: str) -> None:
     """Every published generation of a POSIX store, key for key, into an S3 store: the
     same bytes where an S3 save puts them (a manifest holds no path)."""
-    from ckptvault.storage.s3 import S3Store
+    from ckptvault.storage.s3.store import S3Store
 
     source, target = open_store(store), S3Store(url)
     uploads = [

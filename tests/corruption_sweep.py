@@ -38,7 +38,7 @@ import torch
 import ckptvault as cv
 from ckptvault.errors import CheckpointError, NoValidCheckpoint
 from ckptvault.storage.base import GenerationRef
-from ckptvault.storage.posix import PosixStore
+from ckptvault.storage.posix.store import PosixStore
 from ckptvault.trust.checks import TrustPolicy, verify_generation
 from reliability import budget, long_run
 

@@ -38,7 +38,7 @@ PRELOAD = (
     "typer._adapters", "typer._click.decorators", "rich._emoji_codes", "zoneinfo",
     "_strptime", "wsgiref.simple_server", "ckptvault", "ckptvault.manager", "ckptvault.cli",
     "ckptvault.distributed.coordinator", "ckptvault.distributed.replicas",
-    "ckptvault.storage.s3", "crash_state", "crash_worker",
+    "ckptvault.storage.s3.store", "crash_state", "crash_worker",
 )  # fmt: skip
 _ENV = (
     "XDG_STATE_HOME",

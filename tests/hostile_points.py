@@ -22,7 +22,7 @@ import ckptvault as cv
 from ckptvault.cli import main
 from ckptvault.errors import NoValidCheckpoint
 from ckptvault.ops.export import export_weights
-from ckptvault.storage.posix import PosixStore
+from ckptvault.storage.posix.store import PosixStore
 from ckptvault.trust.checks import TrustPolicy, verify_generation
 from ckptvault.trust.keystore import LocalKeyStore
 from ckptvault.trust.signing import TrustedKeys

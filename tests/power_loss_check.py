@@ -29,7 +29,7 @@ import torch
 
 import ckptvault as cv
 from ckptvault.errors import CheckpointError
-from ckptvault.storage.posix import PosixStore
+from ckptvault.storage.posix.store import PosixStore
 from ckptvault.trust.audit_verify import verify_audit_log
 from ckptvault.trust.checks import TrustPolicy, verify_generation
 from ckptvault.trust.ledger import Ledger

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import cast
 
 from ckptvault.storage.base import GenerationRef, Store
-from ckptvault.storage.s3 import S3Store
-from ckptvault.storage.s3_layout import SPREAD_DIGITS, rank_of, spread_digit
-from ckptvault.storage.s3_options import S3Options
+from ckptvault.storage.s3.layout import SPREAD_DIGITS, rank_of, spread_digit
+from ckptvault.storage.s3.options import S3Options
+from ckptvault.storage.s3.store import S3Store
 from s3_server import new_bucket, s3_client
 
 SECRET = b"an object outside the store that must never be served, changed or deleted"

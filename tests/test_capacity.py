@@ -16,7 +16,7 @@ import torch
 
 import ckptvault as cv
 from ckptvault.errors import StorageFullError
-from ckptvault.storage.posix import PosixStore
+from ckptvault.storage.posix.store import PosixStore
 from conftest import mounted_tmpfs, run_cli
 
 MiB = 1024 * 1024

@@ -149,8 +149,8 @@ def test_remote_tier_fails_when_restore_ignores_it(context, tmp_path, monkeypatc
 
 
 def test_storage_full_fails_without_typed_errors(context, tmp_path, monkeypatch) -> None:
-    from ckptvault.storage import posix_files
-    from ckptvault.storage.posix import PosixStore
+    from ckptvault.storage.posix import files as posix_files
+    from ckptvault.storage.posix.store import PosixStore
 
     assert run(context, "storage-full", tmp_path / "with").passed in (True, None)
     monkeypatch.setattr(PosixStore, "check_capacity", lambda self, nbytes, nfiles: None)
@@ -186,7 +186,7 @@ import os
 import time
 from ckptvault.format.layout import generation_dirname, parse_generation_dirname
 from ckptvault.saving import generation_writer
-from ckptvault.storage import posix_publish
+from ckptvault.storage.posix import publish as posix_publish
 from ckptvault.storage.base import GenerationRef, write_new_file
 
 steps = {}

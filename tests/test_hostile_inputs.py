@@ -32,7 +32,7 @@ from ckptvault.errors import (
 )
 from ckptvault.format.container import MAGIC
 from ckptvault.format.manifest import MAX_MANIFEST_BYTES
-from ckptvault.storage.posix import PosixStore
+from ckptvault.storage.posix.store import PosixStore
 from ckptvault.trust.checks import verify_generation
 from conftest import (
     assert_same_tensors,

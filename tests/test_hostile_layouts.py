@@ -22,7 +22,7 @@ import ckptvault as cv
 from ckptvault.errors import NoValidCheckpoint
 from ckptvault.format.index import MAX_INDEX_BYTES
 from ckptvault.format.tensorfile import build_header, header_length, parse_header
-from ckptvault.storage.posix import PosixStore
+from ckptvault.storage.posix.store import PosixStore
 from ckptvault.trust import indexes as trust_indexes
 from ckptvault.trust.chunk_layout import tiling_problem
 from ckptvault.trust.digests import derived_file_digest

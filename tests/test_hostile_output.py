@@ -22,7 +22,7 @@ from ckptvault.errors import StoreLockedError
 from ckptvault.format.canonical import dumps_canonical
 from ckptvault.ops import export as export_module
 from ckptvault.ops.export import export_weights
-from ckptvault.storage.posix import PosixStore
+from ckptvault.storage.posix.store import PosixStore
 from ckptvault.storage.records import DELETION_MARK
 from ckptvault.trust import checks
 from ckptvault.trust.context import TrustContext

@@ -20,7 +20,7 @@ from ckptvault.errors import (
 )
 from ckptvault.state.apply import plan_restore
 from ckptvault.state.contract import compare_contracts
-from ckptvault.storage.posix import PosixStore
+from ckptvault.storage.posix.store import PosixStore
 from conftest import (
     make_training_state,
     train_steps,

@@ -21,7 +21,7 @@ import ckptvault as cv
 from ckptvault.errors import KeyDestroyedError, KeyUnavailableError, StoreLockedError, UsageError
 from ckptvault.format.canonical import dumps_canonical
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME
-from ckptvault.ops.rotate import (
+from ckptvault.ops.rotation.rotate import (
     ALREADY_ROTATED,
     FAILED,
     NOT_REACHED,
@@ -325,7 +325,7 @@ def test_rotation_killed_between_signature_and_manifest_resumes(store, keystore,
     script = textwrap.dedent(
         f"""
         import os
-        from ckptvault.ops.rotate import rotate_run_key
+        from ckptvault.ops.rotation.rotate import rotate_run_key
 
         real_rename, renamed = os.rename, []
 

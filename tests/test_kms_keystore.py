@@ -20,9 +20,10 @@ from blake3 import blake3
 import ckptvault as cv
 from ckptvault.errors import KeyDestroyedError, KeyServiceError, KeyUnavailableError, UsageError
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME
-from ckptvault.ops.rotate import ALREADY_ROTATED, NOT_REACHED, ROTATED, rotate_run_key
-from ckptvault.trust.keystore import RotatingKeyStore, open_keystore
-from ckptvault.trust.kms_keystore import (
+from ckptvault.ops.rotation.rotate import ALREADY_ROTATED, NOT_REACHED, ROTATED, rotate_run_key
+from ckptvault.trust.keystore import RotatingKeyStore
+from ckptvault.trust.keystores import open_keystore
+from ckptvault.trust.kms.keystore import (
     DEFAULT_ALIAS_PREFIX,
     TAG_DESTROYED,
     TAG_RUN_HASH,

@@ -39,12 +39,13 @@ from ckptvault.format.layout import (
     new_generation_id,
 )
 from ckptvault.retention.marks import put_mark
-from ckptvault.storage import open_store, posix_records
-from ckptvault.storage import s3 as s3_module
-from ckptvault.storage import s3_client as s3_client_module
-from ckptvault.storage.posix import PosixStore
-from ckptvault.storage.s3 import S3Store
-from ckptvault.storage.s3_layout import spread_digit
+from ckptvault.storage import open_store
+from ckptvault.storage.posix import records as posix_records
+from ckptvault.storage.posix.store import PosixStore
+from ckptvault.storage.s3 import client as s3_client_module
+from ckptvault.storage.s3 import store as s3_module
+from ckptvault.storage.s3.layout import spread_digit
+from ckptvault.storage.s3.store import S3Store
 from ckptvault.trust.signing import generate_keypair
 from conftest import REPO, only_tensor_file, writable
 from s3_server import s3_client

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptvault.storage.posix import PosixStore
+from ckptvault.storage.posix.store import PosixStore
 from ckptvault.storage.records import PIN
 from ckptvault.trust.audit import AuditLog
 from ckptvault.trust.audit_verify import verify_audit_log

@@ -22,7 +22,7 @@ import ckptvault as cv
 from ckptvault.errors import StoreLockedError, UsageError
 from ckptvault.format.layout import MANIFEST_NAME
 from ckptvault.storage import S3Options, open_store
-from ckptvault.storage.s3 import S3Store
+from ckptvault.storage.s3.store import S3Store
 from ckptvault.trust.signing import generate_keypair
 from conftest import assert_same_tensors, make_training_state, model_snapshot, train_steps
 from s3_server import new_bucket, s3_client

@@ -22,7 +22,7 @@ from ckptvault.format.layout import MANIFEST_NAME
 from ckptvault.storage import open_store
 from ckptvault.storage.records import DELETION_MARK
 from ckptvault.storage.retained import RetainingStore
-from ckptvault.storage.s3 import S3Store
+from ckptvault.storage.s3.store import S3Store
 from conftest import run_cli
 from s3_server import new_bucket, s3_client
 

@@ -18,11 +18,11 @@ import pytest
 from ckptvault.errors import SaveFailedError, StoreLockedError, UnsafeEntryError, UsageError
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, new_generation_id
 from ckptvault.storage import open_store
-from ckptvault.storage.s3 import S3Store
-from ckptvault.storage.s3_layout import OWN_PREFIX, S3Layout, classify_entries, spread_digit
-from ckptvault.storage.s3_options import S3Options, parse_s3_url
-from ckptvault.storage.s3_read import S3ObjectReader, head_object
-from ckptvault.storage.s3_upload import MAX_PARTS, part_size_for
+from ckptvault.storage.s3.layout import OWN_PREFIX, S3Layout, classify_entries, spread_digit
+from ckptvault.storage.s3.options import S3Options, parse_s3_url
+from ckptvault.storage.s3.read import S3ObjectReader, head_object
+from ckptvault.storage.s3.store import S3Store
+from ckptvault.storage.s3.upload import MAX_PARTS, part_size_for
 from s3_saboteurs import fresh_bucket_store
 from s3_server import new_bucket, s3_client
 

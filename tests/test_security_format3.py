@@ -30,7 +30,7 @@ from ckptvault.errors import CheckpointError
 from ckptvault.format.canonical import dumps_canonical
 from ckptvault.format.manifest import parse_manifest
 from ckptvault.format.tensor_table import Runs, TensorLayout, TensorTable, parse_tensor_table
-from ckptvault.storage.posix import PosixStore
+from ckptvault.storage.posix.store import PosixStore
 from ckptvault.trust.checks import check_structure
 from ckptvault.trust.digests import derived_file_digest
 from conftest import make_training_state, run_cli, writable

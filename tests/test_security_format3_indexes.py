@@ -24,9 +24,9 @@ from ckptvault.errors import CheckpointError, IntegrityError
 from ckptvault.format.manifest import parse_manifest
 from ckptvault.io.verified_ranges import VerifiedRanges
 from ckptvault.replication.replicator import copy_generation
-from ckptvault.storage.posix import PosixStore
-from ckptvault.storage.posix_files import PosixWritableFile
-from ckptvault.storage.posix_publish import AtomicRename
+from ckptvault.storage.posix.files import PosixWritableFile
+from ckptvault.storage.posix.publish import AtomicRename
+from ckptvault.storage.posix.store import PosixStore
 from ckptvault.trust.checks import check_structure
 from ckptvault.trust.indexes import indexes_for_regions
 from ckptvault.trust.problems import GenerationRejected

@@ -25,9 +25,9 @@ from ckptvault.format.layout import MANIFEST_NAME
 from ckptvault.format.manifest import parse_manifest
 from ckptvault.io import dcp_io
 from ckptvault.storage import open_store
-from ckptvault.storage import s3 as s3_module
-from ckptvault.storage.s3 import S3Store
-from ckptvault.storage.s3_client import S3Client
+from ckptvault.storage.s3 import store as s3_module
+from ckptvault.storage.s3.client import S3Client
+from ckptvault.storage.s3.store import S3Store
 from ckptvault.trust.checks import check_structure
 from conftest import writable
 from s3_server import s3_client

@@ -29,7 +29,7 @@ from ckptvault.errors import UsageError
 from ckptvault.events import Deleted, Published, Validated
 from ckptvault.format.layout import GenerationName, generation_dirname, new_generation_id
 from ckptvault.observe.catalog import Catalog, validated_generations
-from ckptvault.ops.sign import sign_generations
+from ckptvault.ops.signing.sign import sign_generations
 from ckptvault.storage import open_store
 from ckptvault.storage.records import DELETION_MARK
 from ckptvault.trust.signing import generate_keypair
@@ -295,7 +295,7 @@ def test_status_reads_no_planted_replica_record(tmp_path, monkeypatch):
     """``ckptvault status`` (and a Prometheus scrape of it) read every replica record in
     the store, whatever its name: thousands planted cost a read each, every scrape."""
     from ckptvault.observe.health import check_health
-    from ckptvault.storage import posix_records
+    from ckptvault.storage.posix import records as posix_records
 
     local, replica = tmp_path / "local", tmp_path / "replica"
     save_steps(local, "r", (1, 2), replicate_to=replica)

@@ -16,8 +16,8 @@ import ckptvault as cv
 from ckptvault.errors import NoValidCheckpoint, StoreLockedError, UsageError
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME
 from ckptvault.ops import sign_steps
-from ckptvault.ops.sign import sign_generations
-from ckptvault.ops.sign_steps import ALREADY_SIGNED, FAILED, REFUSED, SIGNED, SKIPPED
+from ckptvault.ops.signing.sign import sign_generations
+from ckptvault.ops.signing.steps import ALREADY_SIGNED, FAILED, REFUSED, SIGNED, SKIPPED
 from ckptvault.trust.signing import MANIFEST_DOMAIN, generate_keypair, load_private_key, sign
 from conftest import only_tensor_file, run_cli, writable
 

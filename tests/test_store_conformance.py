@@ -46,7 +46,7 @@ from ckptvault.errors import (
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, new_generation_id
 from ckptvault.storage import open_store
 from ckptvault.storage.base import EntryInfo, GenerationRef, StagingArea, Store
-from ckptvault.storage.posix import PosixStore
+from ckptvault.storage.posix.store import PosixStore
 from conftest import REPO
 from s3_saboteurs import S3_ENTRY_SABOTEURS, S3_STORE_SABOTEURS, make_s3_store
 

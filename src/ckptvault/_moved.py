@@ -59,9 +59,42 @@ MOVED_PACKAGES: dict[str, dict[str, str]] = {
 }
 # Old module name -> new module path (modules that moved one by one).
 MOVED_MODULES: dict[str, str] = {
-    f"{package}.{old}": new
-    for package, modules in MOVED_PACKAGES.items()
-    for old, new in modules.items()
+    **{
+        f"{package}.{old}": new
+        for package, modules in MOVED_PACKAGES.items()
+        for old, new in modules.items()
+    },
+    **{
+        f"ckptvault.storage.posix_{m}": f"ckptvault.storage.posix.{m}"
+        for m in ("cleanup", "files", "publish", "records", "replace")
+    },
+    **{
+        f"ckptvault.storage.s3_{m}": f"ckptvault.storage.s3.{m}"
+        for m in (
+            "cleanup",
+            "client",
+            "layout",
+            "lease",
+            "options",
+            "publish",
+            "read",
+            "replace",
+            "upload",
+            "versions",
+        )
+    },
+    **{
+        f"ckptvault.trust.kms_{m}": f"ckptvault.trust.kms.{m}"
+        for m in ("client", "erase", "keystore", "names", "rotation", "run_keys")
+    },
+    "ckptvault.ops.rotate": "ckptvault.ops.rotation.rotate",  # documented in the README
+    **{
+        f"ckptvault.ops.rotation_{m}": f"ckptvault.ops.rotation.{m}"
+        for m in ("journal", "report", "steps", "survey")
+    },
+    "ckptvault.ops.sign": "ckptvault.ops.signing.sign",  # documented in the README
+    "ckptvault.ops.sign_steps": "ckptvault.ops.signing.steps",
+    "ckptvault.ops.doctor_s3": "ckptvault.ops.doctor.s3",
 }
 
 

@@ -36,7 +36,7 @@ from ckptvault.state.names import ApplyOptions, Rename
 from ckptvault.state.ranks import capture_ranked, unwrap_entries
 from ckptvault.storage import StoreLocation
 from ckptvault.storage.listing import GenerationInfo, list_generation_infos
-from ckptvault.storage.s3_options import S3Options
+from ckptvault.storage.s3.options import S3Options
 from ckptvault.trust.keystore import KeyStore
 from ckptvault.trust.signing import PublicKeyLike
 

@@ -18,7 +18,8 @@ from ckptvault.cli._common import (
     print_json,
     safe_markup,
 )
-from ckptvault.ops.doctor import FAIL, WARN, Places, diagnose
+from ckptvault.ops.doctor.diagnose import Places, diagnose
+from ckptvault.ops.doctor.findings import FAIL, WARN
 
 _STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 

@@ -23,7 +23,7 @@ from ckptvault.cli._common import (
 )
 from ckptvault.cli._progress import progress_bar
 from ckptvault.storage import S3Options
-from ckptvault.trust.keystore import open_keystore
+from ckptvault.trust.keystores import open_keystore
 
 if TYPE_CHECKING:
     from ckptvault.ops.export import ExportResult  # imports torch

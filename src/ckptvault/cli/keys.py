@@ -7,10 +7,10 @@
   generation and copy of it becomes unreadable. Recorded in the audit log.
 - ``keys rotate --keystore K --run RUN --store URL [--store URL ...] [--signing-key K]
   [--trusted-key P]``: a new KEK for the run, every generation re-wrapped without
-  rewriting a tensor file (``ckptvault.ops.rotate``). Recorded in the audit log.
+  rewriting a tensor file (``ckptvault.ops.rotation.rotate``). Recorded in the audit log.
 
 ``K`` is a key store directory or a ``kms://`` URL (AWS KMS, see
-``ckptvault.trust.kms_keystore``).
+``ckptvault.trust.kms.keystore``).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from rich.table import Table
 from ckptvault.cli._common import S3EndpointUrl, out, print_json, safe_markup
 from ckptvault.cli._progress import progress_bar
 from ckptvault.errors import UsageError
-from ckptvault.ops.rotation_report import FAILED, NOT_REACHED, RotationReport
+from ckptvault.ops.rotation.report import FAILED, NOT_REACHED, RotationReport
 from ckptvault.storage import S3Options
 from ckptvault.trust.context import TrustContext
-from ckptvault.trust.keystore import open_keystore
+from ckptvault.trust.keystores import open_keystore
 from ckptvault.trust.signing import generate_keypair
 
 KEYSTORE_HELP = "The key store: a directory, or a kms:// URL (AWS KMS)."
@@ -160,7 +160,7 @@ def rotate(
     command again. Exits 1 when some generation could not be re-wrapped (the old key
     is then kept, so that the run stays readable).
     """
-    from ckptvault.ops.rotate import rotate_run_key
+    from ckptvault.ops.rotation.rotate import rotate_run_key
 
     with progress_bar("re-wrapping generations", "items", as_json=as_json) as bar:
         report = rotate_run_key(

@@ -3,7 +3,7 @@ existing run.
 
 Each chosen generation is verified completely (every byte against its digests; an
 encrypted manifest's MAC with ``--keystore``), then gets its ``manifest.sig``
-(:mod:`ckptvault.ops.sign`); the adoption goes to the audit log. Exit 0 when every
+(:mod:`ckptvault.ops.signing.sign`); the adoption goes to the audit log. Exit 0 when every
 chosen generation of the run is signed; 1 when one failed verification or is signed
 by another key (the others are signed; the report says which); 2 for a usage error,
 with nothing signed.
@@ -28,10 +28,10 @@ from ckptvault.cli._common import (
 from ckptvault.cli._progress import progress_bar
 from ckptvault.errors import UsageError
 from ckptvault.storage import S3Options
-from ckptvault.trust.keystore import open_keystore
+from ckptvault.trust.keystores import open_keystore
 
 if TYPE_CHECKING:
-    from ckptvault.ops.sign import SignReport
+    from ckptvault.ops.signing.sign import SignReport
 
 _SigningKey = Annotated[
     Path, typer.Option("--signing-key", help="The private key to sign with (Ed25519 PEM).")
@@ -78,7 +78,7 @@ def sign(
     For a run that started unsigned: afterwards trusted_keys= restores its history.
     Run it between training jobs (it takes the store's writer lock).
     """
-    from ckptvault.ops.sign import sign_generations
+    from ckptvault.ops.signing.sign import sign_generations
 
     if step is not None and every:
         raise UsageError("--step and --all are mutually exclusive")

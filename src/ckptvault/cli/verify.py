@@ -41,7 +41,7 @@ from ckptvault.trust.checks import (
     verify_generation,
 )
 from ckptvault.trust.context import TrustContext
-from ckptvault.trust.keystore import open_keystore
+from ckptvault.trust.keystores import open_keystore
 from ckptvault.trust.ledger import Ledger
 from ckptvault.trust.signing import TrustedKeys
 

@@ -29,9 +29,10 @@ from ckptvault.errors import (
 )
 from ckptvault.storage import open_store
 from ckptvault.storage.base import Store
-from ckptvault.storage.s3_options import S3Options
+from ckptvault.storage.s3.options import S3Options
 from ckptvault.trust.context import TrustContext
-from ckptvault.trust.keystore import KeyStore, open_keystore
+from ckptvault.trust.keystore import KeyStore
+from ckptvault.trust.keystores import open_keystore
 from ckptvault.trust.problems import GenerationRejected
 from ckptvault.trust.signing import PrivateKeyLike, PublicKeyLike, TrustedKeys, load_private_key
 

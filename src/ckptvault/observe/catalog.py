@@ -100,7 +100,7 @@ def store_key(location: str | os.PathLike[str]) -> str:
     the ``store=`` filters of the readers, given what a user typed."""
     text = os.fspath(location)
     if text.startswith("s3://"):
-        from ckptvault.storage.s3_options import parse_s3_url
+        from ckptvault.storage.s3.options import parse_s3_url
 
         return parse_s3_url(text).url
     if text.startswith("file://"):

@@ -69,7 +69,7 @@ class StoreUsage:
 def filesystem_use(store: Store) -> FilesystemUse | None:
     """The filesystem use under a POSIX store (its nearest existing directory: a store
     not created yet lives where it will be); None for other stores."""
-    from ckptvault.storage.posix import PosixStore
+    from ckptvault.storage.posix.store import PosixStore
 
     if not isinstance(store, PosixStore):
         return None

@@ -44,6 +44,7 @@ from ckptvault.ops.consolidate import (
     write_tensor_file,
 )
 from ckptvault.ops.export_manifest import (
+    ExportResult,
     export_manifest_paths,
     write_export_manifest,
 )
@@ -71,18 +72,6 @@ SIGNING_NEEDS_TRUST = (
     "signing an export vouches for its source: pass trusted_keys= so the "
     "source generation's signature is verified first"
 )
-
-
-@dataclass(frozen=True)
-class ExportResult:
-    path: Path
-    tensors: int
-    bytes: int
-    blake3: str
-    run_id: str
-    step: int
-    generation_id: str
-    manifest_path: Path | None
 
 
 def export_weights(

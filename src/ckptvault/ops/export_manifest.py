@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from blake3 import blake3
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -19,10 +19,21 @@ from ckptvault.format.canonical import dumps_canonical, loads_canonical
 from ckptvault.format.layout import utc_now
 from ckptvault.trust.signing import EXPORT_DOMAIN, PublicKeyLike, TrustedKeys, sign, verify
 
-if TYPE_CHECKING:
-    from ckptvault.ops.export import ExportResult
-
 EXPORT_FORMAT = "ckptvault-export/1"
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What an export wrote (:func:`ckptvault.ops.export.export_weights`) and from where."""
+
+    path: Path
+    tensors: int
+    bytes: int
+    blake3: str
+    run_id: str
+    step: int
+    generation_id: str
+    manifest_path: Path | None
 
 
 def export_manifest_paths(out: Path) -> tuple[Path, Path]:

@@ -26,10 +26,11 @@ from ckptvault.state.apply import checked_plan
 from ckptvault.state.names import ApplyOptions
 from ckptvault.storage import StoreLocation, open_store
 from ckptvault.storage.base import GenerationRef
-from ckptvault.storage.s3_options import S3Options
+from ckptvault.storage.s3.options import S3Options
 from ckptvault.trust.checks import TrustPolicy
 from ckptvault.trust.context import TrustContext, _trusted_keys
-from ckptvault.trust.keystore import KeyStore, open_keystore
+from ckptvault.trust.keystore import KeyStore
+from ckptvault.trust.keystores import open_keystore
 from ckptvault.trust.signing import PublicKeyLike
 
 

@@ -12,8 +12,8 @@ from urllib.parse import unquote, urlsplit
 
 from ckptvault.errors import UsageError
 from ckptvault.storage.base import Store
-from ckptvault.storage.posix import PosixStore
-from ckptvault.storage.s3_options import S3Options
+from ckptvault.storage.posix.store import PosixStore
+from ckptvault.storage.s3.options import S3Options
 
 StoreLocation = str | os.PathLike[str]
 
@@ -60,7 +60,7 @@ def open_store(
 
 
 def _open_s3_store(url: str, must_exist: bool, options: S3Options | None) -> Store:
-    from ckptvault.storage.s3 import S3Store  # only now: local stores never load boto3
+    from ckptvault.storage.s3.store import S3Store  # only now: local stores never load boto3
 
     store = S3Store(url, options)
     if must_exist:

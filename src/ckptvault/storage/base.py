@@ -215,8 +215,8 @@ class Store(Protocol):
     ) -> None:
         """Replace a published generation's manifest (and signature): the one change
         ever made to a published generation, for key rotation, which rewrites only
-        the key wrapping (``ckptvault.ops.rotate``), and for adopting signatures
-        (``ckptvault.ops.sign``: the same manifest bytes, a signature added). Never
+        the key wrapping (``ckptvault.ops.rotation.rotate``), and for adopting signatures
+        (``ckptvault.ops.signing.sign``: the same manifest bytes, a signature added). Never
         touches a data file.
 
         Needs the writer lock. ``replaces`` is the exact manifest the caller verified;

@@ -15,7 +15,7 @@ applies it after the structure checks when the reader's policy asks for it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ckptvault.errors import FormatError, KeyDestroyedError, KeyUnavailableError
 from ckptvault.format.layout import MANIFEST_NAME, encrypted_state_reference, is_encrypted_name
@@ -32,12 +32,23 @@ from ckptvault.trust.problems import (
     Problem,
 )
 
-if TYPE_CHECKING:  # checks imports this module: the type only, to keep the order one way
-    from ckptvault.trust.checks import CheckedGeneration
+
+class Checked(Protocol):
+    """What this rule reads of a structurally checked generation
+    (:class:`~ckptvault.trust.checks.CheckedGeneration`; checks imports this module)."""
+
+    @property
+    def ref(self) -> GenerationRef: ...
+
+    @property
+    def manifest(self) -> Manifest: ...
+
+    @property
+    def manifest_bytes(self) -> bytes: ...
 
 
 def check_authenticity(
-    checked: CheckedGeneration, keystore: KeyStore | None, require_encryption: bool
+    checked: Checked, keystore: KeyStore | None, require_encryption: bool
 ) -> None:
     """In an encrypted run (``require_encryption``) every file encrypted, and an
     encrypted manifest's MAC made with its run's key, over exactly the bytes that were
@@ -72,7 +83,7 @@ def _require_all_encrypted(ref: GenerationRef, manifest: Manifest) -> None:
         )
 
 
-def _authenticate(checked: CheckedGeneration, keystore: KeyStore | None) -> None:
+def _authenticate(checked: Checked, keystore: KeyStore | None) -> None:
     """An encrypted manifest must carry a MAC made with its run's key, over exactly
     the bytes that were parsed (see :mod:`ckptvault.trust.manifest_auth`)."""
     ref, manifest = checked.ref, checked.manifest

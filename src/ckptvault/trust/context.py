@@ -25,7 +25,8 @@ from ckptvault.format.layout import GenerationName
 from ckptvault.storage.base import Store
 from ckptvault.trust.audit import AuditLog, default_audit_path
 from ckptvault.trust.checks import TrustPolicy
-from ckptvault.trust.keystore import KeyInfo, KeyStore, open_keystore
+from ckptvault.trust.keystore import KeyInfo, KeyStore
+from ckptvault.trust.keystores import open_keystore
 from ckptvault.trust.ledger import Ledger, RestoreFloor, default_ledger_path
 from ckptvault.trust.recorders import AuditRecorder, FloorKeeper
 from ckptvault.trust.signing import (

@@ -6,12 +6,12 @@ makes every generation and every copy of the run unreadable at once: crypto-eras
 
 The :class:`KeyStore` protocol wraps and unwraps data keys rather than handing out
 the KEK, so a cloud KMS (whose keys never leave it) implements it too
-(:mod:`ckptvault.trust.kms_keystore`, ``kms://`` URLs). :class:`LocalKeyStore` keeps
+(:mod:`ckptvault.trust.kms.keystore`, ``kms://`` URLs). :class:`LocalKeyStore` keeps
 each KEK as a 0600 file in a directory that must live outside the checkpoint store,
 and leaves a tombstone when a key is destroyed.
 
 A :class:`RotatingKeyStore` can also give a run a new KEK without touching a tensor
-file (``ckptvault.ops.rotate``): :meth:`~RotatingKeyStore.begin_rotation` makes the
+file (``ckptvault.ops.rotation.rotate``): :meth:`~RotatingKeyStore.begin_rotation` makes the
 new KEK current and keeps the old one *retired* (still able to unwrap, never to
 wrap), :meth:`~RotatingKeyStore.rewrap` moves one wrapped key from the retired KEK
 to the current one under the same context, and
@@ -374,14 +374,3 @@ class LocalKeyStore:
                 infos[run_id] = KeyInfo(run_id, kek_id, created, destroyed)
         return sorted(infos.values(), key=lambda info: info.run_id)
 
-
-def open_keystore(source: str | os.PathLike[str] | KeyStore) -> KeyStore:
-    """A key store from a directory (:class:`LocalKeyStore`), a ``kms://`` URL (see
-    :meth:`ckptvault.trust.kms_keystore.KmsKeyStore.from_url`) or a key store object."""
-    if isinstance(source, str) and source.startswith("kms://"):
-        from ckptvault.trust.kms_keystore import KmsKeyStore  # boto3 only when asked for
-
-        return KmsKeyStore.from_url(source)
-    if isinstance(source, (str, os.PathLike)):
-        return LocalKeyStore(source)
-    return source

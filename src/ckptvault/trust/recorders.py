@@ -3,7 +3,7 @@ floor and the audit log. They only record what the manager's parts already did."
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from ckptvault.events import (
     Deleted,
@@ -17,8 +17,12 @@ from ckptvault.events import (
 )
 from ckptvault.trust.ledger import Ledger
 
-if TYPE_CHECKING:
-    from ckptvault.trust.context import TrustContext
+
+class Recording(Protocol):
+    """Where the audit recorder writes: :class:`~ckptvault.trust.context.TrustContext`
+    (which builds the recorders; this module never imports it)."""
+
+    def record(self, done: str, event: str, **fields: Any) -> None: ...
 
 
 class FloorKeeper:
@@ -60,7 +64,7 @@ class FloorKeeper:
 class AuditRecorder:
     """Appends one audit entry per event (two for an allowed rollback)."""
 
-    def __init__(self, trust: TrustContext) -> None:
+    def __init__(self, trust: Recording) -> None:
         self.trust = trust
 
     def __call__(self, event: Event) -> None:

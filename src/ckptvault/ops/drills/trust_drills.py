@@ -62,7 +62,7 @@ def _rollback_drill(context: DrillContext) -> Outcome:
 def _key_destroyed_drill(context: DrillContext) -> Outcome:
     if context.keystore is None:
         raise DrillSkipped("the run is not encrypted: there is no key to destroy")
-    from ckptvault.trust.keystore import open_keystore
+    from ckptvault.trust.keystores import open_keystore
 
     label = "key-destroyed"
     store = context.fresh_copy(label)

@@ -1,0 +1,255 @@
+"""``ckptvault doctor``: check a deployment's security and durability posture and
+say what to fix.
+
+The checks look at where things live and who may write them, never at checkpoint
+contents (``ckptvault verify`` does that): the store (its permissions, its
+filesystem, its free space), the control-plane files outside it (rollback ledger,
+audit log, catalog, key store, signing key) and, for an ``s3://`` store, the bucket's
+protections and the credentials in use (:mod:`ckptvault.ops.doctor.s3`). Each check
+yields a :class:`Finding`: ``ok``, ``warn`` (works, but weaker than it should be),
+``fail`` (a hole: fix it before trusting the store) or ``skip`` (could not check).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptvault.ops.doctor.findings import FAIL, OK, SKIP, WARN, Finding
+from ckptvault.storage.base import Store
+from ckptvault.trust.ledger import default_ledger_path
+
+# Filesystems whose contents do not outlive the machine, and those whose fsync and
+# rename guarantees depend on a server.
+VOLATILE_FS = {"tmpfs", "ramfs", "devtmpfs"}
+NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "fuse.sshfs", "9p", "virtiofs"}
+STORAGE_WARN_USED, STORAGE_FAIL_USED = 0.85, 0.95  # seed 002's storage threshold
+
+
+@dataclass(frozen=True)
+class Places:
+    """The control-plane files to check; None: the defaults beside the ledger."""
+
+    ledger: Path | None = None
+    audit_log: Path | None = None
+    keystore: str | None = None
+    signing_key: Path | None = None
+
+
+def diagnose(store: Store, places: Places) -> list[Finding]:
+    """Every check for ``store`` and the files in ``places``."""
+    findings: list[Finding] = []
+    root = _local_root(store)
+    if root is not None:
+        findings += check_store_directory(root)
+    else:
+        from ckptvault.ops.doctor.s3 import check_s3
+
+        findings += check_s3(store)
+    ledger = places.ledger or default_ledger_path()
+    for what, path in (
+        ("ledger", ledger),
+        ("audit log", places.audit_log or ledger.with_name("audit.jsonl")),
+        ("catalog", ledger.with_name("catalog.sqlite3")),
+    ):
+        findings += check_private_file(what, path, store)
+    if places.keystore is not None:
+        findings += check_keystore(places.keystore, store, root)
+    if places.signing_key is not None:
+        findings += check_private_file(
+            "signing key", places.signing_key, store, required=True, secret=True
+        )
+    return findings
+
+
+def _local_root(store: Store) -> Path | None:
+    root = getattr(store, "root", None)
+    return Path(root) if root is not None else None
+
+
+# -- the store directory -----------------------------------------------------------
+
+
+def check_store_directory(root: Path) -> list[Finding]:
+    info = os.stat(root)
+    findings = [_writers("store", root, info, directory=True)]
+    findings.append(_filesystem(root))
+    findings.append(_free_space(root))
+    return findings
+
+
+def _writers(what: str, path: Path, info: os.stat_result, directory: bool) -> Finding:
+    """Who besides its owner may change ``path``."""
+    mode = stat.S_IMODE(info.st_mode)
+    check = f"{what} permissions"
+    if mode & stat.S_IWOTH:  # sticky or not: anyone can plant generations
+        return Finding(
+            check,
+            FAIL,
+            f"{path} is writable by every user ({oct(mode)}): anyone can plant or delete "
+            "generations",
+            f"chmod o-w {path}, or keep the store in a directory of its own",
+        )
+    owner_is_me = not hasattr(os, "getuid") or info.st_uid in (os.getuid(), 0)
+    if not owner_is_me:
+        return Finding(
+            check,
+            WARN,
+            f"{path} belongs to uid {info.st_uid}, not to this user ({os.getuid()})",
+            "run the job as the store's owner, or make sure you trust that user",
+        )
+    if mode & stat.S_IWGRP:
+        return Finding(
+            check,
+            WARN,
+            f"{path} is writable by its group ({oct(mode)}): every member can delete or "
+            "plant generations",
+            f"chmod g-w {path}, unless the group is exactly the job's writers",
+        )
+    return Finding(check, OK, f"{path}: only its owner writes it ({oct(mode)})")
+
+
+def _mount_type(path: Path) -> str | None:
+    """The filesystem type of the mount holding ``path`` (Linux ``/proc/self/mounts``)."""
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    resolved, best, kind = str(path.resolve()), "", None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount = fields[1].replace("\\040", " ")
+        inside = resolved == mount or resolved.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, kind = mount, fields[2]
+    return kind
+
+
+def _filesystem(root: Path) -> Finding:
+    kind = _mount_type(root)
+    if kind is None:
+        return Finding("store filesystem", SKIP, "cannot tell the filesystem type here")
+    if kind in VOLATILE_FS:
+        return Finding(
+            "store filesystem",
+            WARN,
+            f"{root} is on {kind}: it does not survive a reboot or the loss of the node",
+            "keep it as the fast tier and add replicate_to= a durable store",
+        )
+    if kind in NETWORK_FS or kind.startswith("fuse"):
+        return Finding(
+            "store filesystem",
+            WARN,
+            f"{root} is on {kind}: fsync and atomic rename depend on the server and client "
+            "settings",
+            "prefer a local disk (replicating to shared storage) or an s3:// store",
+        )
+    return Finding("store filesystem", OK, f"{root} is on {kind}")
+
+
+def _free_space(root: Path) -> Finding:
+    usage = os.statvfs(root)
+    total = usage.f_blocks * usage.f_frsize
+    if total == 0:
+        return Finding("store free space", SKIP, f"{root}: the filesystem reports no size")
+    used = 1 - usage.f_bavail * usage.f_frsize / total
+    detail = f"{used:.0%} of {total / 1e9:.1f} GB used"
+    fix = "delete old generations (ckptvault gc) or tighten retention before saves fail"
+    if used >= STORAGE_FAIL_USED:
+        return Finding("store free space", FAIL, detail, fix)
+    if used >= STORAGE_WARN_USED:
+        return Finding("store free space", WARN, detail, fix)
+    return Finding("store free space", OK, detail)
+
+
+# -- control-plane files -------------------------------------------------------------
+
+
+def check_private_file(
+    what: str, path: Path, store: Store, required: bool = False, secret: bool = False
+) -> list[Finding]:
+    """A control-plane file must be outside the store and writable by its owner only;
+    a ``secret`` one (keys) readable by its owner only."""
+    check = f"{what} location"
+    if store.holds_path(path):
+        return [
+            Finding(
+                check,
+                FAIL,
+                f"the {what} ({path}) is inside the store {store.location}: whoever can "
+                "write the store can rewrite it",
+                f"move it outside the store and pass its new path ({what.replace(' ', '_')}=)",
+            )
+        ]
+    if not path.exists():
+        status = FAIL if required else OK
+        detail = f"{path} does not exist" + ("" if required else " yet (created on first use)")
+        return [Finding(check, status, detail)]
+    findings = [Finding(check, OK, f"{path} is outside the store")]
+    findings.append(_private(what, path, os.stat(path), secret))
+    findings += _directories(what, path)
+    return findings
+
+
+def _directories(what: str, path: Path) -> list[Finding]:
+    """The directory holding ``path`` and, when ``path`` is a symlink, the one holding
+    what it points at: whoever can write either can replace the file."""
+    real = Path(os.path.realpath(path))
+    findings = []
+    for directory in dict.fromkeys((path.absolute().parent, real.parent)):
+        mode = stat.S_IMODE(os.stat(directory).st_mode)
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            linked = "" if directory == path.absolute().parent else f" ({path} links there)"
+            findings.append(
+                Finding(
+                    f"{what} directory",
+                    FAIL,
+                    f"{directory}{linked} is writable by others ({oct(mode)}): they can "
+                    f"replace the {what}",
+                    f"chmod 700 {directory}, or keep the {what} in a private directory",
+                )
+            )
+    return findings
+
+
+def _private(what: str, path: Path, info: os.stat_result, secret: bool) -> Finding:
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & (0o077 if secret else 0o022):
+        opened = "readable or writable" if secret else "writable"
+        return Finding(
+            f"{what} permissions",
+            FAIL,
+            f"{path} is {opened} by other users ({oct(mode)})",
+            f"chmod {'700' if stat.S_ISDIR(info.st_mode) else '600'} {path}",
+        )
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        return Finding(
+            f"{what} permissions",
+            WARN,
+            f"{path} belongs to uid {info.st_uid}, not this user",
+            "run the job as its owner",
+        )
+    private = "only its owner can read or write it" if secret else "only its owner can write it"
+    return Finding(f"{what} permissions", OK, f"{path}: {private} ({oct(mode)})")
+
+
+def check_keystore(location: str, store: Store, root: Path | None) -> list[Finding]:
+    if "://" in location:
+        return [Finding("key store", OK, f"{location}: keys are held by a key service")]
+    path = Path(location)
+    findings = check_private_file("key store", path, store, required=True, secret=True)
+    if root is not None and path.exists() and os.stat(path).st_dev == os.stat(root).st_dev:
+        findings.append(
+            Finding(
+                "key store volume",
+                WARN,
+                f"{path} is on the same filesystem as the store: a snapshot or stolen disk "
+                "carries keys and data together, and crypto-erase cannot reach old copies",
+                "keep keys on another volume, or use a key service (kms://...)",
+            )
+        )
+    return findings
