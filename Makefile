@@ -31,7 +31,7 @@ lint: $(STAMP)
 # async, POSIX and S3, one rank and two, restores, replication and gc; CI runs 64).
 # About 600 kills, 7-13 minutes here; `make reliability` runs it too, with the rest.
 crash: $(STAMP)
-	CKPTVAULT_RELIABILITY_LONG=1 $(PY) -m pytest -q -s --timeout 3600 tests/test_crash_consistency.py
+	CKPTVAULT_RELIABILITY_LONG=1 $(PY) -m pytest -q -s --timeout 3600 tests/reliability/test_crash_consistency.py
 
 # Every reliability scenario (crash kills, simulated power loss, corruption, hostile
 # generations, fuzzing) at its long budget, then the table of trials and failures
@@ -42,7 +42,7 @@ reliability: $(STAMP)
 	status=0; \
 	CKPTVAULT_RELIABILITY_LONG=1 CKPTVAULT_RELIABILITY_LOG=$(RELIABILITY_LOG) \
 	  $(PY) -m pytest -q --timeout 3600 -m reliability tests || status=$$?; \
-	$(PY) tests/reliability_table.py $(RELIABILITY_LOG) || status=1; \
+	$(PY) tests/support/reliability_table.py $(RELIABILITY_LOG) || status=1; \
 	exit $$status
 
 # Property-based fuzzing with a long budget (CI runs a bounded one in make test).

@@ -4,7 +4,7 @@
 metrics, deletion mark, pin, leases, whether it is known to verify), the rollback
 floor, what is in flight and the time, and returns one :class:`Decision` per
 generation with its reasons. It reads and writes nothing, so every rule and every
-safety net is tested without a file (``tests/test_retention.py``); applying a plan
+safety net is tested without a file (``tests/unit/test_retention.py``); applying a plan
 is :mod:`ckptvault.retention.apply`.
 
 Deletion has two phases. A generation that no rule keeps is first *marked*: hidden

@@ -6,7 +6,7 @@ hands out a :class:`StagingArea` per save attempt, which its backend's
 this layer (writer, reader, restore checks, manager, CLI) talks only to these
 protocols: it never sees a directory, a hard-link count or a rename. Those are facts
 of one backend, checked inside it. A new backend implements these protocols and
-passes the conformance suite (``tests/test_store_conformance.py``).
+passes the conformance suite (``tests/storage/test_store_conformance.py``).
 
 Rules every backend keeps (DESIGN rule 5, the store is hostile ground):
 

@@ -1,0 +1,346 @@
+"""ckptvault as a storage plugin of plain ``torch.distributed.checkpoint`` code:
+``cv.dcp.StorageWriter`` / ``cv.dcp.StorageReader`` with ``dcp.save``,
+``dcp.async_save`` and ``dcp.load``, on one process and on gloo process groups
+(``dcp_worker.py`` holds the multi-rank scenarios)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+import ckptvault as cv
+from ckptvault.errors import (
+    IntegrityError,
+    NoValidCheckpoint,
+    StoreLockedError,
+    UsageError,
+)
+from ckptvault.trust.signing import generate_keypair
+from support.common import run_cli, writable
+from support.dcp_worker import launch
+from support.forging import read_logical
+
+RUN = "dcp-run"
+warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
+
+
+def nested_state(scale: int) -> dict[str, Any]:
+    """A nested state dict of many kinds of tensors, as DCP users hand it over."""
+    weight = torch.arange(24, dtype=torch.float32).reshape(4, 6) * scale
+    return {
+        "model": {
+            "encoder": {"weight": weight, "bias": torch.full((4,), 0.5 * scale)},
+            "head": {"weight": weight.t()[:3], "scale": torch.tensor(1.25 * scale)},  # a view
+        },
+        "optim": {"state": {"step": torch.tensor(scale, dtype=torch.int64)}},
+        "buffers": {
+            "half": torch.linspace(-1, 1, 7, dtype=torch.bfloat16) * scale,
+            "mask": torch.tensor([True, False, scale % 2 == 1]),
+        },
+    }
+
+
+def zeros_like(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {key: zeros_like(value) for key, value in tree.items()}
+    return torch.zeros_like(tree).contiguous()
+
+
+def assert_bit_exact(loaded: Any, expected: Any) -> None:
+    if isinstance(expected, dict):
+        assert sorted(loaded) == sorted(expected)
+        for key in expected:
+            assert_bit_exact(loaded[key], expected[key])
+        return
+    assert loaded.dtype == expected.dtype and loaded.shape == expected.shape
+    assert torch.equal(loaded.view(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8))
+
+
+def save(store: Path, step: int, state: dict[str, Any] | None = None, **options: Any) -> Any:
+    writer = cv.dcp.StorageWriter(store, run_id=options.pop("run_id", RUN), step=step, **options)
+    dcp.save(state if state is not None else nested_state(step), storage_writer=writer)
+    return writer
+
+
+def generations(store: Path) -> list[Path]:
+    return sorted(store.glob("step-*"))
+
+
+def largest_data_file(generation: Path) -> Path:
+    return max(generation.glob("r*-*"), key=lambda p: p.stat().st_size)
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(writable(path).read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+# -- one process --------------------------------------------------------------------------
+
+
+def test_nested_dicts_round_trip_bit_exact_and_verify_accepts_the_store(store):
+    writer = save(store, 7)
+    assert writer.published is not None and writer.published.step == 7
+    [generation] = generations(store)
+    manifest = json.loads((generation / "manifest.json").read_text())
+    assert manifest["run_id"] == RUN and manifest["state"] == {}
+    assert manifest["writer"]["via"] == "ckptvault.dcp" and manifest["writer"]["world_size"] == 1
+    assert list(manifest["indexes"]) == ["r00000-index.json"]
+    assert "model.encoder.weight" in manifest["tensors"]  # the root's tensor table
+    assert "model.encoder.weight" in read_logical(generation)["dcp"]["tensors"]
+    assert not list((store / ".staging").iterdir())
+
+    live = zeros_like(nested_state(7))
+    reader = cv.dcp.StorageReader(store, run_id=RUN)
+    dcp.load(live, storage_reader=reader)
+    assert_bit_exact(live, nested_state(7))
+    assert (reader.step, reader.generation_id) == (7, writer.published.generation_id)
+    assert reader.signer is None and reader.skipped == []
+
+    result = run_cli("verify", str(store), "--run-id", RUN)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_cv_dcp_is_reachable_from_the_package():
+    assert cv.dcp.StorageWriter is not None and callable(cv.dcp.typed_errors)
+
+
+def test_values_dcp_would_pickle_are_refused_and_nothing_is_published(store):
+    state = {"model": {"w": torch.ones(3)}, "epoch": 3, "name": "run", "lr": [0.1]}
+    with pytest.raises(CheckpointException) as raised:
+        save(store, 1, state)
+    [(error, _trace)] = raised.value.failures.values()
+    assert isinstance(error, UsageError)
+    for words in ("'epoch'", "'name'", "pickle", "CheckpointManager", "Nothing was written"):
+        assert words in str(error)
+    with pytest.raises(UsageError, match="not tensors"), cv.dcp.typed_errors():
+        save(store, 1, state)
+    assert generations(store) == []
+    assert not (store / ".staging").exists() or not list((store / ".staging").iterdir())
+
+
+def test_async_save_then_load(store):
+    writer = cv.dcp.StorageWriter(store, run_id=RUN, step=3)
+    future = dcp.async_save(nested_state(3), storage_writer=writer)
+    future.result()
+    assert writer.published is not None and [g.name[:17] for g in generations(store)] == [
+        "step-000000000003"
+    ]
+    live = zeros_like(nested_state(3))
+    dcp.load(live, storage_reader=cv.dcp.StorageReader(store, run_id=RUN))
+    assert_bit_exact(live, nested_state(3))
+
+
+def test_newest_first_or_a_given_step(store):
+    save(store, 1)
+    save(store, 2)
+    live = zeros_like(nested_state(1))
+    dcp.load(live, storage_reader=cv.dcp.StorageReader(store, run_id=RUN))
+    assert_bit_exact(live, nested_state(2))
+    reader = cv.dcp.StorageReader(store, run_id=RUN, step=1)
+    dcp.load(live, storage_reader=reader)
+    assert reader.step == 1
+    assert_bit_exact(live, nested_state(1))
+    with pytest.raises(NoValidCheckpoint, match="no generation of step 9"):
+        cv.dcp.StorageReader(store, run_id=RUN, step=9)
+    with pytest.raises(NoValidCheckpoint, match="run-mismatch"):
+        cv.dcp.StorageReader(store, run_id="another-run")
+
+
+def test_a_corrupt_byte_read_during_load_raises_integrity_error(store):
+    big = torch.arange(3 * 1024 * 1024, dtype=torch.float32)  # 12 MiB: several chunks
+    save(store, 1, {"big": big, "small": torch.ones(2)})
+    data_file = largest_data_file(generations(store)[0])
+    flip_byte(data_file, data_file.stat().st_size - 100)  # in the last chunk, not the header
+
+    live = {"big": torch.zeros_like(big), "small": torch.zeros(2)}
+    reader = cv.dcp.StorageReader(store, run_id=RUN)  # the header checks pass
+    with pytest.raises(CheckpointException) as raised:
+        dcp.load(live, storage_reader=reader)
+    [(error, _trace)] = raised.value.failures.values()
+    assert isinstance(error, IntegrityError) and "digest" in str(error)
+    with pytest.raises(IntegrityError, match="digest"), cv.dcp.typed_errors():
+        dcp.load(live, storage_reader=cv.dcp.StorageReader(store, run_id=RUN))
+
+
+def test_a_file_cut_short_after_the_checks_puts_no_byte_into_the_callers_tensors(store):
+    """Red-team finding (round 3): the tensor file overwritten and cut by one byte
+    after the reader's checks passed. The short last block must be refused before it
+    is copied: the caller's tensor keeps every one of its own values."""
+    values = torch.arange(65536, dtype=torch.float32)
+    save(store, 1, {"w": values})
+    data_file = largest_data_file(generations(store)[0])
+    reader = cv.dcp.StorageReader(store, run_id=RUN)  # the checks pass here
+    size = data_file.stat().st_size
+    writable(data_file).write_bytes(b"A" * (size - 1))
+    live = {"w": torch.full((65536,), -1.0)}
+    with pytest.raises(IntegrityError), cv.dcp.typed_errors():
+        dcp.load(live, storage_reader=reader)
+    assert torch.equal(live["w"], torch.full((65536,), -1.0))
+
+
+def test_a_corrupt_generation_is_skipped_with_its_reason_never_silently(store):
+    save(store, 1)
+    save(store, 2)
+    newest = generations(store)[-1]
+    flip_byte(largest_data_file(newest), 20)  # inside the header chunk
+    reader = cv.dcp.StorageReader(store, run_id=RUN)
+    assert reader.step == 1
+    [skipped] = reader.skipped
+    assert skipped.step == 2 and "digest-mismatch" in skipped.reason
+    with pytest.raises(NoValidCheckpoint, match="digest-mismatch"):
+        cv.dcp.StorageReader(store, run_id=RUN, step=2)
+    assert run_cli("verify", str(store), "--step", "2").returncode != 0
+
+
+def test_signed_saves_verify_against_trusted_keys(store, tmp_path):
+    signer = generate_keypair(tmp_path / "k.pem", tmp_path / "k.pub")
+    generate_keypair(tmp_path / "other.pem", tmp_path / "other.pub")
+    save(store, 1)  # unsigned
+    save(store, 2, signing_key=tmp_path / "k.pem")
+    assert (generations(store)[-1] / "manifest.sig").exists()
+    reader = cv.dcp.StorageReader(store, run_id=RUN, trusted_keys=tmp_path / "k.pub")
+    assert reader.step == 2 and reader.signer == signer
+    with pytest.raises(NoValidCheckpoint) as refused:
+        cv.dcp.StorageReader(store, run_id=RUN, trusted_keys=[tmp_path / "other.pub"])
+    assert "signature-untrusted" in str(refused.value) and "signature-missing" in str(refused.value)
+    trusted = ["verify", str(store), "--trusted-key", str(tmp_path / "k.pub")]
+    assert run_cli(*trusted).returncode == 0
+
+
+def test_encrypted_with_a_keystore(store, tmp_path):
+    keystore = tmp_path / "keys"
+    save(store, 4, keystore=keystore)
+    names = sorted(p.name for p in generations(store)[0].iterdir())
+    # Every data file is encrypted; the index (chunk digests, names, shapes, as the
+    # format-2 manifest held them) is plaintext, like the root.
+    assert "r00000-index.json" in names
+    assert all(n.endswith(".enc") for n in names if n.startswith("r") and n != "r00000-index.json")
+    live = zeros_like(nested_state(4))
+    dcp.load(live, storage_reader=cv.dcp.StorageReader(store, run_id=RUN, keystore=keystore))
+    assert_bit_exact(live, nested_state(4))
+    with pytest.raises(NoValidCheckpoint, match="key-unavailable"):
+        cv.dcp.StorageReader(store, run_id=RUN)
+
+
+def test_misuse_is_refused_clearly(store):
+    with pytest.raises(UsageError, match="run_id"):
+        cv.dcp.StorageWriter(store, run_id="", step=1)
+    with pytest.raises(UsageError, match="step"):
+        cv.dcp.StorageWriter(store, run_id=RUN, step=-1)
+    with pytest.raises(UsageError, match="enable_plan_caching"), cv.dcp.typed_errors():
+        dcp.save(
+            nested_state(1),
+            storage_writer=cv.dcp.StorageWriter(store, run_id=RUN, step=1),
+            planner=DefaultSavePlanner(enable_plan_caching=True),
+        )
+    assert generations(store) == []
+    with pytest.raises(UsageError, match="thread-based"):
+        pickle.dumps(cv.dcp.StorageWriter(store, run_id=RUN, step=1))
+    with pytest.raises(UsageError, match="no checkpoint store"):
+        cv.dcp.StorageReader(store.parent / "nowhere", run_id=RUN)
+
+
+def test_a_manager_writing_the_same_store_keeps_the_plugin_out(store):
+    with cv.CheckpointManager(store, run_id=RUN) as manager:
+        manager.save(1, {"w": torch.ones(2)})
+        with pytest.raises(StoreLockedError), cv.dcp.typed_errors():
+            save(store, 2)
+    assert [g.name[:17] for g in generations(store)] == ["step-000000000001"]
+    save(store, 2)  # once the manager is closed
+    assert len(generations(store)) == 2
+
+
+def test_s3_store_with_an_explicit_endpoint(s3_bucket, s3_endpoint):
+    url = f"s3://{s3_bucket}/dcp"
+    writer = cv.dcp.StorageWriter(url, run_id=RUN, step=2, s3_endpoint_url=s3_endpoint)
+    dcp.save(nested_state(2), storage_writer=writer)
+    assert writer.published is not None
+    live = zeros_like(nested_state(2))
+    reader = cv.dcp.StorageReader(url, run_id=RUN, s3_endpoint_url=s3_endpoint)
+    dcp.load(live, storage_reader=reader)
+    assert reader.step == 2
+    assert_bit_exact(live, nested_state(2))
+
+
+def test_a_data_file_swapped_for_a_symlink_is_never_followed(store, tmp_path):
+    save(store, 1)
+    save(store, 2)
+    outside = tmp_path / "outside.bin"
+    data_file = largest_data_file(generations(store)[-1])
+    outside.write_bytes(data_file.read_bytes())
+    writable(data_file).unlink()
+    data_file.symlink_to(outside)
+    reader = cv.dcp.StorageReader(store, run_id=RUN)
+    assert reader.step == 1 and "unsafe-entry" in reader.skipped[0].reason
+
+
+# -- many ranks (gloo on 127.0.0.1) ------------------------------------------------------
+
+
+def ok(codes: list[int], reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    assert codes == [0] * len(codes), [r["log"][-2500:] for r in reports]
+    return reports
+
+
+@pytest.fixture(scope="module")
+def fsdp_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str], dict]:
+    """A fully_shard-ed MLP and its Adam state after one step, saved by 2 ranks with
+    plain dcp.save (signed)."""
+    root = tmp_path_factory.mktemp("fsdp")
+    key_id = generate_keypair(root / "k.pem", root / "k.pub")
+    env = {"TEST_KEYS": f"{root / 'k.pem'}:{root / 'k.pub'}"}
+    saved = ok(*launch("fsdp_save", root / "store", 2, root / "save", env))
+    assert saved[0]["digests"] == saved[1]["digests"]
+    return root / "store", env, {"key_id": key_id, "digests": saved[0]["digests"]}
+
+
+def test_two_fsdp_ranks_publish_one_signed_generation(fsdp_store):
+    store, _env, _saved = fsdp_store
+    [generation] = generations(store)
+    root = json.loads((generation / "manifest.json").read_text())
+    assert sorted(root["indexes"]) == ["r00000-index.json", "r00001-index.json"]
+    manifest = read_logical(generation)
+    assert manifest["writer"]["world_size"] == 2
+    assert sorted(manifest["files"]) == ["r00000-000.safetensors", "r00001-000.safetensors"]
+    chunks = manifest["dcp"]["tensors"]["model.0.weight"]["chunks"]
+    assert [c["offsets"] for c in chunks] == [[0, 0], [5, 0]]  # one shard from each rank
+    assert "optim.state.0.weight.exp_avg" in manifest["dcp"]["tensors"]
+    trusted = ["verify", str(store), "--trusted-key", str(store.parent / "k.pub")]
+    assert run_cli(*trusted).returncode == 0
+
+
+def test_two_fsdp_ranks_reshard_onto_three_with_set_state_dict(fsdp_store, tmp_path):
+    store, env, saved = fsdp_store
+    loaded = ok(*launch("fsdp_load", store, 3, tmp_path, env))
+    for report in loaded:
+        assert report["step"] == 1 and report["signer"] == saved["key_id"]
+        assert report["digests"] == saved["digests"]  # model and Adam state, bit-exact
+        assert report["stepped"]
+    assert [r["local_rows"] for r in loaded] == [4, 4, 2]  # 10 rows over 3 ranks
+
+
+def test_async_save_on_two_ranks_then_load(tmp_path):
+    reports = ok(*launch("async_roundtrip", tmp_path / "store", 2, tmp_path / "out"))
+    assert all(r["step"] == 4 and r["exact"] for r in reports)
+    assert len(generations(tmp_path / "store")) == 2
+
+
+def test_a_rank_failing_mid_save_publishes_nothing_and_every_rank_raises(tmp_path):
+    store = tmp_path / "store"
+    reports = ok(*launch("fail_in_write", store, 2, tmp_path / "out"))
+    for report in reports:
+        assert report["error"][0] == "OSError" and "injected on rank 1" in report["error"][1]
+    assert reports[0]["staging_after_failure"] == []
+    assert reports[0]["published"] == 6
+    assert [g.name[:17] for g in generations(store)] == ["step-000000000006"]

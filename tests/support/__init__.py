@@ -1,0 +1,1 @@
+"""Helpers the tests share: training setups, forgers, servers, workers started as subprocesses."""
