@@ -107,7 +107,7 @@ def test_verify_checks_run_id_when_asked(store: Path, populated):
     ],
 )
 def test_errors_are_one_line_without_traceback(store: Path, populated, args, fragment):
-    result = run_cli(*(a.format(store=store) for a in args))
+    result = run_cli(*(a.format(store=store) for a in args), process=True)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
@@ -144,7 +144,7 @@ def test_verify_shows_progress_for_large_generations(store: Path):
     ],
 )
 def test_usage_errors_are_one_line(store: Path, populated, args):
-    result = run_cli(*(a.format(store=store) for a in args))
+    result = run_cli(*(a.format(store=store) for a in args), process=True)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import os
 import subprocess
 import sys
@@ -70,8 +72,45 @@ def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         assert torch.equal(a[key], b[key]), key
 
 
-def run_cli(*args: str, timeout: float = 120, env: dict | None = None) -> CompletedProcess:
-    """Run the installed ``ckptvault`` command as a user would."""
+# Commands that start processes, handle signals or change process-wide state: always
+# in a process of their own.
+_OWN_PROCESS = frozenset({"supervise", "drill"})
+
+
+def run_cli(
+    *args: str, timeout: float = 120, env: dict | None = None, process: bool = False
+) -> CompletedProcess:
+    """Run ``ckptvault ARGS`` as a user would, and what it printed and returned.
+
+    In this process by default: the typer app's ``main`` with stdout and stderr
+    captured (not terminals, as through a pipe) and the warnings the library logs on
+    stderr, as a fresh process shows them; it costs no interpreter start and import.
+    In a real subprocess (``python -m ckptvault``) with ``process=True``, with ``env``
+    (the console reads COLUMNS and friends once, at import), and for the commands in
+    ``_OWN_PROCESS``: the tests of exit codes, tracebacks, import cost and pipes use it.
+    """
+    if process or env is not None or (args and args[0] in _OWN_PROCESS):
+        return run_cli_process(*args, timeout=timeout, env=env)
+    from ckptvault.cli import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    logger = logging.getLogger("ckptvault")
+    handler = logging.StreamHandler(stderr)  # what logging's last resort does in a process
+    handler.setLevel(logging.WARNING)
+    propagate = logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = main([str(arg) for arg in args])
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+    return CompletedProcess(["ckptvault", *args], code, stdout.getvalue(), stderr.getvalue())
+
+
+def run_cli_process(*args: str, timeout: float = 120, env: dict | None = None) -> CompletedProcess:
+    """Run the installed ``ckptvault`` command in a process of its own."""
     return subprocess.run(
         [sys.executable, "-m", "ckptvault", *args],
         capture_output=True,
