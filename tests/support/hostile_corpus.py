@@ -80,11 +80,11 @@ CORPUS: list[Hostile] = []
 
 def entries(category: str | None = None) -> list[Hostile]:
     """Every corpus entry (of ``category``), in the order they are defined."""
-    import support.hostile_corpus_claims  # noqa: F401  (each registers its entries)
-    import support.hostile_corpus_files  # noqa: F401
-    import support.hostile_corpus_index_files  # noqa: F401
-    import support.hostile_corpus_indexes  # noqa: F401
-    import support.hostile_corpus_trust  # noqa: F401
+    import support.hostile_corpus_claims  # each registers its entries
+    import support.hostile_corpus_files
+    import support.hostile_corpus_index_files
+    import support.hostile_corpus_indexes
+    import support.hostile_corpus_trust
 
     return [entry for entry in CORPUS if category in (None, entry.category)]
 
