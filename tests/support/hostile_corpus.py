@@ -80,11 +80,6 @@ CORPUS: list[Hostile] = []
 
 def entries(category: str | None = None) -> list[Hostile]:
     """Every corpus entry (of ``category``), in the order they are defined."""
-    import support.hostile_corpus_claims  # each registers its entries
-    import support.hostile_corpus_files
-    import support.hostile_corpus_index_files
-    import support.hostile_corpus_indexes
-    import support.hostile_corpus_trust
 
     return [entry for entry in CORPUS if category in (None, entry.category)]
 
