@@ -27,6 +27,7 @@ structures. The format-2 entry is named after the builder with ``-in-format-2``.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -80,6 +81,8 @@ CORPUS: list[Hostile] = []
 
 def entries(category: str | None = None) -> list[Hostile]:
     """Every corpus entry (of ``category``), in the order they are defined."""
+    for part in ("claims", "files", "index_files", "indexes", "trust"):
+        importlib.import_module(f"support.hostile_corpus_{part}")  # each registers its entries
 
     return [entry for entry in CORPUS if category in (None, entry.category)]
 
