@@ -31,6 +31,7 @@ from ckptvault.trust.kms.keystore import (
 )
 from ckptvault.trust.signing import generate_keypair
 from support.common import run_cli
+from support.s3_server import s3_client
 
 SEGMENT = 4096
 
@@ -311,7 +312,7 @@ def test_kms_rotation_of_a_signed_run_on_s3(
     generate_keypair(private, public)
     url = f"s3://{s3_bucket}/run"
     save_run(url, kms_url, signing_key=private, trusted_keys=[public])
-    s3 = __import__("s3_server").s3_client(s3_endpoint)
+    s3 = s3_client(s3_endpoint)
 
     def objects() -> dict[str, str]:
         listed = s3.list_objects_v2(Bucket=s3_bucket, Prefix="run/")["Contents"]

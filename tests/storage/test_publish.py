@@ -14,7 +14,6 @@ import torch
 
 import ckptvault as cv
 from ckptvault.errors import StorageFullError, StoreLockedError
-from ckptvault.storage import posix
 from support.common import REPO, mounted_tmpfs
 
 
@@ -37,9 +36,10 @@ def test_publish_protocol_order(store: Path, monkeypatch: pytest.MonkeyPatch):
         events.append(("rename", f"{src} -> {dst}"))
         return real_rename(src, dst, **dir_fds)
 
-    monkeypatch.setattr(posix.os, "open", tracking_open)
-    monkeypatch.setattr(posix.os, "fsync", tracking_fsync)
-    monkeypatch.setattr(posix.os, "rename", tracking_rename)
+    # The store's modules all call through the one os module: patch it, see them all.
+    monkeypatch.setattr(os, "open", tracking_open)
+    monkeypatch.setattr(os, "fsync", tracking_fsync)
+    monkeypatch.setattr(os, "rename", tracking_rename)
     with cv.CheckpointManager(store, run_id="r") as mgr:
         info = mgr.save(1, {"model": torch.nn.Linear(4, 4)}).result()
     monkeypatch.undo()
