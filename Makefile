@@ -19,10 +19,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) demo/demo.py
 
+# Two pytest workers (pytest-xdist), one a core here: a test's ports, buckets, tmpfs
+# mounts and fork servers are its own worker's.
 test: $(STAMP)
 	$(PY) -m ruff check src tests demo bench
 	$(PY) -m mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests demo bench

@@ -1,4 +1,9 @@
-"""Launch a real multi-rank job of ``rank_worker.py`` processes (gloo, 127.0.0.1)."""
+"""Launch a real multi-rank job of ``rank_worker.py`` processes (gloo, 127.0.0.1).
+
+Each rank is its own process, forked from the fork server (``forkserver.py``) so
+that it starts without importing torch again; ``fresh=True`` starts each with
+``python`` instead.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from support.forkserver import server
 
 WORKER = Path(__file__).with_name("rank_worker.py")
 
@@ -26,10 +33,11 @@ def launch(
     out: Path,
     timeout: float = 180,
     worker: Path = WORKER,
+    fresh: bool = False,
 ) -> tuple[list[int], list[dict[str, Any]]]:
     """Run ``world`` ranks of ``scenario`` (of ``worker``, by default
     ``rank_worker.py``); their exit codes and reports (a rank that died leaves an
-    empty report)."""
+    empty report). ``fresh``: each rank a new interpreter rather than a fork."""
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("rank*.json"):
         old.unlink()
@@ -49,10 +57,14 @@ def launch(
         # would block while the launcher waits for another rank.
         log_path = out / f"rank{rank}.log"
         logs.append(log_path)
+        argv = [scenario, str(store), str(out)]
+        if not fresh:
+            procs.append(server().start(worker, argv, env, log_path))
+            continue
         with open(log_path, "w") as log:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, str(worker), scenario, str(store), str(out)],
+                    [sys.executable, str(worker), *argv],
                     env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT,

@@ -47,9 +47,9 @@ class _Server:
 
 def s3_client(endpoint: str) -> Any:
     """A plain boto3 client for test set-up and inspection (not ckptvault's)."""
-    import boto3
+    from ckptvault.aws import boto3_session
 
-    return boto3.session.Session().client("s3", endpoint_url=endpoint)
+    return boto3_session().client("s3", endpoint_url=endpoint)
 
 
 def new_bucket(endpoint: str, *, object_lock: bool = False) -> str:

@@ -16,6 +16,7 @@ import errno
 from collections.abc import Iterator
 from typing import Any
 
+from ckptvault.aws import boto3_session
 from ckptvault.errors import UsageError
 from ckptvault.storage.s3.options import S3Location, S3Options
 
@@ -71,8 +72,9 @@ def translate(exc: Exception, what: str) -> S3Error:
 def make_boto3_client(options: S3Options) -> Any:
     """A boto3 S3 client configured from boto3's defaults plus ``options``."""
     try:
-        import boto3
         from botocore.config import Config
+
+        session = boto3_session()
     except ImportError as exc:
         raise UsageError(
             "s3:// stores need boto3, which is not installed: pip install ckptvault[s3]"
@@ -84,7 +86,6 @@ def make_boto3_client(options: S3Options) -> Any:
         connect_timeout=20,
         read_timeout=120,
     )
-    session = boto3.session.Session()
     return session.client("s3", endpoint_url=options.endpoint_url, config=config)
 
 

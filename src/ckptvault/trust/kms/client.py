@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from ckptvault.aws import boto3_session
 from ckptvault.errors import KeyServiceError, KeyUnavailableError, UsageError
 
 MIN_PENDING_WINDOW_DAYS = 7  # AWS's bounds for ScheduleKeyDeletion
@@ -65,8 +66,9 @@ class KmsClient:
         with self._mutex:
             if self._client is None:
                 try:
-                    import boto3
                     from botocore.config import Config
+
+                    session = boto3_session()
                 except ImportError as exc:
                     raise UsageError(
                         "kms:// key stores need boto3, which is not installed: "
@@ -77,7 +79,7 @@ class KmsClient:
                     connect_timeout=10,
                     read_timeout=30,
                 )
-                self._client = boto3.session.Session().client(
+                self._client = session.client(
                     "kms", region_name=self.region, endpoint_url=self.endpoint_url, config=config
                 )
             return self._client
