@@ -20,6 +20,12 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Heavy tests first (a stable sort): xdist hands tests out in this order, and a
+    demo started last keeps one worker busy for a minute while the other idles."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
+
+
 @pytest.fixture(autouse=True)
 def isolated_state_dir(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch

@@ -9,6 +9,8 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 from support.common import REPO
 
 if str(REPO) not in sys.path:  # bench/ is a package at the repository root, not installed
@@ -36,6 +38,7 @@ from ckptvault.storage.base import GenerationRef
 from ckptvault.trust.indexes import load_indexes
 
 
+@pytest.mark.heavy
 def test_every_axis_runs_and_reports(tmp_path: Path):
     out = tmp_path / "out"
     text = scale.main(

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from support.common import REPO
 
 
@@ -26,6 +28,7 @@ def _run(*args: str) -> str:
     return result.stdout
 
 
+@pytest.mark.heavy
 def test_the_save_restore_benchmark_runs(tmp_path: Path):
     work, results = str(tmp_path / "work"), str(tmp_path / "results.json")
     out = _run(

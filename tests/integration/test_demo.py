@@ -9,9 +9,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from support.common import REPO
 
 
+@pytest.mark.heavy
 def test_demo_runs_and_proves_its_claims():
     result = subprocess.run(
         [sys.executable, str(REPO / "demo" / "demo.py"), "--quick"],

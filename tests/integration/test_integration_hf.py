@@ -86,6 +86,7 @@ def _harness(mode: str, kill_at: int | None = None) -> str:
     return HARNESS.format(block=block, mode=mode, kill_at=kill_at)
 
 
+@pytest.mark.heavy
 def test_the_readme_trainer_example_resumes_bit_identically_after_sigkill(tmp_path: Path):
     # 8 steps an epoch, saves every 5: killed in step 12, resumed at step 10, mid-epoch.
     crashed = run_example(_harness("reference+crash", kill_at=12), tmp_path)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from support.common import REPO
 from support.multirank import free_port
 
@@ -48,6 +50,7 @@ def _torchrun(ranks: int, store: Path) -> str:
     return result.stdout
 
 
+@pytest.mark.heavy
 def test_the_torchrun_example_resumes_and_reshards(tmp_path: Path):
     store = tmp_path / "ckpt-torchrun"
     assert "started fresh; saved steps 1..3 from 2 ranks" in _torchrun(2, store)

@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 import ckptvault as cv
@@ -16,6 +17,7 @@ from support.common import run_cli
 TIMING_KEYS = ("discovery_s", "verification_s", "read_s", "apply_s", "recovery_s")
 
 
+@pytest.mark.heavy
 def test_synthetic_drills_all_pass_or_say_why_not() -> None:
     result = run_cli("drill", "--synthetic", "--json", timeout=300)
     assert result.returncode == 0, result.stderr
@@ -79,6 +81,7 @@ def test_drilling_a_store_leaves_it_byte_for_byte_unchanged(tmp_path: Path) -> N
             assert drill["skipped"], drill
 
 
+@pytest.mark.heavy
 def test_the_report_table_and_exit_status(tmp_path: Path) -> None:
     wide = {"COLUMNS": "250"}
     result = run_cli("drill", "--synthetic", "--only", "missing-file,rollback", env=wide)

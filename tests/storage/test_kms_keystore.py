@@ -305,6 +305,7 @@ def test_kms_rotation_on_a_local_store(kms_url: str, store: Path, s3_endpoint: s
         keystore.unwrap("r", old_kek, b"x" * 40, b"ctx")
 
 
+@pytest.mark.heavy
 def test_kms_rotation_of_a_signed_run_on_s3(
     kms_url: str, s3_bucket: str, s3_endpoint: str, tmp_path: Path
 ):

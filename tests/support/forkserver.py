@@ -100,6 +100,8 @@ def _run(job: dict[str, Any]) -> None:
     os.chdir(job["cwd"])
     os.environ.clear()
     os.environ.update(job["env"])
+    if "numpy" in sys.modules:  # random reseeds itself after a fork; numpy does not
+        sys.modules["numpy"].random.seed()
     threads = job["env"].get("OMP_NUM_THREADS")
     if threads:  # read by OpenMP when torch loaded, so set here as a fresh process would
         import torch

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 WORKER = Path(__file__).resolve().parents[1] / "support" / "resume_worker.py"
 
 
@@ -22,6 +24,7 @@ def _records(path: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
 
 
+@pytest.mark.heavy
 def test_resume_in_a_fresh_process_is_bit_exact(tmp_path: Path):
     store = tmp_path / "store"
     steps, every = 40, 10
