@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import selectors
 import signal
 import subprocess
 import sys
@@ -28,6 +27,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from support.forkserver import fork_loop
 
 # Everything a child would otherwise import on its first save, restore, verify or gc
 # (torch._dynamo alone, pulled in by the first optimizer, takes a second here).
@@ -53,43 +54,9 @@ _ENV = (
 
 
 def serve() -> None:
-    """The zygote process: import everything once, then fork one child per job line
-    read on stdin; write ``{"id", "pid"}`` when forked and ``{"id", "exit"}`` when
-    reaped (``exit`` as ``Popen.returncode``: ``-9`` for SIGKILL). EOF: kill all, exit."""
-    import importlib
-
-    for name in PRELOAD:
-        with contextlib.suppress(ImportError):  # an extra not installed: its tests skip
-            importlib.import_module(name)
-    children: dict[int, int] = {}  # pid -> job id
-    selector = selectors.DefaultSelector()
-    selector.register(0, selectors.EVENT_READ)
-    pending = b""
-    while True:
-        if selector.select(timeout=0.005):
-            data = os.read(0, 1 << 16)
-            if not data:  # the driver is done: no child outlives it, no slow teardown
-                for pid in children:
-                    os.kill(pid, signal.SIGKILL)
-                os._exit(0)
-            pending += data
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                job = json.loads(line)
-                pid = os.fork()
-                if pid == 0:
-                    _child(job)
-                children[pid] = job["id"]
-                _reply({"id": job["id"], "pid": pid})
-        while children:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                break
-            _reply({"id": children.pop(pid), "exit": os.waitstatus_to_exitcode(status)})
-
-
-def _reply(message: dict[str, Any]) -> None:
-    os.write(1, (json.dumps(message) + "\n").encode())
+    """The zygote process: import everything once, then fork one child per job
+    (``forkserver.fork_loop``), each running ``crash_worker``."""
+    fork_loop(PRELOAD, _child)
 
 
 def _child(job: dict[str, Any]) -> None:

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +45,15 @@ PRELOAD = (
 TESTS = Path(__file__).resolve().parents[1]
 
 
-def serve() -> None:
-    """The server: import PRELOAD, then fork one child per job line on stdin; write
-    ``{"id", "pid"}`` when forked and ``{"id", "exit"}`` when reaped. EOF: SIGKILL
-    every child still running and exit (no child outlives the test session)."""
+def fork_loop(preload: tuple[str, ...], child: Callable[[dict[str, Any]], None]) -> None:
+    """A fork server's loop: import ``preload``, then fork one child per job line on
+    stdin, in which ``child(job)`` runs and never returns; write ``{"id", "pid"}``
+    when forked and ``{"id", "exit"}`` when reaped (``exit`` as ``Popen.returncode``:
+    ``-9`` for SIGKILL). EOF: SIGKILL every child still running and exit (no child
+    outlives its driver, no slow teardown). The crash harness's zygote runs it too."""
     import importlib
 
-    for name in PRELOAD:
+    for name in preload:
         with contextlib.suppress(ImportError):  # an extra not installed: its tests skip
             importlib.import_module(name)
     children: dict[int, int] = {}  # pid -> job id
@@ -72,7 +75,7 @@ def serve() -> None:
                 pid = os.fork()
                 if pid == 0:
                     selector.close()
-                    _run(job)  # never returns: the child leaves through SystemExit
+                    child(job)
                 children[pid] = job["id"]
                 _reply({"id": job["id"], "pid": pid})
         while children:
@@ -80,6 +83,11 @@ def serve() -> None:
             if pid == 0:
                 break
             _reply({"id": children.pop(pid), "exit": os.waitstatus_to_exitcode(status)})
+
+
+def serve() -> None:
+    """This fork server: rank workers and other scripts, run as ``__main__``."""
+    fork_loop(PRELOAD, _run)
 
 
 def _reply(message: dict[str, Any]) -> None:
