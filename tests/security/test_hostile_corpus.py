@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import io
 import json
+import mmap
 import os
 import pickle
 import shutil
@@ -368,10 +369,15 @@ def test_the_guards_see_what_they_guard(tmp_path: Path) -> None:
     escapes = log.escapes(tmp_path, [store])
     assert len(escapes) == 2 and all("secret" in e or ".." in e for e in escapes)
     with memory_meter() as peak:
-        # Written, so resident (a zeroed bytearray may not be); alive to the end of
-        # the block, where the resident set is read, since VmHWM can lag (CI's did).
-        big = b"\x01" * (64 * MiB)
-    del big
+        python_side = bytes(64 * MiB)
+        # Native memory as torch takes it: a fresh mapping, every page written. (A
+        # Python object may reuse heap this worker freed earlier, which is resident
+        # already.) Alive to the block's end, where the resident set is read too.
+        native = mmap.mmap(-1, 64 * MiB)
+        for offset in range(0, 64 * MiB, mmap.PAGESIZE):
+            native[offset] = 1
+    native.close()
+    del python_side
     assert peak.python >= 64 * MiB and (peak.resident is None or peak.resident >= 60 * MiB)
 
 
