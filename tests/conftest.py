@@ -15,6 +15,10 @@ import pytest
 from support.s3_server import s3_bucket, s3_endpoint  # noqa: F401  (S3 fixtures)
 
 TESTS = Path(__file__).resolve().parent
+# Two pytest workers share two cores: a torch that spreads each op over every core
+# as well spin-waits against the other worker (the demo beside a busy core: 63 CPU-s,
+# 48 with one thread). Every process a test starts inherits this; set it to override.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]
 )
