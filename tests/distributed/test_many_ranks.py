@@ -168,11 +168,21 @@ def _close(a: dict, b: dict) -> bool:
     ) and all(set(a[part]) == set(b[part]) for part in ("params", "moments"))
 
 
-@pytest.mark.parametrize(("saved_on", "restored_on"), [(2, 3), (4, 1), (2, 1), (1, 2), (2, 2)])
-def test_fsdp2_model_and_optimizer_reshard_across_world_sizes(tmp_path, saved_on, restored_on):
+@pytest.mark.parametrize(
+    ("saved_on", "restored_on", "one_rank_group"),
+    [(2, 3, False), (4, 1, False), (2, 1, True), (1, 2, True), (2, 2, False)],
+)
+def test_fsdp2_model_and_optimizer_reshard_across_world_sizes(
+    tmp_path, monkeypatch, saved_on, restored_on, one_rank_group
+):
     """A fully_shard-ed model and its AdamW, passed as on one process: every parameter
     and optimizer moment comes back bit-identical on another number of ranks (into a
-    fresh optimizer, as shards), and training goes on from there."""
+    fresh optimizer, as shards), and training goes on from there. ``one_rank_group``:
+    a side of one rank runs as under ``torchrun --nproc-per-node 1``, a process group
+    and FSDP2 mesh of one rank, its parameters and moments DTensors (a restore there
+    was StateMismatchError: mixed torch.Tensor and DTensor)."""
+    if one_rank_group:
+        monkeypatch.setenv("ONE_RANK_GROUP", "1")
     store = tmp_path / "store"
     (saved, *_) = ok(*launch("fsdp_save", store, saved_on, tmp_path / "save"))
     restored = ok(*launch("fsdp_restore", store, restored_on, tmp_path / "restore"))

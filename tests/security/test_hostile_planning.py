@@ -247,6 +247,7 @@ def test_plan_apply_order_loads_then_contents_then_rng(store):
     ref = opened.list_generations()[0]
     saved = load_verified(opened, ref, TrustPolicy(), None, 1).saved
     plan = plan_restore(make_training_state(seed=2), saved)
-    wheres = [a.where for a in (*plan.actions, *plan.replacements, *plan.rng_actions)]
+    steps = (*plan.object_loads, *plan.actions, *plan.replacements, *plan.rng_actions)
+    wheres = [a.where for a in steps]
     assert wheres.index("state['model']") < wheres.index("state['meta']")
     assert wheres[-2:] == ["state['rng']", "state['sampler_rng']"]

@@ -24,6 +24,8 @@ import ckptvault as cv
 
 RANK = int(os.environ.get("RANK", "0"))
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+# torchrun --nproc-per-node 1: a process group, and FSDP2's mesh, of one rank.
+GROUP = WORLD > 1 or os.environ.get("ONE_RANK_GROUP") == "1"
 ROWS, COLS = 10, 4  # 10 rows do not split evenly over 3 or 4 ranks: uneven shards
 
 
@@ -184,7 +186,7 @@ def fsdp_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = torch.nn.Sequential(
         torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 6), torch.nn.Linear(6, 3)
     )
-    if WORLD > 1:
+    if GROUP:
         mesh = init_device_mesh("cpu", (WORLD,))
         for layer in (model[0], model[2], model[3]):
             fully_shard(layer, mesh=mesh)
@@ -372,14 +374,14 @@ SCENARIOS = {
 
 def main() -> None:
     scenario, store, out_dir = sys.argv[1:4]
-    if WORLD > 1:
+    if GROUP:
         dist.init_process_group("gloo")
     out: dict[str, Any] = {"rank": RANK, "world": WORLD}
     try:
         SCENARIOS[scenario](store, out)
     finally:
         Path(out_dir, f"rank{RANK}.json").write_text(json.dumps(out))
-        if WORLD > 1:
+        if GROUP:
             dist.destroy_process_group()
 
 

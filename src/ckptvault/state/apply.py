@@ -17,11 +17,17 @@ states, which are first tried on scratch generators. The saved tree itself was
 checked when it was decoded (:mod:`ckptvault.state.capture`).
 
 Apply runs in a fixed order, so that what is most likely to fail runs first and what
-must come last does: (1) loads into objects and in-place tensor copies, (2) the
-contents of plain containers and top-level entries, (3) the RNG-like actions
-(``RNGState``, NumPy and torch generators), so that nothing applied after them can
-draw random numbers. An exception that still escapes an action is re-raised as a
-:class:`StateMismatchError` naming the entry.
+must come last does: (1) loads into optimizers, schedulers and other stateful
+objects (their own code may still refuse a value), (2) loads into modules and
+in-place tensor copies, (3) the contents of plain containers and top-level entries,
+(4) the RNG-like actions (``RNGState``, NumPy and torch generators), so that nothing
+applied after them can draw random numbers. Every step but an in-place copy records
+how to undo itself (an optimizer's old state tensors, a copy of a small object's
+state, a container's old contents, an RNG's old state). An exception that still
+escapes a step is re-raised as a :class:`StateMismatchError` naming the entry, after
+every step before it is undone: nothing was restored, unless the in-place copies had
+begun (only a device fault or a module's own load code can fail there, once planning
+has checked shapes, dtypes, layouts and writability), and then the error names them.
 
 This module walks the state tree; the plan and its actions are in
 :mod:`ckptvault.state.restore_plan`, the planner of each kind of live object
@@ -32,7 +38,7 @@ This module walks the state tree; the plan and its actions are in
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Callable, Iterable, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -59,6 +65,7 @@ from ckptvault.state.capture import (
     type_name,
 )
 from ckptvault.state.codec import KeyPath, format_path
+from ckptvault.state.dtensors import in_live_layout
 from ckptvault.state.names import ApplyOptions
 from ckptvault.state.ranks import PerRank
 from ckptvault.state.restore_plan import Action, RestorePlan, unwritable
@@ -160,7 +167,16 @@ class _Planner:
             current.clear()
             current.update(contents)
 
-        self.plan.replacements.append(Action(format_path(path), replace_contents))
+        def snapshot() -> Callable[[], None]:
+            before = dict(current)
+
+            def undo() -> None:
+                current.clear()
+                current.update(before)
+
+            return undo
+
+        self.plan.replacements.append(Action(format_path(path), replace_contents, snapshot))
         return current
 
     def _list(self, current: list[Any], saved: list[Any], path: KeyPath) -> Any:
@@ -180,7 +196,11 @@ class _Planner:
         def replace_contents() -> None:
             current[:] = contents
 
-        self.plan.replacements.append(Action(format_path(path), replace_contents))
+        def snapshot() -> Callable[[], None]:
+            before = list(current)
+            return lambda: current.__setitem__(slice(None), before)
+
+        self.plan.replacements.append(Action(format_path(path), replace_contents, snapshot))
         return current
 
     def _tensor(self, current: Any, saved: torch.Tensor, path: KeyPath) -> Any:
@@ -205,8 +225,12 @@ class _Planner:
                 self.plan.mismatched.append(f"{cast} refused (strict_dtypes=True)")
                 return current
             self.plan.casts.append(cast)
+        source = in_live_layout(current, saved)
+        if isinstance(source, str):
+            self.plan.mismatched.append(f"{where} {source}")
+            return current
         self.plan.loaded.append(where)
-        self.plan.copy_tensor(where, current, saved)
+        self.plan.copy_tensor(where, current, source)
         return current
 
     def _stateful(self, current: Any, saved: StatefulPayload, path: KeyPath) -> Any:
@@ -279,7 +303,10 @@ def plan_restore(
                 else:
                     state[key] = final
 
-            plan.replacements.append(Action(format_path((key,)), assign))
+            def unassign(key: str = key, current: Any = current, live: Any = live) -> Any:
+                return lambda: assign(key, current, live)
+
+            plan.replacements.append(Action(format_path((key,)), assign, unassign))
     skip = set(left_alone)
     for key in state:
         if key not in saved and key not in skip:

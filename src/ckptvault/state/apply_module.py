@@ -19,6 +19,7 @@ import torch
 
 from ckptvault.state.capture import StatefulPayload
 from ckptvault.state.codec import KeyPath, format_path
+from ckptvault.state.dtensors import in_live_layout
 from ckptvault.state.names import ApplyOptions, plain_name
 from ckptvault.state.restore_plan import Action, RestorePlan, unwritable
 
@@ -106,6 +107,17 @@ def _check_tensors(
                 drop.add(key)
             else:
                 plan.casts.append(cast)
+        if (
+            key not in drop
+            and isinstance(expected, torch.Tensor)
+            and isinstance(value, torch.Tensor)
+        ):
+            source = in_live_layout(expected, value)
+            if isinstance(source, str):
+                plan.mismatched.append(f"{where} {source}")
+                drop.add(key)
+            else:
+                matched[key] = source  # the same key: no insertion while iterating
     return drop
 
 

@@ -12,7 +12,8 @@ tree and calls them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ from ckptvault.state.capture import (
     type_name,
 )
 from ckptvault.state.codec import KeyPath, format_path, parse_device
+from ckptvault.state.dtensors import in_live_layout, is_dtensor
 from ckptvault.state.gradients import GradientSlots
 from ckptvault.state.restore_plan import Action, RestorePlan
 from ckptvault.state.rng import RNGState
@@ -56,9 +58,42 @@ def plan_optimizer(
         plan.mismatched.append(f"{where}.param_groups: a parameter id appears twice")
         return
     by_id = dict(zip(saved_ids, params, strict=True))
-    if _per_param_state_fits(plan, per_param, by_id, path):
+    if not _per_param_state_fits(plan, per_param, by_id, path):
+        return
+    loadable = _in_params_layout(plan, saved.state, by_id, path)
+    if loadable is not None:
         plan.loaded.append(where)
-        plan.actions.append(Action(where, lambda: optimizer.load_state_dict(saved.state)))
+        plan.object_loads.append(
+            Action(
+                where,
+                lambda: optimizer.load_state_dict(loadable),
+                # Loading gives the optimizer new state tensors: the old ones stay as
+                # they were, so their state_dict() (references, no copy) undoes it.
+                snapshot=lambda: _loader(optimizer, optimizer.state_dict()),
+            )
+        )
+
+
+def _in_params_layout(
+    plan: RestorePlan, state: dict[str, Any], by_id: dict[int, torch.Tensor], path: KeyPath
+) -> dict[str, Any] | None:
+    """The optimizer's saved state with each per-element buffer in its parameter's
+    layout (a DTensor parameter on a one-rank mesh: :mod:`ckptvault.state.dtensors`),
+    or None, with the entries recorded, where one cannot be."""
+    if not any(is_dtensor(param) for param in by_id.values()):
+        return state
+    per_param: dict[Any, dict[str, Any]] = {}
+    for pid, entry in state.get("state", {}).items():
+        param, converted = by_id[pid], {}
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim():
+                value = in_live_layout(param, value)
+                if isinstance(value, str):
+                    plan.mismatched.append(f"{format_path((*path, 'state', pid, name))} {value}")
+                    return None
+            converted[name] = value
+        per_param[pid] = converted
+    return {**state, "state": per_param}
 
 
 def _optimizer_layout_problem(
@@ -160,7 +195,19 @@ def plan_generic_stateful(
         plan.mismatched += problems
         return
     plan.loaded.append(where)
-    plan.actions.append(Action(where, lambda: obj.load_state_dict(state)))
+    plan.object_loads.append(
+        Action(
+            where,
+            lambda: obj.load_state_dict(state),
+            # A copy: such an object may keep what it is given and change it in place.
+            snapshot=lambda: _loader(obj, copy.deepcopy(obj.state_dict())),
+        )
+    )
+
+
+def _loader(obj: Any, state: Any) -> Callable[[], None]:
+    """What loads ``state`` back into ``obj``: the undo of a load."""
+    return lambda: obj.load_state_dict(state)
 
 
 def _layout_problems(live: Any, saved: Any, where: str) -> list[str]:
@@ -210,7 +257,13 @@ def plan_rng_state(plan: RestorePlan, current: Any, saved: RngPayload, path: Key
         return current
     current.check_state_dict(saved.state, format_path(path))
     plan.loaded.append(format_path(path))
-    plan.rng_actions.append(Action(format_path(path), lambda: current.load_state_dict(saved.state)))
+    plan.rng_actions.append(
+        Action(
+            format_path(path),
+            lambda: current.load_state_dict(saved.state),
+            snapshot=lambda: _loader(current, current.state_dict()),
+        )
+    )
     return current
 
 
@@ -239,8 +292,12 @@ def plan_numpy_generator(
     def set_state() -> None:
         current.bit_generator.state = saved.state
 
+    def snapshot() -> Callable[[], None]:
+        before = current.bit_generator.state
+        return lambda: setattr(current.bit_generator, "state", before)
+
     plan.loaded.append(where)
-    plan.rng_actions.append(Action(where, set_state))
+    plan.rng_actions.append(Action(where, set_state, snapshot))
     return current
 
 
@@ -268,6 +325,14 @@ def plan_torch_generator(
     def set_state() -> None:
         current.set_state(saved.state)
 
+    def snapshot() -> Callable[[], None]:
+        before = current.get_state()
+
+        def undo() -> None:
+            current.set_state(before)
+
+        return undo
+
     plan.loaded.append(where)
-    plan.rng_actions.append(Action(where, set_state))
+    plan.rng_actions.append(Action(where, set_state, snapshot))
     return current

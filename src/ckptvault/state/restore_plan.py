@@ -16,13 +16,18 @@ import torch
 
 from ckptvault.errors import StateMismatchError
 
+Undo = Callable[[], None]
+
 
 @dataclass(frozen=True)
 class Action:
-    """One step of applying a plan; ``where`` names the entry it changes."""
+    """One step of applying a plan; ``where`` names the entry it changes.
+    ``snapshot``, called just before the step runs, returns what puts the entry back
+    as it was; a step without one (an in-place tensor copy) cannot be undone."""
 
     where: str
     run: Callable[[], None]
+    snapshot: Callable[[], Undo] | None = None
 
     def __call__(self) -> None:
         self.run()
@@ -59,21 +64,30 @@ class TensorCopies:
     def __init__(self) -> None:
         self.copies: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         self.where = "a tensor"
+        self.done = 0
 
     def add(self, where: str, live: torch.Tensor, saved: torch.Tensor) -> None:
         self.copies.append((where, live, saved))
 
     def __call__(self) -> None:
         with torch.no_grad():
-            for where, live, saved in self.copies:
-                self.where = where
+            for done, (where, live, saved) in enumerate(self.copies):
+                self.where, self.done = where, done
                 live.copy_(saved)
+        self.done = len(self.copies)
+
+    def written(self) -> list[str]:
+        """The entries copied so far (all of them once the copies ran)."""
+        return [where for where, _, _ in self.copies[: self.done]]
 
 
 @dataclass
 class RestorePlan:
-    # Run in this order by apply(): loads and tensor copies, then the contents of
-    # plain containers, then the RNG-like states.
+    # Run in this order by apply(): loads into objects that can be undone (optimizers,
+    # schedulers and other stateful objects: what a user's own code may still refuse),
+    # in-place loads and tensor copies, the contents of plain containers, the RNG-like
+    # states.
+    object_loads: list[Action] = field(default_factory=list)
     actions: list[Callable[[], None]] = field(default_factory=list)
     replacements: list[Callable[[], None]] = field(default_factory=list)
     rng_actions: list[Callable[[], None]] = field(default_factory=list)
@@ -101,23 +115,36 @@ class RestorePlan:
         return not (self.missing or self.unexpected or self.mismatched)
 
     def apply(self, where: str = "the checkpoint") -> None:
-        """Run every action, in the order :mod:`ckptvault.state.apply` gives. Planning checked
-        everything it can; whatever still fails here is re-raised as a typed error
-        naming the entry (the objects' own code may refuse a value)."""
-        for action in (*self.actions, *self.replacements, *self.rng_actions):
+        """Run every action, in the order :mod:`ckptvault.state.apply` gives. Planning
+        checked everything it can; whatever still fails here (an object's own code
+        may refuse a value, a device may fail) is re-raised as a typed error naming
+        the entry, after every step already run that can be undone is put back."""
+        undos: list[tuple[str, Undo]] = []
+        written: list[str] = []  # in-place steps already run: no undo
+        steps: list[Callable[[], None]] = [
+            *self.object_loads,
+            *self.actions,
+            *self.replacements,
+            *self.rng_actions,
+        ]
+        for action in steps:
+            snapshot = action.snapshot if isinstance(action, Action) else None
             try:
+                undo: Undo | None = snapshot() if snapshot is not None else None
                 action()
             except Exception as exc:
                 entry = action.where if isinstance(action, (Action, TensorCopies)) else "an entry"
-                message = " ".join(str(exc).split())[:500]
-                failure = StateMismatchError(
-                    f"restoring {where} failed while loading {entry} into the live objects "
-                    f"({type(exc).__name__}: {message}); state may be partially restored. "
-                    "Rebuild the objects and restore again, or restore with the layout the "
-                    "run was saved with.",
-                    mismatched=[entry],
-                )
-                raise failure from exc
+                if isinstance(action, TensorCopies):
+                    written += action.written()
+                elif snapshot is None:  # an in-place load may have written part of it
+                    written.append(entry)
+                kept = _undo_all(undos)
+                raise _apply_failure(where, entry, exc, written + kept) from exc
+            name = action.where if isinstance(action, Action) else "tensors"
+            if undo is not None:
+                undos.append((name, undo))
+            else:
+                written += action.written() if isinstance(action, TensorCopies) else [name]
 
     def refusal_error(self, where: str) -> StateMismatchError:
         """The error for a plan with :attr:`refused` entries (raised whatever ``strict``)."""
@@ -150,3 +177,36 @@ class RestorePlan:
             unexpected=self.unexpected,
             mismatched=self.mismatched,
         )
+
+
+def _undo_all(undos: list[tuple[str, Undo]]) -> list[str]:
+    """Put back every undoable step, newest first; the entries that would not go back."""
+    stuck = []
+    for name, undo in reversed(undos):
+        try:
+            undo()
+        except Exception:  # keep undoing the rest; the error names this entry
+            stuck.append(name)
+    return stuck
+
+
+def _apply_failure(
+    where: str, entry: str, exc: Exception, changed: list[str]
+) -> StateMismatchError:
+    message = " ".join(str(exc).split())[:500]
+    if not changed:
+        outcome = "nothing was restored (what had loaded before it was put back)"
+    else:
+        shown = ", ".join(changed[:5]) + (
+            f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+        )
+        outcome = (
+            f"what could be undone was put back, but {shown} already hold the checkpoint's "
+            "values (copied in place): rebuild those objects before restoring again"
+        )
+    return StateMismatchError(
+        f"restoring {where} failed while loading {entry} into the live objects "
+        f"({type(exc).__name__}: {message}); {outcome}. Restore with the layout the run "
+        "was saved with, or fix what refused the value.",
+        mismatched=[entry],
+    )
