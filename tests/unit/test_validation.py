@@ -5,6 +5,8 @@ saves can be validated in the background."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -144,3 +146,47 @@ def test_the_validate_command(store: Path, tmp_path: Path):
     ]
     result = run_cli("validate", str(store), "--run-id", "r", "--factory", "no_such_module:f")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_factory_may_build_the_model_alone(store: Path):
+    """The README's factory returns {"model": model} while the job saves the optimizer
+    too: validation is strict over what the factory built, and only that (it was
+    StateMismatchError on every save, so nothing was ever validated)."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with cv.CheckpointManager(store, run_id="r", catalog=False) as mgr:
+        mgr.save(1, {"model": model, "optim": optimizer, "meta": {"epoch": 1}})
+        result = mgr.validate(_factory(), step=1)
+        assert result.ok, result.error
+
+        def wrong_shape():
+            return {"model": torch.nn.Linear(8, 3)}
+
+        refused = mgr.validate(wrong_shape, step=1)
+    assert not refused.ok and "StateMismatchError" in (refused.error or "")
+
+
+def test_the_console_script_imports_the_factory_from_the_working_directory(
+    store: Path, tmp_path: Path
+):
+    """``ckptvault validate --factory train:build`` as the README writes it, run by
+    the installed ``ckptvault`` script from the directory holding train.py (the
+    script's own directory was the only one on its import path)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "train.py").write_text(
+        "import torch\n\ndef build():\n    return {'model': torch.nn.Linear(8, 2)}\n"
+    )
+    with cv.CheckpointManager(store, run_id="r", catalog=False) as mgr:
+        _save(mgr, 1)
+    script = Path(sys.executable).with_name("ckptvault")
+    args = [str(script), "validate", str(store), "--run-id", "r", "--factory", "train:build"]
+    result = subprocess.run(
+        [*args, "--json", "--catalog", str(tmp_path / "c.sqlite3")],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert [(r["step"], r["ok"]) for r in json.loads(result.stdout)] == [(1, True)]

@@ -31,8 +31,9 @@ def validate(
     factory: Annotated[
         str,
         typer.Option(
-            help="module:function (or path/to/file.py:function) returning the state to "
-            "restore into, or (state, check)."
+            help="module:function (imported from the current directory first, as "
+            "python -m does) or path/to/file.py:function, returning the state to restore "
+            "into (all of it or a part, the model alone say), or (state, check)."
         ),
     ],
     step: Annotated[int | None, typer.Option(help="Validate this step (default: newest).")] = None,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping, MutableMapping
@@ -35,6 +36,7 @@ from ckptvault.errors import NoValidCheckpoint, UsageError, ValidationError
 from ckptvault.events import Event, EventBus, Published, Validated
 from ckptvault.restoring.restorer import Restorer
 from ckptvault.run_context import RunContext
+from ckptvault.state.names import ApplyOptions
 
 logger = logging.getLogger("ckptvault")
 
@@ -55,8 +57,8 @@ class ValidationResult:
 
 
 def load_factory(spec: str) -> Factory:
-    """The function ``spec`` names: ``package.module:function`` (importable) or
-    ``path/to/file.py:function``."""
+    """The function ``spec`` names: ``package.module:function`` (importable, the
+    working directory first, as ``python -m`` imports) or ``path/to/file.py:function``."""
     module_name, sep, function = spec.rpartition(":")
     if not sep or not module_name or not function.isidentifier():
         raise UsageError(f"--factory {spec!r}: give module:function or path/to/file.py:function")
@@ -70,6 +72,10 @@ def load_factory(spec: str) -> Factory:
             sys.modules[loader.name] = module
             loader.loader.exec_module(module)
         else:
+            # From the working directory too, as ``python -m`` finds modules: the
+            # ``ckptvault`` script's own directory is the one on sys.path otherwise.
+            if os.getcwd() not in sys.path and "" not in sys.path:
+                sys.path.insert(0, os.getcwd())
             module = importlib.import_module(module_name)
     except ImportError as exc:
         raise UsageError(f"--factory {spec!r}: cannot import {module_name}: {exc}") from exc
@@ -111,7 +117,10 @@ class Validator:
         state, check = _built(factory)
         generation_id, target = None, step if step is not None else -1
         try:
-            info = self.restorer.restore(state, step, strict=True)
+            # Strict over what the factory built, which may be a subset (the model
+            # alone): the checkpoint's other entries are left out, not unexpected.
+            subset = ApplyOptions(live_entries_only=True)
+            info = self.restorer.restore(state, step, strict=True, options=subset)
             if info is None:
                 raise NoValidCheckpoint(f"no generation in {self.run.store.location}")
             generation_id, target = info.generation_id, info.step

@@ -280,7 +280,8 @@ def plan_restore(
     plan = planner.plan
     for key, value in saved.items():
         if key not in state:
-            plan.unexpected.append(format_path((key,)))
+            if not planner.options.live_entries_only:
+                plan.unexpected.append(format_path((key,)))
             continue
         live = state[key]
         current = live.value if isinstance(live, PerRank) else live  # wrapped: in place

@@ -54,11 +54,15 @@ class ApplyOptions:
     casts, as ``load_state_dict`` does, and lists every cast in ``RestoreInfo``).
     ``strict_env``: refuse a generation saved with other software versions or CUDA
     devices (:mod:`ckptvault.state.environment`) instead of warning.
+    ``live_entries_only``: the checkpoint's top-level entries that ``state`` does not
+    hold are left out rather than unexpected (a validation factory may build only the
+    model); what ``state`` holds is matched as strictly as ever.
     """
 
     rename: Rename = None
     strict_dtypes: bool = False
     strict_env: bool = False
+    live_entries_only: bool = False
     _prefixes: tuple[tuple[str, str], ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
