@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 import ckptvault as cv
-from ckptvault.ops.export import export_weights
+from ckptvault.ops.export import consolidate_weights, export_weights
 from support.forging import read_logical
 
 
@@ -60,3 +60,18 @@ def test_an_export_names_every_tied_weight(store: Path, tmp_path: Path):
     assert set(exported) == set(model.state_dict()) and result.tensors == 4
     assert torch.equal(exported["head.weight"], model.embed.weight.detach())
     assert torch.equal(exported["embed.weight"], model.embed.weight.detach())
+
+
+def test_a_consolidation_names_every_tied_weight_and_loads_strictly(store: Path, tmp_path: Path):
+    """ckptvault consolidate wrote embed.weight but not head.weight (export kept both):
+    a strict load_state_dict of the consolidated files failed."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    with cv.CheckpointManager(store, run_id="tied") as mgr:
+        mgr.save(1, {"model": model})
+    result = consolidate_weights(store, tmp_path / "hf")
+    consolidated = load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(consolidated) == set(model.state_dict()) and result.tensors == 4
+    fresh = TiedLM()
+    fresh.load_state_dict(consolidated, strict=True)
+    assert torch.equal(fresh.head.weight, model.embed.weight)

@@ -208,6 +208,24 @@ def _entry_view(
     return tensor_key((key,)) + "/", view
 
 
+def _entry_aliases(manifest: Manifest, tree: Any, prefix: str) -> dict[str, str]:
+    """Tied weights under ``prefix`` where it names one state entry (``model/``): each
+    tied name -> the key its tensor is stored under, as :func:`export_weights` writes
+    them (a consolidated ``lm_head.weight`` was missing, and a strict load failed)."""
+    parts = [part for part in prefix.split("/") if part]
+    if len(parts) != 1:
+        return {}
+    where = f"generation {manifest.generation_id}"
+    try:
+        view, _per_rank = tree_for_rank(tree, saved_world_size(manifest), 0, 1, where)
+    except FormatError:
+        return {}  # the stream that follows refuses such a generation with its reason
+    entry = next((name for name in view if tensor_key((name,)) == parts[0]), None)
+    if entry is None:
+        return {}
+    return tensor_aliases(view, entry, manifest.dcp["tensors"], where)
+
+
 def _file_metadata(manifest: Manifest, **extra: str) -> dict[str, str]:
     """The ``__metadata__`` of an output file: where its tensors come from."""
     return {
@@ -259,8 +277,8 @@ def consolidate_weights(
     if store.holds_path(directory):
         raise UsageError(f"{directory} is inside the checkpoint store {store.location}")
 
-    def write(manifest: Manifest, _tree: Any, source: VerifiedRanges) -> ConsolidateResult:
-        tensors = prefixed_tensors(manifest, prefix, target)
+    def write(manifest: Manifest, tree: Any, source: VerifiedRanges) -> ConsolidateResult:
+        tensors = prefixed_tensors(manifest, prefix, target, _entry_aliases(manifest, tree, prefix))
         directory.mkdir(parents=True, exist_ok=True)
         metadata = _file_metadata(manifest, ckptvault_prefix=prefix)
         shards = plan_shards(tensors, max_shard_size)
