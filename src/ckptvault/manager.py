@@ -22,11 +22,12 @@ from ckptvault.assembly import ManagerOptions, assemble
 from ckptvault.config import validate_step
 from ckptvault.distributed.messages import any_rank
 from ckptvault.errors import UsageError
+from ckptvault.restoring.hf_weights import is_weights_source
 from ckptvault.restoring.lineage import LINEAGE
 from ckptvault.restoring.restorer import RestoreInfo
 from ckptvault.restoring.selector import SkippedGeneration
 from ckptvault.restoring.validation import Factory, ValidationResult
-from ckptvault.restoring.warm_start import WarmStartSource, warm_start
+from ckptvault.restoring.warm_start import WarmStartSource, warm_start, warm_start_from_weights
 from ckptvault.retention import marks
 from ckptvault.saving.handles import SaveHandle, SaveStats
 from ckptvault.saving.metrics import validate_metrics
@@ -295,7 +296,7 @@ class CheckpointManager:
         state: MutableMapping[str, Any],
         source: str | os.PathLike[str],
         *,
-        source_run_id: str,
+        source_run_id: str | None = None,
         step: int | None = None,
         trusted_keys: Iterable[PublicKeyLike] | PublicKeyLike | None = None,
         keystore: str | KeyStore | None = None,
@@ -314,6 +315,13 @@ class CheckpointManager:
         as the lineage of every generation this run saves (``RestoreInfo.lineage``).
         Only for a run with no generation yet: after a crash, ``restore()`` resumes
         the run itself (``info = mgr.restore(state) or mgr.warm_start(state, ...)``).
+
+        ``source`` may also be Hugging Face weights: a ``save_pretrained`` directory
+        (``model.safetensors``, or shards with ``model.safetensors.index.json``) or one
+        ``.safetensors`` file, loaded into the one module in ``state`` (its names
+        matched to the module's state dict, or mapped by ``rename``), checked against
+        hostile input before anything is applied, each file's BLAKE3 digest recorded
+        in the lineage (:mod:`ckptvault.restoring.hf_weights`). No ``source_run_id``.
         """
         self._check_open()
         if self.coordinator.world_size > 1:
@@ -326,9 +334,18 @@ class CheckpointManager:
                 f"run {self.run_id} already has generations in {self.store.location}: "
                 "warm_start only starts a new run; resume this one with restore()"
             )
-        found = WarmStartSource(source, source_run_id, step, trusted_keys, keystore, source_s3)
         options = ApplyOptions(rename=rename, strict_dtypes=strict_dtypes)
-        info = warm_start(state, found, self.config.threads, strict, options)
+        if source_run_id is None and is_weights_source(source):
+            info = warm_start_from_weights(state, os.fspath(source), strict, options)
+        else:
+            if source_run_id is None:
+                raise UsageError(
+                    f"warm_start from {os.fspath(source)!r} needs source_run_id=, the run id "
+                    "of the source run (Hugging Face weights are a save_pretrained "
+                    "directory or a .safetensors file)"
+                )
+            found = WarmStartSource(source, source_run_id, step, trusted_keys, keystore, source_s3)
+            info = warm_start(state, found, self.config.threads, strict, options)
         assert info.lineage is not None
         self._writer.contract[LINEAGE] = info.lineage.as_contract()
         self._gradients.observe(state)

@@ -16,13 +16,17 @@ from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ckptvault.config import validate_step
 from ckptvault.errors import UsageError
 from ckptvault.io.load import LoadedGeneration, load_verified
+from ckptvault.restoring.hf_weights import read_weights
 from ckptvault.restoring.lineage import Lineage
 from ckptvault.restoring.restorer import RestoreInfo
 from ckptvault.restoring.selector import CandidateSelector, SkippedGeneration
 from ckptvault.state.apply import checked_plan
+from ckptvault.state.capture import MODULE, StatefulPayload, type_name
 from ckptvault.state.names import ApplyOptions
 from ckptvault.storage import StoreLocation, open_store
 from ckptvault.storage.base import GenerationRef
@@ -98,3 +102,68 @@ def warm_start(
         renamed=plan.renamed,
         lineage=Lineage(source.run_id, ref.step, ref.generation_id, str(ref.location)),
     )
+
+
+def warm_start_from_weights(
+    state: MutableMapping[str, Any], source: str, strict: bool, options: ApplyOptions
+) -> RestoreInfo:
+    """Load Hugging Face weights (:mod:`ckptvault.restoring.hf_weights`) into the one
+    module ``state`` holds, all or nothing as a restore: strict over that module's
+    state dict (its other entries are left as they are), ``rename``: file name ->
+    module name. A tied name the file leaves out (``save_pretrained`` writes one of
+    each tie) takes its partner's tensor. ``RestoreInfo.lineage`` lists the files."""
+    modules = [key for key, value in state.items() if isinstance(value, torch.nn.Module)]
+    if len(modules) != 1:
+        raise UsageError(
+            f"warm_start from Hugging Face weights loads one module, and state holds "
+            f"{len(modules)} ({', '.join(map(repr, modules)) or 'none'}): pass "
+            "{'model': model} (and the rest), or load the others separately"
+        )
+    entry = modules[0]
+    tensors, files = read_weights(source)
+    tensors = _with_ties(state[entry], tensors, options)
+    where = f"the Hugging Face weights at {source}"
+    saved = {entry: StatefulPayload(MODULE, type_name(state[entry]), tensors)}
+    others = [key for key in state if key != entry]
+    plan = checked_plan(state, saved, others, options, strict, where)
+    plan.apply(where)
+    names = tuple((file.path.name, file.blake3) for file in files)
+    return RestoreInfo(
+        step=0,
+        generation_id="",
+        path=source,
+        skipped=[],
+        missing=plan.missing,
+        unexpected=plan.unexpected,
+        mismatched=plan.mismatched,
+        bytes=sum(file.bytes for file in files),
+        signer=None,
+        reset=[],
+        loaded=plan.loaded,
+        casts=plan.casts,
+        renamed=plan.renamed,
+        lineage=Lineage("", 0, "", source, names),
+    )
+
+
+def _with_ties(
+    module: torch.nn.Module, tensors: dict[str, torch.Tensor], options: ApplyOptions
+) -> dict[str, torch.Tensor]:
+    """``tensors`` plus, for each live name tied to another (the same storage) that the
+    file leaves out, its partner's tensor under the file's naming."""
+    live = module.state_dict(keep_vars=True)
+    by_storage: dict[tuple[int, int], list[str]] = {}
+    for name, value in live.items():
+        if isinstance(value, torch.Tensor) and value.numel():
+            key = (value.untyped_storage().data_ptr(), int(value.storage_offset()))
+            by_storage.setdefault(key, []).append(name)
+    present = {options.renamed(name): name for name in tensors}
+    added = dict(tensors)
+    for names in by_storage.values():
+        found = next((present[n] for n in names if n in present), None)
+        if found is None:
+            continue
+        for name in names:
+            if name not in present:
+                added[name] = tensors[found]
+    return added
