@@ -145,3 +145,18 @@ def test_an_index_naming_files_outside_or_missing_tensors_is_refused(tmp_path: P
             mgr.warm_start(live, directory)
         with pytest.raises(UsageError, match="needs source_run_id"):
             mgr.warm_start(live, tmp_path / "no-such-store")
+
+
+def test_a_sparse_file_claiming_terabytes_is_refused_before_memory_is_taken(tmp_path: Path):
+    """A header describing 1 TiB of weights over a sparse file: refused before a
+    byte of it is allocated (it would have been a MemoryError, untyped)."""
+    header = b'{"w":{"dtype":"U8","shape":[1099511627776],"data_offsets":[0,1099511627776]}}'
+    path = tmp_path / "sparse.safetensors"
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(header)) + header)
+        handle.truncate(8 + len(header) + (1 << 40))
+    with (
+        cv.CheckpointManager(tmp_path / "store", run_id="r") as mgr,
+        pytest.raises(FormatError, match="sparse file"),
+    ):
+        mgr.warm_start({"model": torch.nn.Linear(2, 1)}, path)

@@ -104,7 +104,9 @@ def _read_files(
     tensors: dict[str, torch.Tensor] = {}
     files = []
     for path in paths:
-        held, source = _read_file(path)
+        # A file the index names is opened without following a link (it was checked
+        # to be a regular file; it must still be one when opened).
+        held, source = _read_file(path, follow=listed is None)
         for name in held:
             if name in tensors:
                 raise FormatError(f"{path}: tensor {name!r} is in another file too")
@@ -119,20 +121,32 @@ def _read_files(
     return tensors, files
 
 
-def _read_file(path: Path) -> tuple[dict[str, torch.Tensor], SourceFile]:
-    """A safetensors file's tensors (views of its bytes, read once) and its digest."""
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
+def _read_file(path: Path, follow: bool) -> tuple[dict[str, torch.Tensor], SourceFile]:
+    """A safetensors file's tensors (views of its bytes, read once) and its digest.
+    The header is parsed before the data is read: its tensors must tile exactly the
+    bytes the file holds, and a sparse file (sizes it does not hold) is refused."""
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (0 if follow else os.O_NOFOLLOW)
+    try:
+        descriptor = os.open(path, flags)
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot be opened as a regular file ({exc.strerror})") from exc
+    with os.fdopen(descriptor, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise FormatError(f"{path}: not a regular file")
+        size = info.st_size
+        if size > 1 << 20 and info.st_blocks * 512 < size // 2:
+            raise FormatError(f"{path}: a sparse file ({size} bytes, most not stored), refused")
         total = header_length(handle.read(HEADER_LENGTH_BYTES), size, str(path))
-        handle.seek(0)
+        header = parse_header(_header_bytes(handle, total), size, str(path))
         data = bytearray(size)
-        if handle.readinto(data) != size:
+        handle.seek(0)
+        if handle.readinto(data) != size or bytes(data[:total]) != header.header_bytes:
             raise FormatError(f"{path}: changed while it was read")
-    header = parse_header(bytes(data[:total]), size, str(path))
-    tensors: dict[str, Any] = {}
+    tensors: dict[str, torch.Tensor] = {}
     for name, entry in header.entries.items():
         dtype = dtype_from_name(entry.dtype, f"{path}: tensor {name!r}")
-        count = (entry.end - entry.start) // max(1, torch.empty((), dtype=dtype).element_size())
+        count = entry.nbytes // torch.empty((), dtype=dtype).element_size()
         flat = (
             torch.frombuffer(data, dtype=dtype, count=count, offset=entry.start)
             if count
@@ -140,3 +154,9 @@ def _read_file(path: Path) -> tuple[dict[str, torch.Tensor], SourceFile]:
         )
         tensors[name] = flat.reshape(entry.shape)
     return tensors, SourceFile(path, size, blake3(data).hexdigest())
+
+
+def _header_bytes(handle: Any, total: int) -> bytes:
+    """The file's first ``total`` bytes (the length prefix and the JSON header)."""
+    handle.seek(0)
+    return bytes(handle.read(total))
