@@ -14,6 +14,7 @@ The plugin called directly: ``test_integration_lightning_io.py``.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import pickle
 import re
@@ -316,3 +317,25 @@ def test_the_readme_example_runs_and_resumes(tmp_path: Path, monkeypatch: pytest
     assert second["trainer"].ckpt_path == str(tmp_path / "runs" / "lit" / "last.ckpt")
     assert second["trainer"].global_step == 40
     assert (tmp_path / "runs" / "lit" / "last.ckpt").read_bytes().startswith(b'{"ckptvault_')
+
+
+def test_save_last_points_at_the_generation_of_its_step(tmp_path: Path):
+    """save_last=True saves the top-k file and last.ckpt at the same step: both point
+    at one generation (the newcomer tour saw epoch=0-step=4.ckpt and last.ckpt each
+    written in full), and last.ckpt still resumes."""
+    store, ckpt = tmp_path / "store", tmp_path / "ckpt"
+    plugin = CkptvaultCheckpointIO(store, run_id="r")
+    trainer = _trainer(plugin, ckpt, 8, every_n_train_steps=4, save_top_k=-1)
+    trainer.fit(_module(seed=0), _loader())
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "epoch=0-step=4.ckpt",
+        "epoch=0-step=8.ckpt",
+        "last.ckpt",
+    ]
+    assert [g.step for g in plugin.manager.generations()] == [8, 4]  # one each
+    last = json.loads((ckpt / "last.ckpt").read_bytes())
+    assert last == json.loads((ckpt / "epoch=0-step=8.ckpt").read_bytes())
+    resumed = _module(seed=9)
+    again = _trainer(CkptvaultCheckpointIO(store, run_id="r"), ckpt, 10, every_n_train_steps=4)
+    again.fit(resumed, _loader(), ckpt_path=str(ckpt / "last.ckpt"))
+    assert again.global_step == 10

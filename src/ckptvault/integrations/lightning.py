@@ -145,6 +145,7 @@ class CkptvaultCheckpointIO(CheckpointIO):
         self._options = options
         self._manager: CheckpointManager | None = None
         self._pruner: LightningPruner | None = None
+        self._written: tuple[int, str] | None = None  # (step, generation id) saved last
 
     @property
     def manager(self) -> CheckpointManager:
@@ -176,12 +177,26 @@ class CkptvaultCheckpointIO(CheckpointIO):
         step = _global_step(checkpoint)
         check_encodable(checkpoint)  # before anything is written, naming the key
         manager = self.manager
-        info = manager.save(step, _saved_state(checkpoint)).result()
-        assert info is not None  # a synchronous save is never skipped
-        pointer = Pointer(manager.run_id, step, info.generation_id, manager.store.location)
+        generation_id = self._written_at(step)
+        if generation_id is None:
+            info = manager.save(step, _saved_state(checkpoint)).result()
+            assert info is not None  # a synchronous save is never skipped
+            generation_id = info.generation_id
+            self._written = (step, generation_id)
+        pointer = Pointer(manager.run_id, step, generation_id, manager.store.location)
         write_pointer(target, pointer)
         # What was there before is released by the store's record of it, not by the file.
         self.pruner.pointed(target, pointer.name)
+
+    def _written_at(self, step: int) -> str | None:
+        """The generation this plugin saved for ``step`` last, if it is still listed:
+        a second save of the same global step (``save_last=True``: the top-k file and
+        ``last.ckpt``) points at it instead of writing the same state again, as
+        Lightning's own ``save_last="link"`` does."""
+        if self._written is None or self._written[0] != step:
+            return None
+        listed = {g.generation_id for g in self.manager.generations()}
+        return self._written[1] if self._written[1] in listed else None
 
     def load_checkpoint(
         self,
