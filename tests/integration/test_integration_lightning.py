@@ -319,6 +319,32 @@ def test_the_readme_example_runs_and_resumes(tmp_path: Path, monkeypatch: pytest
     assert (tmp_path / "runs" / "lit" / "last.ckpt").read_bytes().startswith(b'{"ckptvault_')
 
 
+def test_the_readme_example_stopped_mid_epoch_resumes_bit_identically(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The README's block, stopped at step 30 (the save there is mid-epoch: 8 batches
+    an epoch) and run again as written, ends with the weights of a run never stopped.
+    (Tried as a new user would, the recipe differed by 1.99e-1: its loader restarted
+    the epoch and its data was drawn anew each run.)"""
+    example = _readme_example()
+    assert example.count("max_steps=40") == 1
+
+    def run(directory: Path, code: str) -> Any:
+        directory.mkdir(exist_ok=True)
+        monkeypatch.chdir(directory)
+        scope: dict[str, Any] = {"__name__": "readme"}
+        exec(compile(code, "README.md", "exec"), scope)
+        return scope["trainer"]
+
+    whole = run(tmp_path / "whole", example).lightning_module.state_dict()
+    stopped = run(tmp_path / "stopped", example.replace("max_steps=40", "max_steps=30"))
+    assert stopped.global_step == 30
+    again = run(tmp_path / "stopped", example)
+    assert again.ckpt_path == str(tmp_path / "stopped" / "runs" / "lit" / "last.ckpt")
+    after = again.lightning_module.state_dict()
+    assert after.keys() == whole.keys() and all(torch.equal(after[k], whole[k]) for k in whole)
+
+
 def test_save_last_points_at_the_generation_of_its_step(tmp_path: Path):
     """save_last=True saves the top-k file and last.ckpt at the same step: both point
     at one generation (the newcomer tour saw epoch=0-step=4.ckpt and last.ckpt each
