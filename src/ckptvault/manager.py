@@ -34,6 +34,7 @@ from ckptvault.saving.metrics import validate_metrics
 from ckptvault.state.capture import CapturedState, capture_state
 from ckptvault.state.gradients import GradientWatch, with_gradients
 from ckptvault.state.names import ApplyOptions, Rename
+from ckptvault.state.param_names import parameter_names
 from ckptvault.state.ranks import capture_ranked, unwrap_entries
 from ckptvault.storage import StoreLocation
 from ckptvault.storage.listing import GenerationInfo, list_generation_infos
@@ -400,7 +401,8 @@ class CheckpointManager:
     def _capture(self, state: Mapping[str, Any]) -> CapturedState:
         if self.coordinator.world_size > 1:  # each rank's own entries apart
             return capture_ranked(state, self.coordinator.rank)
-        return capture_state(unwrap_entries(state))  # one process: PerRank entries are plain
+        # One process: PerRank entries are plain; parameter names as restore finds them.
+        return capture_state(unwrap_entries(state), parameter_names(state))
 
     def _check_open(self) -> None:
         if self._closed:

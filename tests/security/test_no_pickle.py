@@ -68,7 +68,7 @@ def test_tensor_files_open_with_stock_safetensors(store: Path):
     for name, value in state["model"].state_dict().items():
         assert torch.equal(found[f"model/{name}"], value)
     assert torch.equal(
-        found["optimizer/state/0/exp_avg"], state["optimizer"].state_dict()["state"][0]["exp_avg"]
+        found["optimizer/state/fc1.weight/exp_avg"], state["optimizer"].state_dict()["state"][0]["exp_avg"]
     )
 
 

@@ -519,7 +519,7 @@ def test_relabelled_old_generation_is_refused_and_the_floor_holds(
 
 def _swap_weight_and_moment(document: dict) -> None:
     tensors = document["dcp"]["tensors"]
-    a, b = "model/fc1.weight", "optimizer/state/0/exp_avg"
+    a, b = "model/fc1.weight", "optimizer/state/fc1.weight/exp_avg"
     tensors[a]["chunks"], tensors[b]["chunks"] = tensors[b]["chunks"], tensors[a]["chunks"]
 
 

@@ -18,11 +18,13 @@ from ckptvault.format.manifest import Manifest
 from ckptvault.format.tensor_table import Box
 from ckptvault.io.dcp_metadata import tensor_metadata
 from ckptvault.state.codec import tensor_key
+from ckptvault.state.param_names import parameter_names
 
 
 def optimizer_param_hints(state: Any) -> dict[str, torch.Tensor]:
     """For each optimizer among the top-level entries (and one level of dicts) of a
-    live state: its parameters by the key prefix their state is saved under."""
+    live state: its parameters by the key prefixes their state may be saved under
+    (its position, and its name: :mod:`ckptvault.state.param_names`)."""
     hints: dict[str, torch.Tensor] = {}
     entries: list[tuple[tuple[str, ...], Any]] = [((key,), value) for key, value in state.items()]
     entries += [
@@ -32,11 +34,14 @@ def optimizer_param_hints(state: Any) -> dict[str, torch.Tensor]:
         for inner, nested in value.items()
         if isinstance(inner, str)
     ]
+    names = parameter_names(state)  # state saved by parameter name, or by position
     for path, value in entries:
         if isinstance(value, torch.optim.Optimizer):
             params = [p for group in value.param_groups for p in group["params"]]
             for index, param in enumerate(params):
                 hints[tensor_key((*path, "state", index)) + "/"] = param
+                if id(param) in names:
+                    hints[tensor_key((*path, "state", names[id(param)])) + "/"] = param
     return hints
 
 

@@ -67,6 +67,7 @@ from ckptvault.state.capture import (
 from ckptvault.state.codec import KeyPath, format_path
 from ckptvault.state.dtensors import in_live_layout
 from ckptvault.state.names import ApplyOptions
+from ckptvault.state.param_names import parameter_names
 from ckptvault.state.ranks import PerRank
 from ckptvault.state.restore_plan import Action, RestorePlan, unwritable
 from ckptvault.state.rng import RNGState
@@ -102,9 +103,10 @@ def _contains_placeholder(value: Any) -> bool:
 
 
 class _Planner:
-    def __init__(self, options: ApplyOptions) -> None:
+    def __init__(self, options: ApplyOptions, names: dict[int, str] | None = None) -> None:
         self.plan = RestorePlan()
         self.options = options
+        self.names = names or {}  # id(parameter) -> name, for name-keyed optimizer state
 
     # Each resolve_* returns the value the parent container should hold afterwards.
 
@@ -258,7 +260,7 @@ class _Planner:
         if kind == MODULE:
             plan_module(self.plan, current, saved, path, self.options)
         elif kind == OPTIMIZER:
-            plan_optimizer(self.plan, current, saved, path)
+            plan_optimizer(self.plan, current, saved, path, self.names)
         else:
             plan_generic_stateful(self.plan, current, saved, path)
         return current
@@ -276,7 +278,7 @@ def plan_restore(
     ``state`` named in ``left_alone`` (per-rank entries a new world size cannot
     restore) are not missing: they stay as they are. ``options``: renames and the
     dtype rule (:class:`ckptvault.state.names.ApplyOptions`)."""
-    planner = _Planner(options or ApplyOptions())
+    planner = _Planner(options or ApplyOptions(), parameter_names(state))
     plan = planner.plan
     for key, value in saved.items():
         if key not in state:

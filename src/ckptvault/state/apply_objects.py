@@ -31,6 +31,7 @@ from ckptvault.state.capture import (
 from ckptvault.state.codec import KeyPath, format_path, parse_device
 from ckptvault.state.dtensors import in_live_layout, is_dtensor
 from ckptvault.state.gradients import GradientSlots
+from ckptvault.state.param_names import NamedState, is_name_keyed
 from ckptvault.state.restore_plan import Action, RestorePlan
 from ckptvault.state.rng import RNGState
 
@@ -43,11 +44,20 @@ def _shape(value: Any) -> list[int] | None:
 
 
 def plan_optimizer(
-    plan: RestorePlan, optimizer: torch.optim.Optimizer, saved: StatefulPayload, path: KeyPath
+    plan: RestorePlan,
+    optimizer: torch.optim.Optimizer,
+    saved: StatefulPayload,
+    path: KeyPath,
+    names: Mapping[int, str],
 ) -> None:
     where = format_path(path)
-    groups: Any = saved.state.get("param_groups")  # checked below, before it is used
-    per_param = saved.state.get("state", {})
+    state: dict[str, Any] | None = saved.state
+    if is_name_keyed(saved.state):  # by parameter name: onto the live positions by name
+        state = _by_live_position(plan, optimizer, saved.state, names, path)
+    if state is None:
+        return
+    groups: Any = state.get("param_groups")  # checked below, before it is used
+    per_param = state.get("state", {})
     problem = _optimizer_layout_problem(groups, per_param, optimizer, where)
     if problem is not None:
         plan.mismatched.append(problem)
@@ -60,7 +70,7 @@ def plan_optimizer(
     by_id = dict(zip(saved_ids, params, strict=True))
     if not _per_param_state_fits(plan, per_param, by_id, path):
         return
-    loadable = _in_params_layout(plan, saved.state, by_id, path)
+    loadable = _in_params_layout(plan, state, by_id, path)
     if loadable is not None:
         plan.loaded.append(where)
         plan.object_loads.append(
@@ -72,6 +82,31 @@ def plan_optimizer(
                 snapshot=lambda: _loader(optimizer, optimizer.state_dict()),
             )
         )
+
+
+def _by_live_position(
+    plan: RestorePlan,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    names: Mapping[int, str],
+    path: KeyPath,
+) -> dict[str, Any] | None:
+    """A name-keyed saved state as ``load_state_dict`` takes it for this optimizer
+    (:class:`ckptvault.state.param_names.NamedState`); names on one side only are
+    recorded missing or unexpected, as a module's keys are."""
+    per_param = state.get("state", {})
+    if not isinstance(per_param, dict) or not all(
+        type(name) is str and isinstance(entry, dict) for name, entry in per_param.items()
+    ):
+        plan.mismatched.append(f"{format_path(path)}.state: not a dict of per-parameter dicts")
+        return None
+    named = NamedState(optimizer, state, names)
+    if named.problem is not None:
+        plan.mismatched.append(f"{format_path(path)}: {named.problem}")
+        return None
+    plan.missing += [format_path((*path, "state", name)) for name in named.missing]
+    plan.unexpected += [format_path((*path, "state", name)) for name in named.unexpected]
+    return named.loadable
 
 
 def _in_params_layout(

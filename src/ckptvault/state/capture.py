@@ -11,8 +11,9 @@ The state dict may hold, at any depth inside plain dicts, lists and tuples:
 
 Every tensor becomes one entry of a flat ``{key: tensor}`` dict that goes through
 torch.distributed.checkpoint; its key is its escaped key path (for example
-``optimizer/state/0/exp_avg``). Capture never copies tensor data and never draws
-from any RNG.
+``optimizer/state/fc1.weight/exp_avg``: optimizer state by parameter name where the
+state's modules name every parameter, :mod:`ckptvault.state.param_names`). Capture
+never copies tensor data and never draws from any RNG.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ckptvault.state.codec import (
     tensor_key,
 )
 from ckptvault.state.names import plain_name
+from ckptvault.state.param_names import by_name, parameter_names
 from ckptvault.state.rng import RNGState
 
 MODULE = "module"
@@ -137,6 +139,7 @@ class _StateEncoder(Encoder):
     def __init__(self, collector: _TensorCollector) -> None:
         super().__init__(collector)
         self._plain = Encoder(collector)
+        self.names: dict[int, str] = {}  # id(parameter) -> name (state.param_names)
 
     def encode_special(self, value: Any, path: KeyPath) -> Any:
         if isinstance(value, RNGState):
@@ -159,6 +162,8 @@ class _StateEncoder(Encoder):
             )
         kind = stateful_kind(value)
         plain = _plain_names(state, path) if kind == MODULE else dict(state)
+        if kind == OPTIMIZER:  # by parameter name where the state's modules name them
+            plain = by_name(value, self.names, state) or plain
         payload: dict[str, Any] = {
             "kind": kind,
             "type": type_name(value),
@@ -190,12 +195,17 @@ def _plain_names(state: Mapping[str, Any], path: KeyPath) -> dict[str, Any]:
     return plain
 
 
-def capture_state(state: Mapping[str, Any]) -> CapturedState:
-    """Split ``state`` into tensors and a JSON tree; raises on unsupported values."""
+def capture_state(
+    state: Mapping[str, Any], names: Mapping[int, str] | None = None
+) -> CapturedState:
+    """Split ``state`` into tensors and a JSON tree; raises on unsupported values.
+    ``names``: parameter names for optimizer state (default: ``state``'s own modules,
+    :func:`ckptvault.state.param_names.parameter_names`)."""
     if not isinstance(state, Mapping):
         raise UsageError(f"state must be a dict of named entries, not {type(state).__name__}")
     collector = _TensorCollector()
     encoder = _StateEncoder(collector)
+    encoder.names = dict(names) if names is not None else parameter_names(state)
     tree = {}
     for key, value in state.items():
         if type(key) is not str:

@@ -27,6 +27,7 @@ import torch
 
 from ckptvault.errors import FormatError
 from ckptvault.state.capture import CapturedState, capture_state, is_stateful
+from ckptvault.state.param_names import parameter_names
 from ckptvault.state.rng import RNGState
 
 GLOBAL = "global"
@@ -74,8 +75,9 @@ def capture_ranked(state: Mapping[str, Any], rank: int) -> CapturedState:
     rank's own under ``rank<r>/`` tensor keys and in ``CapturedState.rank_tree``."""
     shared = {key: value for key, value in state.items() if not is_per_rank(value)}
     own = {key: unwrap(value) for key, value in state.items() if is_per_rank(value)}
-    captured = capture_state(shared)
-    mine = capture_state({rank_entry(rank): own})
+    names = parameter_names(state)  # the job's modules, as restore names them
+    captured = capture_state(shared, names)
+    mine = capture_state({rank_entry(rank): own}, names)
     return CapturedState(
         tree=captured.tree,
         tensors={**captured.tensors, **mine.tensors},
