@@ -145,3 +145,19 @@ def test_a_generation_keyed_by_position_still_restores(store: Path):
         assert mgr.restore({"optim": fresh}) is not None
     restored = _moments(fresh, again)
     assert all(torch.equal(restored[name], saved[name]) for name in saved)
+
+
+def test_saved_state_no_group_holds_is_unexpected_not_dropped(store: Path):
+    """A name-keyed generation whose state names a parameter no group lists (a
+    hand-edited or forged one) reports it, as a module's stray key is reported."""
+    model = _net(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    _trained(model, optimizer)
+    from ckptvault.state.param_names import NamedState, by_name, parameter_names
+
+    names = parameter_names({"model": model})
+    saved = by_name(optimizer, names, optimizer.state_dict())
+    assert saved is not None
+    saved["state"]["ghost.weight"] = saved["state"]["0.weight"]
+    named = NamedState(torch.optim.AdamW(model.parameters()), saved, names)
+    assert named.unexpected == ["ghost.weight"] and named.missing == []

@@ -117,4 +117,5 @@ class NamedState:
             source = groups[chosen] if chosen is not None else live_group
             hyper = {k: v for k, v in source.items() if k != "params"}
             self.loadable["param_groups"].append({**hyper, "params": positions})
-        self.unexpected = sorted(set(group_of) - live_names)
+        # Saved state of a parameter no group holds is unexpected too, never dropped.
+        self.unexpected = sorted((set(group_of) | set(per_param)) - live_names)
