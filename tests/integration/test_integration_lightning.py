@@ -365,3 +365,32 @@ def test_save_last_points_at_the_generation_of_its_step(tmp_path: Path):
     again = _trainer(CkptvaultCheckpointIO(store, run_id="r"), ckpt, 10, every_n_train_steps=4)
     again.fit(resumed, _loader(), ckpt_path=str(ckpt / "last.ckpt"))
     assert again.global_step == 10
+
+
+def test_async_saves_resume_bit_identically_and_removals_keep_their_order(tmp_path: Path):
+    """AsyncCkptvaultCheckpointIO: saves in Lightning's background thread, removals
+    queued behind them. With plain AsyncCheckpointIO around the plugin, save_top_k=1
+    left epoch=0-step=2.ckpt behind (removed before its save had written it), and its
+    generation was never released. A fit stopped at step 6 and resumed ends as one
+    never stopped."""
+    from ckptvault.integrations.lightning_async import AsyncCkptvaultCheckpointIO
+
+    whole = _module(seed=0)
+    _trainer(CkptvaultCheckpointIO(tmp_path / "whole", run_id="r"), tmp_path / "w", 8).fit(
+        whole, _loader()
+    )
+
+    store, ckpt = tmp_path / "store", tmp_path / "ckpt"
+    plugin = AsyncCkptvaultCheckpointIO(store, run_id="r")
+    stopped = _trainer(plugin, ckpt, 6, every_n_train_steps=2, save_top_k=1)
+    stopped.fit(_module(seed=0), _loader())
+    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=6.ckpt", "last.ckpt"]
+    with cv.CheckpointManager(store, run_id="r") as manager:
+        assert [g.step for g in manager.generations()] == [6, 4]  # 2 released, 4 fallback
+
+    resumed = _module(seed=9)
+    again = _trainer(AsyncCkptvaultCheckpointIO(store, run_id="r"), ckpt, 8, save_top_k=1)
+    again.fit(resumed, _loader(), ckpt_path=str(ckpt / "last.ckpt"))
+    assert again.global_step == 8
+    expected, after = whole.state_dict(), resumed.state_dict()
+    assert all(torch.equal(expected[k], after[k]) for k in expected)
