@@ -106,7 +106,8 @@ def test_load_checkpoint_moves_tensors_and_refuses_what_it_cannot_honour(tmp_pat
 
 def test_ckptvault_imports_lightning_only_in_its_integration():
     """``import ckptvault`` and the CLI never load Lightning: only the integration's
-    own module imports it (the pointer and pruning modules do not)."""
+    own modules import it (the plugin and its asynchronous wrapper; the pointer and
+    pruning modules do not)."""
     package = REPO / "src" / "ckptvault"
     importers = []
     for path in package.rglob("*.py"):
@@ -123,4 +124,7 @@ def test_ckptvault_imports_lightning_only_in_its_integration():
                 n == "lightning" or n.startswith(("lightning.", "pytorch_lightning")) for n in names
             ):
                 importers.append(str(path.relative_to(package)))
-    assert sorted(set(importers)) == ["integrations/lightning.py"]
+    assert sorted(set(importers)) == [
+        "integrations/lightning.py",
+        "integrations/lightning_async.py",
+    ]
