@@ -22,12 +22,11 @@ from ckptvault.assembly import ManagerOptions, assemble
 from ckptvault.config import validate_step
 from ckptvault.distributed.messages import any_rank
 from ckptvault.errors import UsageError
-from ckptvault.restoring.hf_weights import is_weights_source
 from ckptvault.restoring.lineage import LINEAGE
 from ckptvault.restoring.restorer import RestoreInfo
 from ckptvault.restoring.selector import SkippedGeneration
 from ckptvault.restoring.validation import Factory, ValidationResult
-from ckptvault.restoring.warm_start import WarmStartSource, warm_start, warm_start_from_weights
+from ckptvault.restoring.warm_start import WarmStartSource, warm_start
 from ckptvault.retention import marks
 from ckptvault.saving.handles import SaveHandle, SaveStats
 from ckptvault.saving.metrics import validate_metrics
@@ -336,17 +335,8 @@ class CheckpointManager:
                 "warm_start only starts a new run; resume this one with restore()"
             )
         options = ApplyOptions(rename=rename, strict_dtypes=strict_dtypes)
-        if source_run_id is None and is_weights_source(source):
-            info = warm_start_from_weights(state, os.fspath(source), strict, options)
-        else:
-            if source_run_id is None:
-                raise UsageError(
-                    f"warm_start from {os.fspath(source)!r} needs source_run_id=, the run id "
-                    "of the source run (Hugging Face weights are a save_pretrained "
-                    "directory or a .safetensors file)"
-                )
-            found = WarmStartSource(source, source_run_id, step, trusted_keys, keystore, source_s3)
-            info = warm_start(state, found, self.config.threads, strict, options)
+        found = WarmStartSource(source, source_run_id, step, trusted_keys, keystore, source_s3)
+        info = warm_start(state, found, self.config.threads, strict, options)
         assert info.lineage is not None
         self._writer.contract[LINEAGE] = info.lineage.as_contract()
         self._gradients.observe(state)

@@ -83,7 +83,11 @@ def _write_hostile(path: Path, header: bytes, data: bytes) -> None:
 @pytest.mark.parametrize(
     ("header", "data", "says"),
     [
-        (b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', b"\0" * 4, "tensor data ends at byte"),
+        (
+            b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}',
+            b"\0" * 4,
+            "tensor data ends at byte",
+        ),
         (
             b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
             b'"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}',
@@ -160,3 +164,38 @@ def test_a_sparse_file_claiming_terabytes_is_refused_before_memory_is_taken(tmp_
         pytest.raises(FormatError, match="sparse file"),
     ):
         mgr.warm_start({"model": torch.nn.Linear(2, 1)}, path)
+
+
+def test_the_readme_line_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """README, Starting from another run: the Hugging Face line, verbatim."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    line = next(
+        ln for ln in text.splitlines() if 'mgr.warm_start(state, "pretrained/gpt2-small")' in ln
+    )
+    monkeypatch.chdir(tmp_path)
+    source = tiny_gpt2(seed=1)
+    source.save_pretrained("pretrained/gpt2-small")
+    model = tiny_gpt2(seed=2)
+    state = {"model": model, "optim": torch.optim.AdamW(model.parameters())}
+    with cv.CheckpointManager("runs/ft", run_id="ft") as mgr:
+        scope = {"mgr": mgr, "state": state}
+        exec(compile(line.strip(), "README.md", "exec"), scope)
+        assert scope["info"].lineage.store == "pretrained/gpt2-small"
+        assert _equal(model, source)
+        mgr.save(1, state)  # the next start resumes the run instead
+        exec(compile(line.strip(), "README.md", "exec"), scope)
+        assert scope["info"].step == 1
+
+
+@pytest.mark.parametrize(
+    "files",
+    [[["a.safetensors"]], [["a", 1]], "a", [["x" * 2000, "d"]], [["a", "d"]] * 10_001],
+    ids=["short-pair", "not-text", "not-a-list", "too-long", "too-many"],
+)
+def test_a_malformed_lineage_file_list_is_not_carried(files: object):
+    """A manifest's contract is signed and verified before it is read, but its
+    lineage is carried on into every later manifest only when well formed and small."""
+    record = {"run_id": "", "step": 0, "generation_id": "", "store": "p", "files": files}
+    assert cv.restoring.lineage.Lineage.from_contract({"lineage": record}) is None
+    record["files"] = [["a.safetensors", "ab" * 32]]
+    assert cv.restoring.lineage.Lineage.from_contract({"lineage": record}) is not None

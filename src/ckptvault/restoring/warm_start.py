@@ -12,6 +12,7 @@ manifest it writes from then on (and carried forward by its own restores).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 from ckptvault.config import validate_step
 from ckptvault.errors import UsageError
 from ckptvault.io.load import LoadedGeneration, load_verified
-from ckptvault.restoring.hf_weights import read_weights
+from ckptvault.restoring.hf_weights import is_weights_source, read_weights
 from ckptvault.restoring.lineage import Lineage
 from ckptvault.restoring.restorer import RestoreInfo
 from ckptvault.restoring.selector import CandidateSelector, SkippedGeneration
@@ -43,7 +44,7 @@ class WarmStartSource:
     """The other run: its store (read only), run id, trust policy, and which step."""
 
     store: StoreLocation
-    run_id: str
+    run_id: str | None  # None: Hugging Face weights (hf_weights.is_weights_source)
     step: int | None = None
     trusted_keys: Iterable[PublicKeyLike] | PublicKeyLike | None = None
     keystore: str | KeyStore | None = None
@@ -57,7 +58,11 @@ def load_source(
     check under the source's trust policy, verified and decoded, and the newer ones
     skipped on the way (each with its reason). Reads only."""
     if not isinstance(source.run_id, str) or not source.run_id:
-        raise UsageError("warm_start needs source_run_id=, the run id of the source run")
+        raise UsageError(
+            f"warm_start from {source.store!r} needs source_run_id=, the run id of the "
+            "source run (Hugging Face weights are a save_pretrained directory or a "
+            ".safetensors file)"
+        )
     step = None if source.step is None else validate_step(source.step)
     store = open_store(source.store, must_exist=True, s3=source.s3)
     keystore = open_keystore(source.keystore) if source.keystore is not None else None
@@ -80,8 +85,12 @@ def warm_start(
     options: ApplyOptions,
 ) -> RestoreInfo:
     """Load the source generation and apply what matches to ``state``, all or
-    nothing as a restore; ``RestoreInfo.lineage`` names the source."""
+    nothing as a restore; ``RestoreInfo.lineage`` names the source. Without a run id
+    the source is Hugging Face weights (:func:`warm_start_from_weights`)."""
+    if source.run_id is None and is_weights_source(source.store):
+        return warm_start_from_weights(state, os.fspath(source.store), strict, options)
     loaded, skipped = load_source(source, threads)
+    assert source.run_id is not None  # load_source refuses a source without one
     ref = loaded.ref
     where = f"generation {ref.generation_id} (step {ref.step}) of run {source.run_id}"
     plan = checked_plan(state, loaded.saved, loaded.reset, options, strict, where)
