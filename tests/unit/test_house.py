@@ -160,7 +160,7 @@ def test_moved_modules_stay_importable_under_their_documented_paths():
 LAYERS: list[set[str]] = [
     {"errors", "_version", "exit_codes", "timing", "progress", "durable", "_moved", "aws"},
     {"format"},
-    {"storage", "state", "events", "coordinator"},
+    {"storage", "state", "engines", "events", "coordinator"},
     {"trust"},
     {"config", "run_context", "io"},
     {"saving", "retention", "observe", "planning"},

@@ -32,7 +32,12 @@ plain shuffling sampler's state; it then restores its own position, and
 ``skip_first_batches`` skips nothing more). Randomness inside data loading
 (augmentation in ``collate_fn`` or workers) needs a generator of its own.
 
-DeepSpeed, FSDP, Megatron-LM and XLA save through their own engines and are refused.
+FSDP (``fsdp_version`` 1 or 2, any ``state_dict_type``): each model's weights and its
+optimizer's state (model ``i`` with optimizer ``i``, as ``save_state`` pairs them) are
+saved as every rank's shards, keyed by parameter name, through DCP's state-dict API
+(:mod:`ckptvault.engines.fsdp`): one collective generation that restores at the same
+number of ranks or another, into FSDP1 or FSDP2. DeepSpeed, Megatron-LM and XLA save
+through their own engines and are refused.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from ckptvault.engines.fsdp import ShardedState
 from ckptvault.errors import UsageError
 from ckptvault.state.rng import RNGState
 
@@ -51,7 +57,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Checkpointer", "PreparedDataLoader"]
 
-_ENGINES = frozenset({"DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA"})
+_ENGINES = frozenset({"DEEPSPEED", "MEGATRON_LM", "XLA"})
 
 
 class Checkpointer:
@@ -80,7 +86,10 @@ class Checkpointer:
         self._rng: dict[str, Any] | None = None  # set again when the resumed pass starts
         # id(prepared loader) -> the skipping copy whose pass stands for its own.
         self._standins: dict[int, Any] = {}
-        clash = sorted(set(self.extra) & set(self._own_entries()))
+        # FSDP: each model with its optimizer, saved through DCP's state-dict API.
+        self._sharded = engine == "FSDP"
+        self._sharded_states: list[ShardedState] = []
+        clash = sorted(set(self.extra) & set(self._own_names()))
         if clash:
             raise UsageError(
                 f"extra entries {clash} clash with the Checkpointer's own: rename them"
@@ -116,6 +125,8 @@ class Checkpointer:
                 "load_state() for the newest that verifies, or load_state(step=N)"
             )
         info = self.manager.restore(self._state(), step=step, allow_rollback_to=allow_rollback_to)
+        if info is not None:
+            self._apply_sharded()
         # The RNGs were just set to the saved states: read back, they are set again
         # when the resumed pass starts (skip_first_batches).
         self._rng = RNGState().state_dict() if info is not None else None
@@ -138,13 +149,20 @@ class Checkpointer:
 
     # -- the state ------------------------------------------------------------------
 
+    def _own_names(self) -> list[str]:
+        accelerator = self.accelerator
+        models = [_named("model", index) for index in range(len(accelerator._models))]
+        optimizers = [_named("optimizer", index) for index in range(len(accelerator._optimizers))]
+        rest = ["scheduler", "dataloader", "scaler", "accelerator", "rng"]
+        return [*models, *optimizers, *rest]
+
     def _own_entries(self) -> dict[str, Any]:
         accelerator = self.accelerator
-        entries: dict[str, Any] = {}
-        for index, model in enumerate(accelerator._models):
+        entries: dict[str, Any] = self._sharded_entries() if self._sharded else {}
+        for index, model in enumerate(accelerator._models if not self._sharded else ()):
             entries[_named("model", index)] = accelerator.unwrap_model(model)
-        for index, optimizer in enumerate(accelerator._optimizers):
-            entries[_named("optimizer", index)] = getattr(optimizer, "optimizer", optimizer)
+        for index, optimizer in enumerate(accelerator._optimizers if not self._sharded else ()):
+            entries[_named("optimizer", index)] = _inner(optimizer)
         for index, scheduler in enumerate(accelerator._schedulers):
             entries[_named("scheduler", index)] = getattr(scheduler, "scheduler", scheduler)
         for index, loader in enumerate(accelerator._dataloaders):
@@ -160,6 +178,32 @@ class Checkpointer:
 
     def _state(self) -> dict[str, Any]:
         return {**self._own_entries(), **self.extra}
+
+    def _sharded_entries(self) -> dict[str, Any]:
+        """FSDP: model ``i`` and optimizer ``i`` as DCP's state-dict API gives them."""
+        models, optimizers = self.accelerator._models, self.accelerator._optimizers
+        if len(optimizers) > len(models):
+            raise UsageError(
+                f"{len(optimizers)} optimizers for {len(models)} FSDP models: the Checkpointer "
+                "saves optimizer i with model i, as accelerator.save_state does"
+            )
+        self._sharded_states = [
+            ShardedState(model, _inner(optimizers[index]) if index < len(optimizers) else None)
+            for index, model in enumerate(models)
+        ]
+        entries: dict[str, Any] = {}
+        for index, sharded in enumerate(self._sharded_states):
+            captured = sharded.capture()
+            entries[_named("model", index)] = captured["model"]
+            if "optimizer" in captured:
+                entries[_named("optimizer", index)] = captured["optimizer"]
+        return entries
+
+    def _apply_sharded(self) -> None:
+        """After a restore into :meth:`_sharded_entries`: load what it wrote there."""
+        states, self._sharded_states = self._sharded_states, []
+        for sharded in states:
+            sharded.apply()
 
 
 class PreparedDataLoader:
@@ -266,6 +310,11 @@ class _ResumedPass:
             if index == 0 and rng is not None and self.after_first:
                 RNGState().load_state_dict(rng)
             yield batch
+
+
+def _inner(optimizer: Any) -> Any:
+    """The torch optimizer inside Accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
 
 
 def _named(kind: str, index: int) -> str:

@@ -1,0 +1,180 @@
+"""One rank of a training job under an engine (FSDP1, FSDP2) through an integration
+(Accelerate, Hugging Face Trainer), launched by ``multirank.launch``.
+
+``python engine_worker.py SCENARIO STORE OUT``; SCENARIO is
+``INTEGRATION:ENGINE:MODE`` (``accelerate:fsdp2:reference``): MODE ``reference``
+trains every step, saving at ``SAVE_AT``; ``crash`` trains to ``SAVE_AT``, saves
+and is SIGKILLed; ``resume`` restores the newest generation and trains to the end.
+Each rank writes ``OUT/rank<r>.json``: digests of the whole weights and optimizer
+state after the save step (``saved``; ``restored`` on a resume) and at the end.
+
+Accelerate turns FSDP on only for accelerator devices (``AcceleratorState`` keeps
+``MULTI_CPU`` for ``cpu=True``). :func:`fsdp_on_cpu` sets the distributed type to
+FSDP with the plugin the caller gave, after Accelerate's own set-up, so that FSDP's
+preparation, the Trainer's FSDP branches and torch's FSDP run for real on CPU ranks
+over gloo; on a GPU nothing here is needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import ckptvault as cv
+
+RANK = int(os.environ.get("RANK", "0"))
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+SAVE_AT, STEPS = 3, 8
+SEED = 0
+
+
+def fsdp_on_cpu() -> None:
+    """Let ``Accelerator(cpu=True, fsdp_plugin=...)`` run FSDP (see the module docstring)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    original = Accelerator.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        plugin = kwargs.get("fsdp_plugin")
+        state = AcceleratorState()
+        if plugin is not None and state.distributed_type == DistributedType.MULTI_CPU:
+            state.fsdp_plugin = plugin
+            # As AcceleratorState does for the devices it runs FSDP on: every later
+            # AcceleratorState() takes these from PartialState's shared state.
+            for shared in (state.__dict__, PartialState._shared_state):
+                shared["distributed_type"] = DistributedType.FSDP
+                shared["device"] = torch.device("cpu")
+
+    Accelerator.__init__ = init  # type: ignore[method-assign]
+
+
+def digests(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str]:
+    """SHA-256 of every whole weight and optimizer state tensor, by name."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    whole = StateDictOptions(full_state_dict=True)
+    state = {
+        "model": get_model_state_dict(model, options=whole),
+        "optim": get_optimizer_state_dict(model, optimizer, options=whole)["state"],
+    }
+    out: dict[str, str] = {}
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, torch.Tensor):
+            data = value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+            out[path] = hashlib.sha256(data).hexdigest()
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}/{key}")
+
+    walk(state, "")
+    return out
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(SEED)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+    )
+
+
+def accelerate_run(engine: str, mode: str, store: str, out: dict[str, Any]) -> None:
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.utils import FullyShardedDataParallelPlugin, set_seed
+
+    from ckptvault.integrations.accelerate import Checkpointer
+
+    fsdp_on_cpu()
+    version, _, state_dict_type = engine.removeprefix("fsdp").partition("-")
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=int(version), state_dict_type=state_dict_type or "SHARDED_STATE_DICT"
+    )
+    set_seed(SEED)
+    accelerator = Accelerator(
+        cpu=True,
+        fsdp_plugin=plugin,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
+    model = _model()
+    if version == "1":  # FSDP1 flattens the parameters: the optimizer takes the prepared ones
+        model = accelerator.prepare(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(48, 8, generator=torch.Generator().manual_seed(1)),
+        torch.randn(48, 4, generator=torch.Generator().manual_seed(2)),
+    )
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.7)
+    prepared = accelerator.prepare(
+        *([model] if version == "2" else []), optimizer, loader, scheduler
+    )
+    model = prepared[0] if version == "2" else model
+    optimizer, loader, scheduler = prepared[-3:]
+    out["engine"] = str(accelerator.distributed_type)
+    with cv.CheckpointManager(store, run_id="engine", collective_timeout_s=60) as mgr:
+        ckpt = Checkpointer(accelerator, mgr)
+        step = 0
+        if mode == "resume":
+            info = ckpt.load_state()
+            assert info is not None
+            step = info.step
+            out["restored"] = digests(model, optimizer)
+        for epoch in range(step // len(loader), STEPS // len(loader) + 1):
+            for x, y in ckpt.skip_first_batches(loader, step - epoch * len(loader)):
+                if step == STEPS:
+                    break
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+                step += 1
+                if step == SAVE_AT and mode != "resume":
+                    ckpt.save_state(step, blocking=True)
+                    out["saved"] = digests(model, optimizer)
+                    if mode == "crash":
+                        _report(out)
+                        os.kill(os.getpid(), signal.SIGKILL)
+    out["final"] = digests(model, optimizer)
+    out["step"] = step
+
+
+SCENARIOS = {"accelerate": accelerate_run}
+OUT_DIR = Path()
+
+
+def _report(out: dict[str, Any]) -> None:
+    Path(OUT_DIR, f"rank{RANK}.json").write_text(json.dumps(out))
+
+
+def main() -> None:
+    global OUT_DIR
+    scenario, store, out_dir = sys.argv[1:4]
+    OUT_DIR = Path(out_dir)
+    integration, engine, mode = scenario.split(":")
+    out: dict[str, Any] = {"rank": RANK, "world": WORLD}
+    try:
+        SCENARIOS[integration](engine, mode, store, out)
+    finally:
+        _report(out)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
