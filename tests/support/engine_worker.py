@@ -154,7 +154,72 @@ def accelerate_run(engine: str, mode: str, store: str, out: dict[str, Any]) -> N
     out["step"] = step
 
 
-SCENARIOS = {"accelerate": accelerate_run}
+def trainer_run(engine: str, mode: str, store: str, out: dict[str, Any]) -> None:
+    """A tiny GPT-2 under ``CkptvaultTrainer`` with FSDP: saves every ``SAVE_AT``
+    steps; ``crash`` is SIGKILLed right after the first save."""
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+    from transformers import set_seed as hf_set_seed
+
+    from ckptvault.integrations.huggingface import CkptvaultTrainer
+
+    fsdp_on_cpu()
+
+    class Recorder(TrainerCallback):
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == SAVE_AT and mode != "resume":
+                out["saved"] = digests(trainer.model_wrapped, trainer.optimizer.optimizer)
+                if mode == "crash":
+                    _report(out)
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+    hf_set_seed(SEED)
+    config = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=8)
+    model = GPT2LMHeadModel(config)  # dropout on: the RNGs matter
+    tokens = torch.randint(0, 32, (24, 8), generator=torch.Generator().manual_seed(1))
+    version, _, state_dict_type = engine.removeprefix("fsdp").partition("-")
+    # Accelerate refuses FSDP1's sync_module_states on CPU (every rank builds the same
+    # model from the same seed here anyway).
+    fsdp_config: dict[str, Any] = {"version": int(version), "sync_module_states": False}
+    if state_dict_type:
+        fsdp_config["state_dict_type"] = state_dict_type
+    args = TrainingArguments(
+        str(Path(store).parent / f"out-{RANK}"),
+        max_steps=STEPS,
+        # A resume saves nothing: later restores of the store see step 3 as the newest.
+        save_strategy="no" if mode == "resume" else "steps",
+        save_steps=SAVE_AT,
+        logging_steps=1,
+        per_device_train_batch_size=2,
+        use_cpu=True,
+        report_to="none",
+        disable_tqdm=True,
+        fsdp="full_shard",
+        fsdp_config=fsdp_config,
+    )
+    with cv.CheckpointManager(store, run_id="engine", collective_timeout_s=60) as manager:
+        trainer = CkptvaultTrainer(
+            model=model,
+            args=args,
+            train_dataset=[{"input_ids": t, "labels": t} for t in tokens],
+            checkpoint_manager=manager,
+            callbacks=[Recorder()],
+        )
+        if mode == "resume":
+            original = trainer._load_optimizer_and_scheduler
+
+            def loaded(checkpoint: Any) -> None:  # the moment the generation is in place
+                original(checkpoint)
+                out["restored"] = digests(trainer.model_wrapped, trainer.optimizer.optimizer)
+
+            trainer._load_optimizer_and_scheduler = loaded  # type: ignore[method-assign]
+        trainer.train(resume_from_checkpoint=mode == "resume" or None)
+    out["engine"] = "fsdp" if trainer.is_fsdp_enabled else "none"
+    out["final"] = digests(trainer.model_wrapped, trainer.optimizer.optimizer)
+    out["step"] = trainer.state.global_step
+    out["losses"] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+
+SCENARIOS = {"accelerate": accelerate_run, "trainer": trainer_run}
 OUT_DIR = Path()
 
 

@@ -36,8 +36,13 @@ This relies on Trainer's checkpoint hooks (``_save_checkpoint``,
 and ``_load_scaler`` where Trainer has it); the class refuses to be built when one
 is missing, rather than resume silently from nothing. Checkpoints are not pushed to
 the Hub as they are saved (``hub_strategy``: there is no directory to push); a final
-``trainer.push_to_hub()`` works as before. Not supported (refused at construction):
-DeepSpeed and FSDP (they save through their own engines),
+``trainer.push_to_hub()`` works as before.
+
+FSDP (``fsdp_config={"version": 1 or 2}``, any ``state_dict_type``): the weights and
+the optimizer's state are saved as every rank's shards, keyed by parameter name,
+through DCP's state-dict API (:mod:`ckptvault.engines.fsdp`); the generation restores
+at the same number of ranks or another, into FSDP1 or FSDP2. Not supported (refused
+at construction): DeepSpeed (it saves through its own engine), FSDP on XLA,
 ``load_best_model_at_end`` (it reloads a ``checkpoint-N`` directory: restore the best
 step with ``mgr.restore(..., step=trainer.state.best_global_step)``) and
 ``save_only_model``.
@@ -59,6 +64,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import Trainer, TrainerState
 from transformers.trainer_callback import ExportableState
 
+from ckptvault.engines.fsdp import ShardedState
 from ckptvault.errors import NoValidCheckpoint, StateMismatchError, UsageError
 from ckptvault.integrations.resume_paths import has_history, step_of_path
 from ckptvault.state.rng import RNGState
@@ -142,9 +148,12 @@ class CkptvaultTrainer(Trainer):
         scaler = getattr(self.accelerator, "scaler", None)
         optimizer, scheduler = self.optimizer, self.lr_scheduler
         assert optimizer is not None and scheduler is not None  # built before any step
+        if self.is_fsdp_enabled:  # every rank's shards, by parameter name
+            weights = self._sharded_state().capture()
+        else:
+            weights = {"model": self.model, "optimizer": optimizer.state_dict()}
         return {
-            "model": self.model,
-            "optimizer": optimizer.state_dict(),
+            **weights,
             "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict() if scaler is not None else {},
             "rng": RNGState(),
@@ -182,6 +191,8 @@ class CkptvaultTrainer(Trainer):
         else:
             target = None
         try:
+            if resume is not None and self.is_fsdp_enabled:
+                self._read_trainer_state(resume)
             output = super().train(target, trial, ignore_keys_for_eval, **kwargs)
         finally:
             self._ckptvault_resume = None
@@ -213,6 +224,24 @@ class CkptvaultTrainer(Trainer):
             )
         return _Resume(tempfile.mkdtemp(prefix="ckptvault-resume-"), step)
 
+    def _read_trainer_state(self, resume: _Resume) -> None:
+        """FSDP: Trainer reads the TrainerState before it wraps the model, and loads
+        the weights after (:meth:`_load_from_checkpoint`). The TrainerState of the
+        generation to resume from is written first, and that generation's step
+        pinned, so that the weights come from the same one."""
+        holder: dict[str, Any] = {"trainer_state": {}}
+        info = self.checkpoint_manager.restore(
+            holder, step=resume.step, allow_rollback_to=resume.allow_rollback_to, strict=False
+        )
+        if info is None:
+            raise NoValidCheckpoint(
+                f"{self.checkpoint_manager!r} holds no generation to resume from: train with "
+                "resume_from_checkpoint=None to start fresh"
+            )
+        state = _trainer_state(holder["trainer_state"], info.step)
+        state.save_to_json(str(Path(resume.directory) / TRAINER_STATE_FILE))
+        resume.step = info.step
+
     def _resuming(self, checkpoint: str | None) -> _Resume | None:
         resume = self._ckptvault_resume
         return resume if resume is not None and checkpoint == resume.directory else None
@@ -224,9 +253,14 @@ class CkptvaultTrainer(Trainer):
         if resume is None:
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             return
+        sharded = self._sharded_state() if self.is_fsdp_enabled else None
+        weights = (
+            sharded.capture()
+            if sharded is not None
+            else {"model": self.model if model is None else model, "optimizer": {}}
+        )
         holder: dict[str, Any] = {
-            "model": self.model if model is None else model,
-            "optimizer": {},
+            **weights,
             "scheduler": {},
             "scaler": {},
             "rng": RNGState(),
@@ -241,6 +275,8 @@ class CkptvaultTrainer(Trainer):
                 "resume_from_checkpoint=None to start fresh"
             )
         state = _trainer_state(holder["trainer_state"], info.step)
+        if sharded is not None:  # FSDP built its optimizer already: both load now
+            sharded.apply()
         state.save_to_json(str(Path(resume.directory) / TRAINER_STATE_FILE))
         resume.info, self.restore_info = info, info
         resume.optimizer, resume.scheduler = holder["optimizer"], holder["scheduler"]
@@ -248,12 +284,17 @@ class CkptvaultTrainer(Trainer):
         resume.rng = RNGState().state_dict()  # just set: the saved states, read back
         logger.info("resuming at step %d from generation %s", info.step, info.generation_id)
 
+    def _sharded_state(self) -> ShardedState:
+        optimizer = self.optimizer
+        return ShardedState(self.model_wrapped, getattr(optimizer, "optimizer", optimizer))
+
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         resume = self._resuming(checkpoint)
         if resume is None:
             super()._load_optimizer_and_scheduler(checkpoint)
             return
-        _load_into("optimizer", self.optimizer, resume.optimizer)
+        if not self.is_fsdp_enabled:  # FSDP's was loaded with the weights
+            _load_into("optimizer", self.optimizer, resume.optimizer)
         _load_into("scheduler", self.lr_scheduler, resume.scheduler)
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None and resume.scaler:
@@ -282,7 +323,6 @@ def _refuse_unsupported(trainer: Trainer) -> None:
         name
         for name, on in (
             ("DeepSpeed", getattr(trainer, "is_deepspeed_enabled", False)),
-            ("FSDP", getattr(trainer, "is_fsdp_enabled", False)),
             ("FSDP on XLA", getattr(trainer, "is_fsdp_xla_enabled", False)),
         )
         if on
