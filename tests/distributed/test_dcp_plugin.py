@@ -1,7 +1,8 @@
 """ckptvault as a storage plugin of plain ``torch.distributed.checkpoint`` code:
 ``cv.dcp.StorageWriter`` / ``cv.dcp.StorageReader`` with ``dcp.save``,
 ``dcp.async_save`` and ``dcp.load``, on one process and on gloo process groups
-(``dcp_worker.py`` holds the multi-rank scenarios)."""
+(``dcp_worker.py`` holds the multi-rank scenarios), raising ckptvault's own errors
+out of plain DCP calls."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -117,16 +119,25 @@ def test_cv_dcp_is_reachable_from_the_package():
 
 def test_values_dcp_would_pickle_are_refused_and_nothing_is_published(store):
     state = {"model": {"w": torch.ones(3)}, "epoch": 3, "name": "run", "lr": [0.1]}
-    with pytest.raises(CheckpointException) as raised:
+    with pytest.raises(UsageError) as raised:  # out of plain dcp.save
         save(store, 1, state)
-    [(error, _trace)] = raised.value.failures.values()
-    assert isinstance(error, UsageError)
     for words in ("'epoch'", "'name'", "pickle", "CheckpointManager", "Nothing was written"):
-        assert words in str(error)
+        assert words in str(raised.value)
+    assert isinstance(raised.value.__cause__, CheckpointException)  # DCP's, kept as the cause
     with pytest.raises(UsageError, match="not tensors"), cv.dcp.typed_errors():
-        save(store, 1, state)
+        save(store, 1, state)  # the context of earlier versions still works
     assert generations(store) == []
     assert not (store / ".staging").exists() or not list((store / ".staging").iterdir())
+
+
+def test_other_storage_writers_still_raise_dcps_own_exception(tmp_path):
+    cv.dcp.StorageWriter(tmp_path / "store", run_id=RUN, step=1)  # installs the unwrapping
+    assert getattr(state_dict_saver._save_state_dict, "_ckptvault_unwraps", False)
+    assert getattr(state_dict_loader._load_state_dict, "_ckptvault_unwraps", False)
+    (tmp_path / "blocker").write_text("a file where DCP wants a directory")
+    with pytest.raises(CheckpointException) as raised:
+        dcp.save({"w": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(tmp_path / "blocker"))
+    assert any(isinstance(e, OSError) for e, _ in raised.value.failures.values())
 
 
 def test_async_save_then_load(store):
@@ -165,12 +176,10 @@ def test_a_corrupt_byte_read_during_load_raises_integrity_error(store):
 
     live = {"big": torch.zeros_like(big), "small": torch.zeros(2)}
     reader = cv.dcp.StorageReader(store, run_id=RUN)  # the header checks pass
-    with pytest.raises(CheckpointException) as raised:
+    with pytest.raises(IntegrityError, match="digest") as raised:  # out of plain dcp.load
         dcp.load(live, storage_reader=reader)
-    [(error, _trace)] = raised.value.failures.values()
-    assert isinstance(error, IntegrityError) and "digest" in str(error)
-    with pytest.raises(IntegrityError, match="digest"), cv.dcp.typed_errors():
-        dcp.load(live, storage_reader=cv.dcp.StorageReader(store, run_id=RUN))
+    [(error, _trace)] = raised.value.__cause__.failures.values()  # DCP's wrapper, the cause
+    assert error is raised.value
 
 
 def test_a_file_cut_short_after_the_checks_puts_no_byte_into_the_callers_tensors(store):
@@ -184,7 +193,7 @@ def test_a_file_cut_short_after_the_checks_puts_no_byte_into_the_callers_tensors
     size = data_file.stat().st_size
     writable(data_file).write_bytes(b"A" * (size - 1))
     live = {"w": torch.full((65536,), -1.0)}
-    with pytest.raises(IntegrityError), cv.dcp.typed_errors():
+    with pytest.raises(IntegrityError):
         dcp.load(live, storage_reader=reader)
     assert torch.equal(live["w"], torch.full((65536,), -1.0))
 
@@ -238,7 +247,7 @@ def test_misuse_is_refused_clearly(store):
         cv.dcp.StorageWriter(store, run_id="", step=1)
     with pytest.raises(UsageError, match="step"):
         cv.dcp.StorageWriter(store, run_id=RUN, step=-1)
-    with pytest.raises(UsageError, match="enable_plan_caching"), cv.dcp.typed_errors():
+    with pytest.raises(UsageError, match="enable_plan_caching"):
         dcp.save(
             nested_state(1),
             storage_writer=cv.dcp.StorageWriter(store, run_id=RUN, step=1),
@@ -254,7 +263,7 @@ def test_misuse_is_refused_clearly(store):
 def test_a_manager_writing_the_same_store_keeps_the_plugin_out(store):
     with cv.CheckpointManager(store, run_id=RUN) as manager:
         manager.save(1, {"w": torch.ones(2)})
-        with pytest.raises(StoreLockedError), cv.dcp.typed_errors():
+        with pytest.raises(StoreLockedError):
             save(store, 2)
     assert [g.name[:17] for g in generations(store)] == ["step-000000000001"]
     save(store, 2)  # once the manager is closed

@@ -16,8 +16,10 @@ are refused before anything is written. Non-tensor state (counters, RNG, data
 loaders, optimizer hyperparameters) belongs to
 :class:`ckptvault.CheckpointManager`, whose state capture stores it as JSON.
 
-DCP reports failures inside its ``CheckpointException``;
-:func:`typed_errors` re-raises ckptvault's own error instead. Given ``ledger=``
+``dcp.save``/``dcp.load`` with these objects raise ckptvault's own errors
+(``IntegrityError``, ``UsageError``, ``NoValidCheckpoint``, a storage ``OSError``...)
+rather than DCP's ``CheckpointException`` (:mod:`ckptvault.dcp._typed`);
+:func:`typed_errors` is kept for code that used it. Given ``ledger=``
 (a path outside the store), the writer and the reader keep and check the manager's
 own control plane: the writer records each publish in the ledger's published table
 and the audit log; the reader applies the rollback floor, counts published
@@ -37,7 +39,7 @@ is the way to save when the ranks of a job do not trust each other.
 
 from __future__ import annotations
 
-from ckptvault.dcp._common import typed_errors
+from ckptvault.dcp._typed import typed_errors
 from ckptvault.dcp.reader import StorageReader
 from ckptvault.dcp.writer import StorageWriter
 

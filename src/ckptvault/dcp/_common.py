@@ -5,28 +5,21 @@ DCP runs every plugin method inside its own error handling: an exception raised 
 any rank is pickled (by DCP) to the coordinator and re-raised on every rank inside a
 ``torch.distributed.checkpoint.api.CheckpointException``. So errors raised here are
 always of a kind whose only constructor argument is the message (they survive that
-trip), and :func:`typed_errors` turns DCP's wrapper back into ckptvault's own error.
+trip), and :mod:`ckptvault.dcp._typed` turns DCP's wrapper back into ckptvault's own
+error.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch.distributed as dist
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptvault.coordinator import Coordinator, SingleProcess
-from ckptvault.errors import (
-    CheckpointError,
-    FormatError,
-    IntegrityError,
-    UnsupportedValueError,
-    UsageError,
-)
+from ckptvault.errors import FormatError, IntegrityError, UnsupportedValueError, UsageError
 from ckptvault.storage import open_store
 from ckptvault.storage.base import Store
 from ckptvault.storage.s3.options import S3Options
@@ -36,7 +29,7 @@ from ckptvault.trust.keystores import open_keystore
 from ckptvault.trust.problems import GenerationRejected
 from ckptvault.trust.signing import PrivateKeyLike, PublicKeyLike, TrustedKeys, load_private_key
 
-__all__ = ["job_coordinator", "open_plugin_store", "plugin_trust", "portable", "typed_errors"]
+__all__ = ["job_coordinator", "open_plugin_store", "plugin_trust", "portable"]
 
 StoreURL = str | os.PathLike[str]
 KeystoreLike = str | os.PathLike[str] | KeyStore
@@ -140,34 +133,3 @@ def portable(exc: BaseException) -> BaseException:
     if isinstance(exc, UnsupportedValueError):
         return FormatError(str(exc))
     return exc
-
-
-def ckptvault_error(exc: CheckpointException) -> CheckpointError | OSError | None:
-    """The ckptvault error (or storage ``OSError``) of the lowest rank that raised one
-    inside DCP, noted with that rank; None when every failure came from elsewhere
-    (DCP's own checks, torch, the user's planner)."""
-    for rank, (original, _trace) in sorted(exc.failures.items()):
-        if isinstance(original, (CheckpointError, OSError)):
-            if hasattr(original, "add_note"):  # Python 3.11+
-                original.add_note(f"(raised on rank {rank} inside torch.distributed.checkpoint)")
-            return original
-    return None
-
-
-@contextlib.contextmanager
-def typed_errors() -> Iterator[None]:
-    """Re-raise what a ckptvault storage object raised inside ``dcp.save``/``load``
-    as itself (``IntegrityError``, ``UsageError``, a storage ``OSError``, ...) rather
-    than inside DCP's ``CheckpointException``; other failures pass through unchanged.
-    Every rank of a job raises the same error::
-
-        with cv.dcp.typed_errors():
-            dcp.load(state_dict, storage_reader=cv.dcp.StorageReader(url, run_id="r"))
-    """
-    try:
-        yield
-    except CheckpointException as exc:
-        error = ckptvault_error(exc)
-        if error is None:
-            raise
-        raise error from exc

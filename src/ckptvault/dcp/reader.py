@@ -9,10 +9,10 @@ Then DCP plans the load (resharding onto any number of ranks and any DTensor
 layout) and :class:`~ckptvault.io.reader.VaultStorageReader` reads each rank's
 chunks, checking every chunk's BLAKE3 digest before any of its bytes is copied.
 
-DCP loads in place: a digest mismatch raises (inside DCP's ``CheckpointException``;
-:func:`ckptvault.dcp.typed_errors` re-raises it as ``IntegrityError``) after the
-tensors read before it were filled, so a state dict whose load raised must not be
-used. Only verified bytes are ever copied into it.
+DCP loads in place: a digest mismatch raises (``IntegrityError``, out of plain
+``dcp.load``: :mod:`ckptvault.dcp._typed`) after the tensors read before it were
+filled, so a state dict whose load raised must not be used. Only verified bytes are
+ever copied into it.
 
 With ``ledger=`` the reader holds its choice to the run's rollback floor and
 published table, as ``CheckpointManager.restore`` does (:mod:`ckptvault.dcp.records`):
@@ -44,6 +44,7 @@ from ckptvault.dcp._common import (
     plugin_trust,
     portable,
 )
+from ckptvault.dcp._typed import install
 from ckptvault.dcp.choose import Chooser, Chosen
 from ckptvault.dcp.records import PluginRecords
 from ckptvault.distributed.coordinator import DEFAULT_TIMEOUT_S
@@ -63,7 +64,8 @@ class StorageReader(DCPStorageReader):
     peer). The constructor raises ``NoValidCheckpoint`` when no generation of run
     ``run_id`` (of ``step``, when given) passes every check on every rank, and the
     same error on every rank. ``dcp.load`` then copies into the state dict only bytes
-    whose chunk digest matched, and raises (every rank) at the first mismatch.
+    whose chunk digest matched, and raises ``IntegrityError`` (every rank) at the
+    first mismatch.
     Generations saved by ``ckptvault.dcp.StorageWriter`` or by
     ``CheckpointManager`` (their tensors) can be read. :attr:`step`,
     :attr:`generation_id` and :attr:`skipped` say what was chosen and why newer
@@ -93,6 +95,7 @@ class StorageReader(DCPStorageReader):
         allow_rollback_to: int | None = None,
     ) -> None:
         super().__init__()
+        install(StorageReader)  # plain dcp.load raises ckptvault's errors, not DCP's wrapper
         run_id = check_run_id(run_id)
         if step is not None:
             step = validate_step(step)

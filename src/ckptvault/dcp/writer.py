@@ -51,6 +51,7 @@ from ckptvault.dcp._common import (
     plugin_trust,
     portable,
 )
+from ckptvault.dcp._typed import install
 from ckptvault.dcp.publish import SaveSettings, publish_generation
 from ckptvault.dcp.records import PluginRecords
 from ckptvault.errors import StoreLockedError, UsageError
@@ -104,7 +105,8 @@ class StorageWriter(DCPStorageWriter):
     Contract: a ``dcp.save`` either publishes one complete generation of run
     ``run_id`` (manifest with per-chunk BLAKE3 digests of every rank's files; signed
     when ``signing_key`` is given; encrypted with the run's key when ``keystore`` is
-    given) or publishes nothing and raises on every rank. Only tensors are stored:
+    given) or publishes nothing and raises on every rank (ckptvault's own error, out
+    of plain ``dcp.save``). Only tensors are stored:
     a state dict holding values DCP would pickle is refused before anything is
     written. One writer object per save (``step`` is fixed); construct it on every
     rank. The store's writer lock is held by the coordinator from planning to
@@ -129,6 +131,7 @@ class StorageWriter(DCPStorageWriter):
         audit_log: StoreURL | None = None,
     ) -> None:
         super().__init__()
+        install(StorageWriter)  # plain dcp.save raises ckptvault's errors, not DCP's wrapper
         self.run_id = check_run_id(run_id)
         self.step = validate_step(step)
         if threads is not None and (not isinstance(threads, int) or threads < 1):
