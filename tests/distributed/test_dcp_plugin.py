@@ -1,7 +1,8 @@
 """ckptvault as a storage plugin of plain ``torch.distributed.checkpoint`` code:
 ``cv.dcp.StorageWriter`` / ``cv.dcp.StorageReader`` with ``dcp.save``,
 ``dcp.async_save`` and ``dcp.load``, on one process and on gloo process groups
-(``dcp_worker.py`` holds the multi-rank scenarios), raising ckptvault's own errors
+(``dcp_worker.py`` holds the multi-rank scenarios): DCP's canonical state dict
+(``get_state_dict``, its ``param_groups`` stored as JSON) and ckptvault's own errors
 out of plain DCP calls."""
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import json
 import pickle
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import ckptvault as cv
 from ckptvault.errors import (
@@ -29,7 +33,7 @@ from ckptvault.errors import (
 from ckptvault.trust.signing import generate_keypair
 from support.common import run_cli, writable
 from support.dcp_worker import launch
-from support.forging import read_logical
+from support.forging import read_logical, write_logical
 
 RUN = "dcp-run"
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
@@ -117,14 +121,43 @@ def test_cv_dcp_is_reachable_from_the_package():
     assert cv.dcp.StorageWriter is not None and callable(cv.dcp.typed_errors)
 
 
-def test_values_dcp_would_pickle_are_refused_and_nothing_is_published(store):
-    state = {"model": {"w": torch.ones(3)}, "epoch": 3, "name": "run", "lr": [0.1]}
-    with pytest.raises(UsageError) as raised:  # out of plain dcp.save
-        save(store, 1, state)
-    for words in ("'epoch'", "'name'", "pickle", "CheckpointManager", "Nothing was written"):
+def test_plain_values_are_stored_as_json_and_restored_in_place(store):
+    state = {
+        "model": {"w": torch.ones(3)},
+        "epoch": 3,
+        "name": "run",
+        "lr": [0.1, float("nan")],
+        "meta": {"betas": (0.9, 0.99), "flag": None, "blob": b"\x00\xff"},
+    }
+    save(store, 1, state)
+    [generation] = generations(store)
+    stored = json.loads((generation / "manifest.json").read_text())["state"]["dcp_objects"]
+    assert stored["epoch"] == 3 and stored["meta.betas"] == {"$tuple": [0.9, 0.99]}
+    live = {
+        "model": {"w": torch.zeros(3)},
+        "epoch": 0,
+        "name": "",
+        "lr": [],
+        "meta": {"betas": (0.0, 0.0), "flag": True, "blob": b""},
+    }
+    dcp.load(live, storage_reader=cv.dcp.StorageReader(store, run_id=RUN))
+    assert live["epoch"] == 3 and live["name"] == "run" and live["lr"][0] == 0.1
+    assert live["lr"][1] != live["lr"][1]  # NaN
+    assert live["meta"] == {"betas": (0.9, 0.99), "flag": None, "blob": b"\x00\xff"}
+    assert type(live["meta"]["betas"]) is tuple and torch.equal(live["model"]["w"], torch.ones(3))
+
+
+def test_a_value_json_cannot_hold_raises_usage_error_out_of_plain_dcp_save(store):
+    state = {"model": {"w": torch.ones(3)}, "epoch": 3, "ids": {1, 2}, "hook": print}
+    with pytest.raises(UsageError) as raised:
+        dcp.save(state, storage_writer=cv.dcp.StorageWriter(store, run_id=RUN, step=1))
+    for words in ("2 state dict value(s)", "'hook'", "'ids'", "pickle", "Nothing was published"):
         assert words in str(raised.value)
     assert isinstance(raised.value.__cause__, CheckpointException)  # DCP's, kept as the cause
-    with pytest.raises(UsageError, match="not tensors"), cv.dcp.typed_errors():
+    future = dcp.async_save(state, storage_writer=cv.dcp.StorageWriter(store, run_id=RUN, step=1))
+    with pytest.raises(UsageError, match="'hook'"):
+        future.result()
+    with pytest.raises(UsageError, match="cannot be stored"), cv.dcp.typed_errors():
         save(store, 1, state)  # the context of earlier versions still works
     assert generations(store) == []
     assert not (store / ".staging").exists() or not list((store / ".staging").iterdir())
@@ -138,6 +171,115 @@ def test_other_storage_writers_still_raise_dcps_own_exception(tmp_path):
     with pytest.raises(CheckpointException) as raised:
         dcp.save({"w": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(tmp_path / "blocker"))
     assert any(isinstance(e, OSError) for e, _ in raised.value.failures.values())
+
+
+def adam_model(seed: int, **hyper: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
+    return model, torch.optim.Adam(model.parameters(), **hyper)
+
+
+def adam_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seeds: range) -> None:
+    for seed in seeds:
+        batch = torch.Generator().manual_seed(seed)
+        model(torch.randn(8, 6, generator=batch)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@contextmanager
+def no_pickle(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every pickle entry point (torch.save/load included) raises inside."""
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("pickle was used")
+
+    with monkeypatch.context() as patch:
+        for name in ("dump", "dumps", "load", "loads", "Pickler", "Unpickler"):
+            patch.setattr(pickle, name, refuse)
+        patch.setattr(torch, "save", refuse)
+        patch.setattr(torch, "load", refuse)
+        yield
+
+
+def test_get_state_dict_with_adam_round_trips_and_training_goes_on_identically(store, monkeypatch):
+    hyper = {"lr": 0.01, "betas": (0.8, 0.95), "eps": 1e-7, "weight_decay": 0.1}
+    model, optimizer = adam_model(0, **hyper)
+    adam_steps(model, optimizer, range(2))
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    with no_pickle(monkeypatch):
+        dcp.save(
+            {"model": model_sd, "optim": optim_sd},
+            storage_writer=cv.dcp.StorageWriter(store, run_id=RUN, step=2),
+        )
+
+    fresh, fresh_optimizer = adam_model(5, lr=0.5)  # other weights and hyperparameters
+    fresh_model_sd, fresh_optim_sd = get_state_dict(fresh, fresh_optimizer)
+    state = {"model": fresh_model_sd, "optim": fresh_optim_sd}
+    with no_pickle(monkeypatch):
+        dcp.load(state, storage_reader=cv.dcp.StorageReader(store, run_id=RUN))
+    set_state_dict(
+        fresh, fresh_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+
+    [group], [restored] = optimizer.param_groups, fresh_optimizer.param_groups
+    hyperparameters = {k: v for k, v in group.items() if k != "params"}
+    assert {k: v for k, v in restored.items() if k != "params"} == hyperparameters
+    assert restored["betas"] == (0.8, 0.95) and type(restored["betas"]) is tuple
+    expected, loaded = optimizer.state_dict(), fresh_optimizer.state_dict()
+    assert loaded["param_groups"] == expected["param_groups"]
+    for index, moments in expected["state"].items():
+        assert sorted(loaded["state"][index]) == sorted(moments)  # step, exp_avg, exp_avg_sq
+        assert_bit_exact(loaded["state"][index], moments)
+    assert_bit_exact(fresh.state_dict(), model.state_dict())
+
+    adam_steps(model, optimizer, range(2, 5))  # the run never stopped
+    adam_steps(fresh, fresh_optimizer, range(2, 5))  # the run resumed from the store
+    assert_bit_exact(fresh.state_dict(), model.state_dict())
+    assert_bit_exact(fresh_optimizer.state_dict()["state"], optimizer.state_dict()["state"])
+
+
+def test_a_load_planner_that_unpickles_is_refused_before_anything_is_loaded(store):
+    save(store, 1, {"w": torch.ones(3), "epoch": 3})
+
+    class UnpicklingPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            raise AssertionError("never called")
+
+    live = {"w": torch.zeros(3), "epoch": 0}
+    reader = cv.dcp.StorageReader(store, run_id=RUN)
+    with pytest.raises(UsageError, match="pickled bytes"):
+        dcp.load(live, storage_reader=reader, planner=UnpicklingPlanner())
+    assert live["epoch"] == 0 and torch.equal(live["w"], torch.zeros(3))
+
+
+def test_a_tampered_value_is_refused_before_anything_is_applied(store, tmp_path):
+    signer = tmp_path / "k.pem"
+    generate_keypair(signer, tmp_path / "k.pub")
+    save(store, 1, {"w": torch.ones(2), "lr": 0.5}, signing_key=signer)
+    save(store, 2, {"w": torch.ones(2), "lr": 0.25}, signing_key=signer)
+    newest = generations(store)[-1]
+    manifest = newest / "manifest.json"
+    original = manifest.read_bytes()
+    # Edited in place (canonical still): the manifest's self-digest no longer matches.
+    writable(manifest).write_bytes(original.replace(b'"lr":0.25', b'"lr":0.75'))
+    live = {"w": torch.zeros(2), "lr": 0.0}
+    with pytest.raises(NoValidCheckpoint, match="own digest"):
+        cv.dcp.StorageReader(store, run_id=RUN, step=2)
+    # Edited with every digest recomputed, as anyone who can write the store can:
+    # the signature no longer matches.
+    writable(manifest).write_bytes(original)
+    document = read_logical(newest)
+    document["state"]["dcp_objects"]["lr"] = 0.75
+    write_logical(newest, document)
+    trusting = {"trusted_keys": tmp_path / "k.pub"}
+    with pytest.raises(NoValidCheckpoint, match="signature-invalid"):
+        cv.dcp.StorageReader(store, run_id=RUN, step=2, **trusting)
+    reader = cv.dcp.StorageReader(store, run_id=RUN, **trusting)  # falls back to step 1
+    assert reader.step == 1 and "signature-invalid" in reader.skipped[0].reason
+    assert live["lr"] == 0.0  # nothing was applied
+    dcp.load(live, storage_reader=reader)
+    assert live["lr"] == 0.5
 
 
 def test_async_save_then_load(store):
@@ -229,14 +371,17 @@ def test_signed_saves_verify_against_trusted_keys(store, tmp_path):
 
 def test_encrypted_with_a_keystore(store, tmp_path):
     keystore = tmp_path / "keys"
-    save(store, 4, keystore=keystore)
+    save(store, 4, {**nested_state(4), "note": "secret-note"}, keystore=keystore)
     names = sorted(p.name for p in generations(store)[0].iterdir())
-    # Every data file is encrypted; the index (chunk digests, names, shapes, as the
-    # format-2 manifest held them) is plaintext, like the root.
-    assert "r00000-index.json" in names
+    # Every data file is encrypted, the state file with the non-tensor values too;
+    # the index (chunk digests, names, shapes, as the format-2 manifest held them) is
+    # plaintext, like the root.
+    assert "r00000-index.json" in names and "r00000-state.json.enc" in names
     assert all(n.endswith(".enc") for n in names if n.startswith("r") and n != "r00000-index.json")
-    live = zeros_like(nested_state(4))
+    assert not any(b"secret-note" in p.read_bytes() for p in generations(store)[0].iterdir())
+    live = {**zeros_like(nested_state(4)), "note": ""}
     dcp.load(live, storage_reader=cv.dcp.StorageReader(store, run_id=RUN, keystore=keystore))
+    assert live.pop("note") == "secret-note"
     assert_bit_exact(live, nested_state(4))
     with pytest.raises(NoValidCheckpoint, match="key-unavailable"):
         cv.dcp.StorageReader(store, run_id=RUN)
@@ -304,14 +449,17 @@ def ok(codes: list[int], reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def fsdp_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str], dict]:
-    """A fully_shard-ed MLP and its Adam state after one step, saved by 2 ranks with
-    plain dcp.save (signed)."""
+    """A fully_shard-ed MLP and its Adam state after one step (get_state_dict's,
+    param_groups included), saved by 2 ranks with plain dcp.save (signed); then a save
+    of a value JSON cannot hold, refused."""
     root = tmp_path_factory.mktemp("fsdp")
     key_id = generate_keypair(root / "k.pem", root / "k.pub")
     env = {"TEST_KEYS": f"{root / 'k.pem'}:{root / 'k.pub'}"}
     saved = ok(*launch("fsdp_save", root / "store", 2, root / "save", env))
     assert saved[0]["digests"] == saved[1]["digests"]
-    return root / "store", env, {"key_id": key_id, "digests": saved[0]["digests"]}
+    assert saved[0]["groups"] == saved[1]["groups"] and saved[0]["groups"][0]["lr"] == 0.05
+    info = {"key_id": key_id, "digests": saved[0]["digests"], "groups": saved[0]["groups"]}
+    return root / "store", env, {**info, "refused": [r.get("refused") for r in saved]}
 
 
 def test_two_fsdp_ranks_publish_one_signed_generation(fsdp_store):
@@ -325,8 +473,20 @@ def test_two_fsdp_ranks_publish_one_signed_generation(fsdp_store):
     chunks = manifest["dcp"]["tensors"]["model.0.weight"]["chunks"]
     assert [c["offsets"] for c in chunks] == [[0, 0], [5, 0]]  # one shard from each rank
     assert "optim.state.0.weight.exp_avg" in manifest["dcp"]["tensors"]
+    values = manifest["state"]["dcp_objects"]  # param_groups: JSON, written by both ranks
+    assert values["optim.param_groups.0.lr"] == 0.05
+    assert values["optim.param_groups.0.params"][0] == "0.weight"
     trusted = ["verify", str(store), "--trusted-key", str(store.parent / "k.pub")]
     assert run_cli(*trusted).returncode == 0
+
+
+def test_two_ranks_raise_ckptvault_s_error_out_of_plain_dcp_save(fsdp_store):
+    store, _env, saved = fsdp_store
+    for kind, message in saved["refused"]:  # one a rank
+        assert kind == "ckptvault.errors.UsageError"
+        assert "'hooks'" in message and "Nothing was published" in message
+    assert len(generations(store)) == 1
+    assert not list((store / ".staging").iterdir())
 
 
 def test_two_fsdp_ranks_reshard_onto_three_with_set_state_dict(fsdp_store, tmp_path):
@@ -335,6 +495,7 @@ def test_two_fsdp_ranks_reshard_onto_three_with_set_state_dict(fsdp_store, tmp_p
     for report in loaded:
         assert report["step"] == 1 and report["signer"] == saved["key_id"]
         assert report["digests"] == saved["digests"]  # model and Adam state, bit-exact
+        assert report["groups"] == saved["groups"]  # lr 0.05, not the loader's 0.5
         assert report["stepped"]
     assert [r["local_rows"] for r in loaded] == [4, 4, 2]  # 10 rows over 3 ranks
 

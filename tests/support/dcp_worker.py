@@ -4,7 +4,8 @@
 MASTER_PORT in the environment (``launch`` below starts the ranks); writes what it
 saw to ``OUT/rank<r>.json``. The code in the scenarios is written as DCP users
 write it (torchtitan style): ``get_state_dict`` of a ``fully_shard``-ed model and
-its optimizer, ``dcp.save``/``dcp.async_save``/``dcp.load``, ``set_state_dict``.
+its optimizer (``param_groups`` included), ``dcp.save``/``dcp.async_save``/
+``dcp.load``, ``set_state_dict``.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def digests(tree: Any) -> dict[str, str]:
     return result
 
 
-def sharded_model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def sharded_model(seed: int, lr: float = 0.05) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A small MLP with FSDP2 over every rank (10 rows: uneven shards on 3 ranks)."""
     from torch.distributed.fsdp import fully_shard
 
@@ -127,7 +128,7 @@ def sharded_model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return model, torch.optim.Adam(model.parameters(), lr=0.05)
+    return model, torch.optim.Adam(model.parameters(), lr=lr)
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
@@ -137,11 +138,21 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: i
     optimizer.zero_grad()
 
 
-def tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """What goes through DCP: the model's tensors and the optimizer's per-parameter
-    state; its param_groups (plain hyperparameters) come from the code."""
+def canonical_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """DCP's canonical state dict: the model's tensors, the optimizer's per-parameter
+    state and its param_groups (plain hyperparameters, stored as JSON)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": {"state": optim_sd["state"]}}
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The tensors of :func:`canonical_state` (what :func:`digests` compares)."""
+    state = canonical_state(model, optimizer)
+    return {"model": state["model"], "optim": {"state": state["optim"]["state"]}}
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
 # -- scenarios ---------------------------------------------------------------------------
@@ -150,30 +161,35 @@ def tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
 def fsdp_save(store: str, out: dict[str, Any]) -> None:
     model, optimizer = sharded_model(seed=0)
     train_step(model, optimizer, seed=1)
-    state = tensor_state(model, optimizer)
+    state = canonical_state(model, optimizer)
     writer = cv.dcp.StorageWriter(store, run_id=RUN, step=1, **signing())
     dcp.save(state, storage_writer=writer)
     out["published"] = writer.published.generation_id if writer.published else None
-    out["digests"] = digests(state)
+    out["digests"] = digests(tensor_state(model, optimizer))
+    out["groups"] = hyperparameters(optimizer)
+    # A value JSON cannot hold: ckptvault's own error on every rank, out of plain
+    # dcp.save (no context around it), and nothing published.
+    try:
+        bad = {**state, "hooks": {"a", "b"}}
+        dcp.save(bad, storage_writer=cv.dcp.StorageWriter(store, run_id=RUN, step=2))
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        out["refused"] = [f"{type(exc).__module__}.{type(exc).__name__}", str(exc)]
+    gc.collect()  # the failed writer's finalizer removes what its attempt left
+    dist.barrier()
 
 
 def fsdp_load(store: str, out: dict[str, Any]) -> None:
-    model, optimizer = sharded_model(seed=7)  # other weights: all must be replaced
-    model_sd, optim_sd = get_state_dict(model, optimizer)  # initializes the Adam state
-    state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
+    # Other weights and another learning rate: all must be replaced.
+    model, optimizer = sharded_model(seed=7, lr=0.5)
+    state = canonical_state(model, optimizer)  # initializes the Adam state
     reader = cv.dcp.StorageReader(store, run_id=RUN, **trusting())
     dcp.load(state, storage_reader=reader)
     set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict={
-            "state": state["optim"]["state"],
-            "param_groups": optim_sd["param_groups"],
-        },
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
     out.update(step=reader.step, generation=reader.generation_id, signer=reader.signer)
     out["digests"] = digests(tensor_state(model, optimizer))
+    out["groups"] = hyperparameters(optimizer)
     weight = model[0].weight
     out["local_rows"] = int(weight.to_local().shape[0]) if isinstance(weight, DTensor) else 10
     train_step(model, optimizer, seed=2)  # training goes on from the restored state

@@ -6,15 +6,20 @@ ckptvault's atomic publish, per-chunk BLAKE3 digests, optional Ed25519 signature
 and encryption, and verification before and while reading::
 
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     import ckptvault as cv
 
-    dcp.save(state_dict, storage_writer=cv.dcp.StorageWriter(url, run_id="r1", step=step))
-    dcp.load(state_dict, storage_reader=cv.dcp.StorageReader(url, run_id="r1"))
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.save(state, storage_writer=cv.dcp.StorageWriter(url, run_id="r1", step=step))
+    dcp.load(state, storage_reader=cv.dcp.StorageReader(url, run_id="r1"))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
 
-Only tensors (plain, DTensor, ShardedTensor) are stored: values DCP would pickle
-are refused before anything is written. Non-tensor state (counters, RNG, data
-loaders, optimizer hyperparameters) belongs to
-:class:`ckptvault.CheckpointManager`, whose state capture stores it as JSON.
+Tensors (plain, DTensor, ShardedTensor) go into hashed tensor files; the state dict's
+other values (an optimizer's ``param_groups``, counters, strings) are stored as JSON
+in the generation, never pickled (:mod:`ckptvault.dcp.objects`), and a value JSON
+cannot hold is refused before anything is published.
 
 ``dcp.save``/``dcp.load`` with these objects raise ckptvault's own errors
 (``IntegrityError``, ``UsageError``, ``NoValidCheckpoint``, a storage ``OSError``...)

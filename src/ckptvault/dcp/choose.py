@@ -5,7 +5,8 @@ The coordinator runs ckptvault's one candidate loop
 generations of one step. For each candidate it tells the other ranks which one to
 try; every rank then applies every check that needs no tensor byte (structure,
 file set and sizes, tensor file headers, signature, run id, encryption and keys:
-:func:`~ckptvault.io.load.prepare_load`) on its own view of the store, and the
+:func:`~ckptvault.io.load.prepare_load`; the non-tensor values stored in the state
+tree decode: :mod:`ckptvault.dcp.objects`) on its own view of the store, and the
 verdicts are gathered: a problem on any rank rejects the candidate on every rank,
 so all ranks read the same generation or all raise the same error. Tensor bytes are
 verified later, chunk by chunk, while DCP reads them.
@@ -18,7 +19,8 @@ checks those alone (a rollback is refused whatever the other ranks see).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
 from blake3 import blake3
@@ -26,6 +28,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from ckptvault import errors
 from ckptvault.coordinator import Coordinator
+from ckptvault.dcp.objects import stored_objects, with_objects
 from ckptvault.distributed import messages
 from ckptvault.distributed.wire import Field
 from ckptvault.errors import (
@@ -57,6 +60,9 @@ class Chosen:
     locations: dict[MetadataIndex, StoredChunk]
     skipped: list[SkippedGeneration]
     rollback: RollbackApplied | None = None  # the coordinator's, allow_rollback_to
+    # The state dict's non-tensor values (fqn -> value), decoded from the verified
+    # state tree; listed in ``metadata`` as byte entries.
+    objects: dict[str, Any] = field(default_factory=dict)
 
 
 class Chooser:
@@ -116,16 +122,8 @@ class Chooser:
             self._tell({"error": ["CheckpointError", f"{type(exc).__name__}: {exc}"]})
             raise
         self._tell({"done": ref.name.dirname})
-        chosen = found[ref]
         rollback = allowed_rollback(selection, ref, self.trust.ledger is not None)
-        return Chosen(
-            chosen.ref,
-            chosen.prepared,
-            chosen.metadata,
-            chosen.locations,
-            selection.skipped,
-            rollback,
-        )
+        return dataclasses.replace(found[ref], skipped=selection.skipped, rollback=rollback)
 
     def _tell(self, message: dict[str, Any]) -> None:
         if self.coordinator.world_size > 1:
@@ -161,7 +159,7 @@ class Chooser:
                         f"rank {self.coordinator.rank}: rank 0 chose {message['done']}, "
                         "which this rank did not check"
                     )
-                return Chosen(last.ref, last.prepared, last.metadata, last.locations, [])
+                return dataclasses.replace(last, skipped=[])
             else:
                 kind, text = message["error"]
                 raise _error(kind, f"rank 0: {text}")
@@ -236,9 +234,11 @@ class Chooser:
         where = f"generation {ref.generation_id}"
         try:
             metadata, locations = metadata_from_json(prepared.checked.manifest.dcp, where)
+            objects = stored_objects(prepared.checked.manifest, prepared.tree, where)
+            metadata = with_objects(metadata, objects)
         except FormatError as exc:
             raise GenerationRejected(ref, [Problem(MANIFEST_INVALID, str(exc))]) from exc
-        return Chosen(ref, prepared, metadata, locations, [])
+        return Chosen(ref, prepared, metadata, locations, [], objects=objects)
 
 
 class AgreedFailure(Exception):

@@ -2,10 +2,11 @@
 signed, published atomically.
 
 Mirrors what :class:`~ckptvault.saving.generation_writer.GenerationWriter` does for
-the manager, for a save whose state is DCP's alone: the manifest's ``state`` is the
-empty tree ``{}`` (DCP's metadata, as JSON, describes every tensor), or, in an
-encrypted run, a reference to an encrypted state file holding ``{}`` (an encrypted
-run never writes plaintext, and readers check exactly that).
+the manager, for a save whose state is DCP's alone: DCP's metadata, as JSON,
+describes every tensor, and the manifest's ``state`` holds the state dict's
+non-tensor values (``{}`` when there are none; :mod:`ckptvault.dcp.objects`), or, in
+an encrypted run, a reference to an encrypted state file holding that tree (an
+encrypted run never writes plaintext, and readers check exactly that).
 """
 
 from __future__ import annotations
@@ -54,11 +55,12 @@ def publish_generation(
     settings: SaveSettings,
     trust: TrustContext,
     world_size: int,
+    tree: dict[str, Any],
 ) -> PublishedGeneration:
     """Adopt the other ranks' files, write the manifest (and its signature) and
     publish; ``written`` has finished (it holds every rank's file records and the
-    DCP metadata). The caller aborts ``area`` if this raises: nothing is visible
-    then."""
+    DCP metadata), ``tree`` is the state tree of the non-tensor values. The caller
+    aborts ``area`` if this raises: nothing is visible then."""
     generation_id = area.generation_id
     others = sorted(set(written.file_records) - set(written.own_files))
     area.adopt(others)
@@ -67,7 +69,7 @@ def publish_generation(
         encryption = FileEncryption(
             trust.keystore, settings.run_id, generation_id, settings.segment_size
         )
-    state = _state(area, written, settings, encryption)
+    state = _state(area, written, settings, encryption, tree)
     manifest = _manifest(area, written, settings, generation_id, state, world_size, encryption)
     manifest_bytes = manifest.to_bytes()
     ref = area.publish(settings.step, manifest_bytes, trust.sign_manifest(manifest_bytes))
@@ -82,12 +84,13 @@ def _state(
     written: VaultStorageWriter,
     settings: SaveSettings,
     encryption: FileEncryption | None,
+    tree: dict[str, Any],
 ) -> dict[str, Any]:
-    """``{}``; encrypted: the reference to an encrypted state file holding ``{}``."""
+    """``tree``; encrypted: the reference to an encrypted state file holding it."""
     if encryption is None:
-        return {}
+        return tree
     name = encrypted_state_file_name(0)
-    record, wrapped = write_state_file(area, name, {}, settings.chunk_size, encryption)
+    record, wrapped = write_state_file(area, name, tree, settings.chunk_size, encryption)
     written.file_records[name] = record
     written.wrapped_keys[name] = wrapped
     return {ENCRYPTED_STATE_TAG: name}

@@ -9,6 +9,11 @@ Then DCP plans the load (resharding onto any number of ranks and any DTensor
 layout) and :class:`~ckptvault.io.reader.VaultStorageReader` reads each rank's
 chunks, checking every chunk's BLAKE3 digest before any of its bytes is copied.
 
+The state dict's non-tensor values (an optimizer's ``param_groups``, counters) were
+stored as JSON in the generation's verified state tree; they are decoded while the
+generation is chosen and set in place once this rank's tensors are read
+(:mod:`ckptvault.dcp.objects`), never unpickled.
+
 DCP loads in place: a digest mismatch raises (``IntegrityError``, out of plain
 ``dcp.load``: :mod:`ckptvault.dcp._typed`) after the tensors read before it were
 filled, so a state dict whose load raised must not be used. Only verified bytes are
@@ -24,6 +29,7 @@ read and verified its share the floor rises to the generation read.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -46,6 +52,7 @@ from ckptvault.dcp._common import (
 )
 from ckptvault.dcp._typed import install
 from ckptvault.dcp.choose import Chooser, Chosen
+from ckptvault.dcp.objects import object_setter
 from ckptvault.dcp.records import PluginRecords
 from ckptvault.distributed.coordinator import DEFAULT_TIMEOUT_S
 from ckptvault.errors import CheckpointError, UsageError
@@ -65,7 +72,8 @@ class StorageReader(DCPStorageReader):
     ``run_id`` (of ``step``, when given) passes every check on every rank, and the
     same error on every rank. ``dcp.load`` then copies into the state dict only bytes
     whose chunk digest matched, and raises ``IntegrityError`` (every rank) at the
-    first mismatch.
+    first mismatch; the non-tensor values come from the verified manifest (or
+    encrypted state file), as JSON.
     Generations saved by ``ckptvault.dcp.StorageWriter`` or by
     ``CheckpointManager`` (their tensors) can be read. :attr:`step`,
     :attr:`generation_id` and :attr:`skipped` say what was chosen and why newer
@@ -159,7 +167,7 @@ class StorageReader(DCPStorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The chosen generation's DCP metadata, from its verified manifest (JSON,
-        never unpickled): tensors only."""
+        never unpickled): its tensors, and its non-tensor values as byte entries."""
         return self._metadata
 
     def set_up_storage_reader(
@@ -168,9 +176,6 @@ class StorageReader(DCPStorageReader):
         pass
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        objects = [i.dest_index.fqn for i in plan.items if i.type == LoadItemType.BYTE_IO]
-        if objects:  # never: the metadata holds tensors only; refused all the same
-            raise UsageError(f"{objects[:8]} would be unpickled; ckptvault stores tensors only")
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -178,9 +183,15 @@ class StorageReader(DCPStorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read this rank's chunks, verifying each chunk's digest before its bytes
-        are copied into the state dict."""
+        are copied into the state dict; then set its non-tensor values."""
         try:
+            objects = [item for item in plan.items if item.type == LoadItemType.BYTE_IO]
+            set_objects = object_setter(objects, planner, self._chosen.objects)
+            if objects:
+                tensors = [item for item in plan.items if item.type != LoadItemType.BYTE_IO]
+                plan = dataclasses.replace(plan, items=tensors)
             done = self._reader.read_data(plan, planner)
+            set_objects()
             self._record_restore()
             return done
         except BaseException as exc:

@@ -3,18 +3,21 @@ ckptvault store, published atomically, hashed, optionally signed and encrypted.
 
 How one save runs through DCP's protocol (one rank or many):
 
-1. ``prepare_local_plan`` (every rank): refuses anything DCP would pickle
-   (``BYTE_IO`` items: ints, strings, optimizer hyperparameters...), before anything
-   is written.
+1. ``prepare_local_plan`` (every rank): refuses a plan DCP's plan caching reused.
 2. ``prepare_global_plan`` (the coordinator): takes the store's writer lock, removes
    leftovers of crashed saves, checks free space, draws the generation id and begins
    the staging area; the id reaches every rank in its plan's ``storage_data``.
-3. ``write_data`` (every rank): joins the staging area and writes its items as
-   hashed, fsync'd safetensors files named after its rank
-   (:class:`~ckptvault.io.writer.VaultStorageWriter`); the file records and chunk
-   locations travel back to the coordinator in DCP's write results.
-4. ``finish`` (the coordinator): one manifest over every rank's files, signed,
-   published atomically (:mod:`ckptvault.dcp.publish`); the lock is released.
+3. ``write_data`` (every rank): encodes its non-tensor items (``BYTE_IO``: an
+   optimizer's hyperparameters, counters, strings) as JSON, never pickled, refusing
+   a value JSON cannot hold before writing anything (:mod:`ckptvault.dcp.objects`);
+   then joins the staging area and writes its tensors as hashed, fsync'd
+   safetensors files named after its rank
+   (:class:`~ckptvault.io.writer.VaultStorageWriter`). The file records, chunk
+   locations and encoded values travel back to the coordinator in DCP's write
+   results.
+4. ``finish`` (the coordinator): one manifest over every rank's files, with the
+   values in its state tree, signed, published atomically
+   (:mod:`ckptvault.dcp.publish`); the lock is released.
 
 Whenever a step fails, nothing is published: the failing rank removes what it wrote
 (the coordinator: the whole attempt), DCP raises on every rank, and whatever a
@@ -33,7 +36,6 @@ import gc
 import os
 import time
 import weakref
-from collections.abc import Iterable
 from typing import Any, NoReturn
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -52,6 +54,7 @@ from ckptvault.dcp._common import (
     portable,
 )
 from ckptvault.dcp._typed import install
+from ckptvault.dcp.objects import encode_objects, objects_tree, split_results
 from ckptvault.dcp.publish import SaveSettings, publish_generation
 from ckptvault.dcp.records import PluginRecords
 from ckptvault.errors import StoreLockedError, UsageError
@@ -105,10 +108,10 @@ class StorageWriter(DCPStorageWriter):
     Contract: a ``dcp.save`` either publishes one complete generation of run
     ``run_id`` (manifest with per-chunk BLAKE3 digests of every rank's files; signed
     when ``signing_key`` is given; encrypted with the run's key when ``keystore`` is
-    given) or publishes nothing and raises on every rank (ckptvault's own error, out
-    of plain ``dcp.save``). Only tensors are stored:
-    a state dict holding values DCP would pickle is refused before anything is
-    written. One writer object per save (``step`` is fixed); construct it on every
+    given) or publishes nothing and raises on every rank (ckptvault's own error,
+    out of plain ``dcp.save``). Non-tensor values are stored as JSON in the
+    generation, never pickled; a value JSON cannot hold is refused before anything
+    is published. One writer object per save (``step`` is fixed); construct it on every
     rank. The store's writer lock is held by the coordinator from planning to
     publish, so a ``CheckpointManager`` writing the same store at the same time is
     refused (``StoreLockedError``). After a successful save, :attr:`published` (on
@@ -183,12 +186,8 @@ class StorageWriter(DCPStorageWriter):
         self.rank = int(kwargs.get("rank", 0))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """Refuse what DCP would pickle, on the rank that holds it, before any write."""
         if not plan.usable:
             raise UsageError(PLAN_CACHING_REFUSED)
-        objects = [item.index.fqn for item in plan.items if item.type == WriteItemType.BYTE_IO]
-        if objects:
-            _refuse_objects(objects)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -205,11 +204,17 @@ class StorageWriter(DCPStorageWriter):
         return [dataclasses.replace(plan, storage_data=attempt) for plan in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's items into the attempt's staging area; on failure remove
-        them (the coordinator: the whole attempt) and raise."""
+        """Encode this rank's non-tensor values, then write its tensors into the
+        attempt's staging area; on failure remove them (the coordinator: the whole
+        attempt) and raise."""
         area: StagingArea | None = None
         try:
             generation_id = _attempt_id(plan, planner)
+            objects = [item for item in plan.items if item.type == WriteItemType.BYTE_IO]
+            encoded = encode_objects(objects, planner)  # refuses before anything is written
+            if objects:
+                tensors = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
+                plan = dataclasses.replace(plan, items=tensors)
             area = self._area_for(generation_id)
             written = VaultStorageWriter(
                 area,
@@ -220,6 +225,7 @@ class StorageWriter(DCPStorageWriter):
             )
             future = written.write_data(plan, planner)
             future.wait()
+            results: list[WriteResult] = future.value() + encoded
         except BaseException as exc:
             if self.is_coordinator:
                 self._pending.abandon()
@@ -229,7 +235,9 @@ class StorageWriter(DCPStorageWriter):
         if not self.is_coordinator:
             _release_joined(area)
         self._written = written
-        return future
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """The coordinator, once every rank wrote: manifest, signature, publish."""
@@ -237,10 +245,17 @@ class StorageWriter(DCPStorageWriter):
         try:
             if area is None or written is None:
                 raise UsageError("finish() without a save in progress on this writer")
-            written.finish(metadata, results)
+            tensors, tensor_results, values = split_results(metadata, results)
+            written.finish(tensors, tensor_results)
+            metadata.storage_data = tensors.storage_data
             started = time.perf_counter()
             published = publish_generation(
-                area, written, self.settings, self.trust, world_size=len(results)
+                area,
+                written,
+                self.settings,
+                self.trust,
+                world_size=len(results),
+                tree=objects_tree(values),
             )
             self._pending.area = None  # published: nothing left to remove
             self.published = published.info
@@ -309,19 +324,6 @@ class StorageWriter(DCPStorageWriter):
         if keystore is None:
             return None
         return FileEncryption(keystore, self.run_id, generation_id, self.settings.segment_size)
-
-
-def _refuse_objects(fqns: Iterable[str]) -> NoReturn:
-    names = sorted(fqns)
-    shown = ", ".join(repr(name) for name in names[:8]) + (" ..." if len(names) > 8 else "")
-    raise UsageError(
-        f"{len(names)} state dict value(s) are not tensors ({shown}); DCP would pickle "
-        "them, and ckptvault never stores pickles. Keep only tensors in the state dict "
-        "given to dcp.save (for an optimizer from get_state_dict, its 'state'; its "
-        "'param_groups' hyperparameters come from your code), and save plain values "
-        "(counters, configs) with ckptvault.CheckpointManager, whose state capture "
-        "stores them as JSON. Nothing was written"
-    )
 
 
 def _attempt_id(plan: SavePlan, planner: SavePlanner) -> str:
