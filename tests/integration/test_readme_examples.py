@@ -1,5 +1,6 @@
-"""The README's examples run as written: the DCP plugin snippet and the torchrun
-example (two ranks, then three resuming and resharding)."""
+"""The README's examples run as written: the DCP plugin snippet (and, after it, the
+same calls on bad input raising ckptvault's errors) and the torchrun example (two
+ranks, then three resuming and resharding)."""
 
 from __future__ import annotations
 
@@ -25,13 +26,43 @@ def _python_block_after(heading: str) -> str:
     return match.group(1)
 
 
+# Run after the README's DCP example, in its process: the same plain DCP calls on bad
+# input raise ckptvault's own errors, with nothing wrapped around them.
+_DCP_BAD_INPUT = """
+import pathlib
+try:
+    dcp.save({**state, "hook": print},
+             storage_writer=cv.dcp.StorageWriter("runs/dcp-demo", run_id="demo", step=101))
+except cv.errors.UsageError as exc:
+    print("save:", type(exc).__name__, "'hook'" in str(exc))
+reader = cv.dcp.StorageReader("runs/dcp-demo", run_id="demo")  # its checks pass
+[tensors] = pathlib.Path("runs/dcp-demo").glob("step-*/*.safetensors")
+tensors.chmod(0o644)
+data = bytearray(tensors.read_bytes())
+data[-1] ^= 1  # damaged after the reader's checks
+tensors.write_bytes(bytes(data))
+try:
+    dcp.load(state, storage_reader=reader)
+except cv.errors.IntegrityError as exc:
+    print("load:", type(exc).__name__)
+"""
+
+
 def test_the_dcp_plugin_example_runs_as_written(tmp_path: Path):
     code = _python_block_after("### Using ckptvault inside existing DCP code")
     result = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code + _DCP_BAD_INPUT],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == "100 True"
+    assert result.stdout.strip().splitlines()[-3:] == [
+        "100 True",
+        "save: UsageError True",
+        "load: IntegrityError",
+    ]
 
 
 def _torchrun(ranks: int, store: Path) -> str:
