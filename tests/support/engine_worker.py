@@ -30,6 +30,8 @@ import torch.distributed as dist
 
 import ckptvault as cv
 
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator, gloo
+
 RANK = int(os.environ.get("RANK", "0"))
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 SAVE_AT, STEPS = 3, 8
@@ -219,7 +221,97 @@ def trainer_run(engine: str, mode: str, store: str, out: dict[str, Any]) -> None
     out["losses"] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
 
 
-SCENARIOS = {"accelerate": accelerate_run, "trainer": trainer_run}
+def ds_digests(engine: Any) -> dict[str, str]:
+    """SHA-256 of every whole fp32 weight, optimizer state tensor and module weight
+    of a DeepSpeed engine, by name."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out: dict[str, str] = {}
+    for name, param in engine.module.named_parameters():
+        tensors = {
+            "fp32": safe_get_full_fp32_param(param),
+            "exp_avg": safe_get_full_optimizer_state(param, "exp_avg"),
+            "exp_avg_sq": safe_get_full_optimizer_state(param, "exp_avg_sq"),
+        }
+        with deepspeed.zero.GatheredParameters([param], enabled=hasattr(param, "ds_id")):
+            tensors["module"] = param.detach().clone()
+        for key, tensor in tensors.items():
+            data = tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy()
+            out[f"{name}/{key}"] = hashlib.sha256(data.tobytes()).hexdigest()
+    base = engine.optimizer.optimizer
+    out["steps"] = str([float(s["step"]) for s in base.state.values()])
+    out["counters"] = str([engine.global_steps, engine.global_samples, engine.micro_steps])
+    return out
+
+
+def deepspeed_on_cpu() -> None:
+    """DeepSpeed on CPU ranks without compiling its shared-memory allreduce op (22 s
+    of C++ on a fresh machine; nothing a checkpoint uses)."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def deepspeed_run(engine_name: str, mode: str, store: str, out: dict[str, Any]) -> None:
+    """A DeepSpeed engine (``zero1``, ``zero2``, ``zero3``) built with
+    ``deepspeed.initialize``, saved through :class:`DeepSpeedState`; ``reference``
+    saves at ``SAVE_AT``, trains to the end and is SIGKILLed once it has reported."""
+    import deepspeed
+
+    from ckptvault.engines.deepspeed import DeepSpeedState
+
+    deepspeed_on_cpu()
+    deepspeed.init_distributed("gloo")
+    stage = int(engine_name.removeprefix("zero"))
+    torch.manual_seed(SEED)
+    model = _model()
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True},
+        },
+        "zero_optimization": {"stage": stage},
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, config=config, model_parameters=model.parameters()
+    )
+    torch.manual_seed(100 + RANK)  # each rank's own dropout stream
+    with cv.CheckpointManager(store, run_id="engine", collective_timeout_s=60) as mgr:
+        step = 0
+        if mode == "resume":
+            state = DeepSpeedState(engine)
+            holder = {**state.template(), "rng": cv.RNGState()}
+            info = mgr.restore(holder)
+            assert info is not None
+            state.apply()
+            step = info.step
+            out["restored"] = ds_digests(engine)
+        while step < STEPS:
+            batch = torch.Generator().manual_seed(1000 * step + RANK)
+            x, y = torch.randn(4, 8, generator=batch), torch.randn(4, 4, generator=batch)
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            step += 1
+            if step == SAVE_AT and mode != "resume":
+                mgr.save(step, {**DeepSpeedState(engine).capture(), "rng": cv.RNGState()})
+                mgr.wait()
+                out["saved"] = ds_digests(engine)
+                if mode == "crash":
+                    _report(out)
+                    os.kill(os.getpid(), signal.SIGKILL)
+    out["final"] = ds_digests(engine)
+    out["step"] = step
+    out["engine"] = f"zero{engine.zero_optimization_stage()}"
+    if mode == "reference":  # the store its save left is one a SIGKILLed run left
+        _report(out)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+SCENARIOS = {"accelerate": accelerate_run, "trainer": trainer_run, "deepspeed": deepspeed_run}
 OUT_DIR = Path()
 
 

@@ -1,7 +1,9 @@
 """Training engines that hold their state sharded, seen as state ckptvault saves.
 
-FSDP (1 and 2, :mod:`ckptvault.engines.fsdp`) keeps each rank's shards of the
-weights and optimizer state; the integrations (Hugging Face Trainer, Accelerate,
-Lightning) hand them to a ``CheckpointManager`` through this package, so every rank
-saves its own shards in one collective, verified generation.
+FSDP1 and FSDP2 (:mod:`ckptvault.engines.fsdp`) and DeepSpeed ZeRO stages 1-3
+(:mod:`ckptvault.engines.deepspeed`) keep each rank's shards of the weights and
+optimizer state. This package turns them into DTensors keyed by parameter name,
+and back, so that a ``CheckpointManager`` saves every rank's shards in one
+collective, verified generation that restores at another number of ranks. The
+integrations (Hugging Face Trainer, Accelerate, Lightning) go through it.
 """
