@@ -34,8 +34,11 @@ checkpoint removes its pointer and prunes the generation the plugin put at that 
 :mod:`ckptvault.integrations.lightning_records`) through ckptvault's retention
 machinery (:mod:`ckptvault.integrations.lightning_prune`).
 
-Saves are synchronous: Lightning calls ``save_checkpoint`` on global rank 0 only, and
-the pointer is written only once its generation is durable.
+Saves are synchronous, and the pointer is written only once its generation is
+durable. Lightning's own strategies call ``save_checkpoint`` on global rank 0 only,
+with rank 0's dict: with several ranks, use ckptvault's strategies
+(:mod:`ckptvault.integrations.lightning_strategies`), under which every rank saves and
+loads its own part collectively (:mod:`ckptvault.integrations.lightning_ranks`).
 """
 
 from __future__ import annotations
@@ -52,19 +55,28 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 
 from ckptvault.config import validate_step
-from ckptvault.coordinator import SingleProcess
+from ckptvault.coordinator import Coordinator, SingleProcess
 from ckptvault.durable import fsync_directory
-from ckptvault.errors import NoValidCheckpoint, UnsupportedValueError, UsageError
+from ckptvault.errors import (
+    NoValidCheckpoint,
+    SaveFailedError,
+    StateMismatchError,
+    UnsupportedValueError,
+    UsageError,
+)
 from ckptvault.integrations.lightning_pointers import (
     SUFFIX,
     Pointer,
+    parse_pointer,
     read_pointer,
     try_read_pointer,
     write_pointer,
 )
 from ckptvault.integrations.lightning_prune import LightningPruner
+from ckptvault.integrations.lightning_ranks import OWN, agree, own_part, put_back, shared_part
 from ckptvault.manager import CheckpointManager, RestoreInfo
 from ckptvault.state.codec import Encoder, KeyPath
+from ckptvault.state.codec_names import format_path
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -111,10 +123,13 @@ class CkptvaultCheckpointIO(CheckpointIO):
             generations are abandoned, a WARNING and an audit entry say so). Never
             applies to ``last*.ckpt``. Remove it once the rollback is done.
         options: :class:`~ckptvault.CheckpointManager` options (``run_id``,
-            ``signing_key``, ``trusted_keys``, ``keystore``, ``contract``, ...), except
-            ``coordinator`` and ``async_save``: saves are synchronous, on rank 0.
+            ``signing_key``, ``trusted_keys``, ``keystore``, ``contract``,
+            ``collective_timeout_s``, ...), except ``coordinator`` and ``async_save``:
+            saves are synchronous, on the ranks Lightning's strategy calls it on.
 
     ``restore_info`` is the :class:`~ckptvault.RestoreInfo` of the last load.
+    ``every_rank`` is set by ckptvault's strategies: Lightning calls the plugin on
+    every rank, which save and load together.
     """
 
     def __init__(
@@ -128,9 +143,10 @@ class CkptvaultCheckpointIO(CheckpointIO):
         for refused in ("coordinator", "async_save"):
             if refused in options:
                 raise UsageError(
-                    f"CkptvaultCheckpointIO does not take {refused}=: Lightning saves on "
-                    "global rank 0 only, and each pointer is written once its generation "
-                    "is durable, so saves are synchronous and single-process"
+                    f"CkptvaultCheckpointIO does not take {refused}=: the ranks that save "
+                    "are those Lightning's strategy calls it on (rank 0, or every rank "
+                    "under ckptvault's strategies), and each pointer is written once its "
+                    "generation is durable, so saves are synchronous"
                 )
         if not isinstance(delete_delay, (int, float)) or not 0 <= delete_delay < float("inf"):
             raise UsageError(f"delete_delay must be a number of seconds >= 0, got {delete_delay!r}")
@@ -146,13 +162,17 @@ class CkptvaultCheckpointIO(CheckpointIO):
         self._manager: CheckpointManager | None = None
         self._pruner: LightningPruner | None = None
         self._written: tuple[int, str] | None = None  # (step, generation id) saved last
+        self.every_rank = False
+        self._warned_rank0 = False
 
     @property
     def manager(self) -> CheckpointManager:
         """The :class:`~ckptvault.CheckpointManager` of ``store``, opened on first use
         (and again after :meth:`teardown` closed it)."""
         if self._manager is None:
-            options: ManagerOptions = {**self._options, "coordinator": SingleProcess()}
+            options: ManagerOptions = {**self._options}
+            if not self.every_rank:  # else the torch.distributed job's, on every rank
+                options["coordinator"] = SingleProcess()
             manager = CheckpointManager(self.store, **options)
             self._manager, self._pruner = manager, LightningPruner(manager, self.delete_delay)
         return self._manager
@@ -175,18 +195,41 @@ class CkptvaultCheckpointIO(CheckpointIO):
             )
         target = _local_path(path)
         step = _global_step(checkpoint)
-        check_encodable(checkpoint)  # before anything is written, naming the key
+        self._warn_if_rank0_only()
         manager = self.manager
-        generation_id = self._written_at(step)
+        ranks = manager.coordinator
+        # Before anything is written, naming the key (on every rank alike).
+        agree(ranks, "save its checkpoint", lambda: check_encodable(checkpoint), SaveFailedError)
+        generation_id = ranks.broadcast(self._written_at(step) if ranks.is_coordinator else None)
         if generation_id is None:
-            info = manager.save(step, _saved_state(checkpoint)).result()
+            info = manager.save(step, _saved_state(checkpoint, ranks)).result()
             assert info is not None  # a synchronous save is never skipped
             generation_id = info.generation_id
-            self._written = (step, generation_id)
+        self._written = (step, generation_id)
         pointer = Pointer(manager.run_id, step, generation_id, manager.store.location)
-        write_pointer(target, pointer)
-        # What was there before is released by the store's record of it, not by the file.
-        self.pruner.pointed(target, pointer.name)
+        agree(ranks, f"write {target}", lambda: self._point(target, pointer), SaveFailedError)
+
+    def _point(self, target: Path, pointer: Pointer) -> None:
+        """Rank 0 puts the pointer at ``target``; what was there before is released by
+        the store's record of it, not by the file."""
+        if self.manager.coordinator.is_coordinator:
+            write_pointer(target, pointer)
+            self.pruner.pointed(target, pointer.name)
+
+    def _warn_if_rank0_only(self) -> None:
+        if self.every_rank or self._warned_rank0:
+            return
+        world = torch.distributed.get_world_size() if _distributed() else 1
+        if world > 1:
+            self._warned_rank0 = True
+            logger.warning(
+                "CkptvaultCheckpointIO saves the checkpoint Lightning hands to rank 0 of %d: "
+                "the other ranks' RNG states, data loader positions and callback states are "
+                "not saved, and a resume gives them rank 0's. Use ckptvault's strategy "
+                "(strategy=CkptvaultDDPStrategy() from ckptvault.integrations."
+                "lightning_strategies) to save every rank's",
+                world,
+            )
 
     def _written_at(self, step: int) -> str | None:
         """The generation this plugin saved for ``step`` last, if it is still listed:
@@ -203,17 +246,21 @@ class CkptvaultCheckpointIO(CheckpointIO):
         path: _PATH,
         map_location: Any | None = None,
         weights_only: bool | None = None,
+        *,
+        into: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The checkpoint the pointer at ``path`` stands for, verified before it is
         returned: for ``last*.ckpt`` the newest generation that verifies, otherwise
         the pointer's step (see the module docstring).
 
         Tensors come back on the CPU, or on ``map_location`` (a device or its name).
-        ``weights_only`` changes nothing: nothing here is unpickled, ever."""
+        ``weights_only`` changes nothing: nothing here is unpickled, ever. ``into``:
+        entries of the dict to restore in place (the sharded ``state_dict`` a strategy
+        holds, as DTensors: each rank reads its shards only)."""
         device = _device(map_location)
         target = _local_path(path)
-        pointer = read_pointer(target)
         manager = self.manager
+        pointer = self._read_pointer(manager.coordinator, target)
         if pointer.run_id != manager.run_id:
             raise UsageError(
                 f"{path} points to a checkpoint of run {pointer.run_id!r}, but this plugin "
@@ -227,8 +274,8 @@ class CkptvaultCheckpointIO(CheckpointIO):
                 pointer.store,
                 manager.store.location,
             )
-        state: dict[str, Any] = {CHECKPOINT: {}, MODULE_METADATA: None}
-        info = self._restore(state, target, pointer)
+        state: dict[str, Any] = {CHECKPOINT: dict(into or {}), MODULE_METADATA: None}
+        info = self._restore_ranked(state, target, pointer)
         if info is None:
             raise NoValidCheckpoint(
                 f"{path} points to step {pointer.step}, but {manager.store.location} holds "
@@ -249,10 +296,41 @@ class CkptvaultCheckpointIO(CheckpointIO):
                 "generation" if is_last_pointer(target) else f"of step {pointer.step}",
             )
         checkpoint: dict[str, Any] = state[CHECKPOINT]
+        put_back(checkpoint, state.get(OWN, own_part({})).value, info.reset, str(path))
         weights = checkpoint.get("state_dict")
         if isinstance(weights, OrderedDict) and isinstance(state[MODULE_METADATA], dict):
             weights._metadata = state[MODULE_METADATA]  # type: ignore[attr-defined]
         return _to_device(checkpoint, device) if device is not None else checkpoint
+
+    def _read_pointer(self, ranks: Coordinator, target: Path) -> Pointer:
+        """The pointer at ``target``, read by rank 0 and sent to the others (a checkpoint
+        directory need not be shared by every node)."""
+        if ranks.world_size == 1:
+            return read_pointer(target)
+        data = agree(
+            ranks,
+            f"read {target}",
+            lambda: read_pointer(target).to_bytes().decode() if ranks.is_coordinator else None,
+            NoValidCheckpoint,
+        )
+        sent = ranks.broadcast(data)
+        return parse_pointer(str(sent).encode(), f"{target} (read by rank 0)")
+
+    def _restore_ranked(
+        self, state: dict[str, Any], target: Path, pointer: Pointer
+    ) -> RestoreInfo | None:
+        """:meth:`_restore`, with each rank's own part when several ranks load (from a
+        generation one process saved, which has none: without it)."""
+        if self.manager.coordinator.world_size == 1:
+            return self._restore(state, target, pointer)
+        state[OWN] = own_part({})
+        try:
+            return self._restore(state, target, pointer)
+        except StateMismatchError as exc:  # every rank alike: nothing was applied
+            if exc.missing != [format_path((OWN,))] or exc.unexpected or exc.mismatched:
+                raise
+        del state[OWN]
+        return self._restore(state, target, pointer)
 
     def _restore(self, state: dict[str, Any], target: Path, pointer: Pointer) -> RestoreInfo | None:
         """``last*.ckpt``: the newest that verifies (the pointer is only a hint; a
@@ -272,6 +350,8 @@ class CkptvaultCheckpointIO(CheckpointIO):
         """Remove the pointer at ``path`` and let its generation go (unless another
         pointer still names it), through ckptvault's retention rules."""
         target = _local_path(path)
+        if self.every_rank and not self.manager.coordinator.is_coordinator:
+            return  # every rank opened the manager (together); rank 0 removes
         if not os.path.lexists(target):
             return
         if try_read_pointer(target) is None and not target.is_symlink():
@@ -323,14 +403,24 @@ def _no_tensor_sink(path: KeyPath, tensor: torch.Tensor) -> str:
     return ""  # only checking: the manager's capture collects the tensors
 
 
-def _saved_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+def _saved_state(checkpoint: dict[str, Any], ranks: Coordinator) -> dict[str, Any]:
     metadata = getattr(checkpoint.get("state_dict"), "_metadata", None)
     plain = None
     if isinstance(metadata, Mapping) and all(
         type(k) is str and isinstance(v, Mapping) for k, v in metadata.items()
     ):
         plain = {prefix: dict(versions) for prefix, versions in metadata.items()}
-    return {CHECKPOINT: checkpoint, MODULE_METADATA: plain}
+    if ranks.world_size == 1:
+        return {CHECKPOINT: checkpoint, MODULE_METADATA: plain}
+    return {
+        CHECKPOINT: shared_part(checkpoint, ranks.rank),
+        MODULE_METADATA: plain,
+        OWN: own_part(checkpoint),
+    }
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _global_step(checkpoint: Mapping[str, Any]) -> int:
