@@ -296,7 +296,10 @@ class CkptvaultCheckpointIO(CheckpointIO):
                 "generation" if is_last_pointer(target) else f"of step {pointer.step}",
             )
         checkpoint: dict[str, Any] = state[CHECKPOINT]
-        put_back(checkpoint, state.get(OWN, own_part({})).value, info.reset, str(path))
+        own = state[OWN].value if OWN in state else None
+        # Saved by more ranks (its per-rank parts reset) or by one process (none).
+        resharded = OWN in info.reset or (manager.coordinator.world_size > 1 and own is None)
+        put_back(checkpoint, own, resharded, str(path))
         weights = checkpoint.get("state_dict")
         if isinstance(weights, OrderedDict) and isinstance(state[MODULE_METADATA], dict):
             weights._metadata = state[MODULE_METADATA]  # type: ignore[attr-defined]

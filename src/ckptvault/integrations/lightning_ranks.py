@@ -19,10 +19,12 @@ every rank saves, collectively, one generation holding:
   (:class:`~ckptvault.state.ranks.PerRank`).
 
 Loaded by as many ranks, each rank gets rank 0's dict with its own part put back
-over it. Loaded by another number of ranks, the per-rank parts mean nothing there
-(a loader position over another split of the data): every rank gets rank 0's, as
-Lightning's own checkpoints give, and a warning says so. A generation saved by one
-process has no per-rank part; it loads on any number of ranks as rank 0's dict.
+over it. Loaded by another number of ranks (a generation one process saved has no
+per-rank part: it loads on any number), the per-rank parts mean nothing there: every
+rank gets rank 0's, as Lightning's own checkpoints give, but for the data loaders'
+positions, which index another split of the data (a position past the end of the
+new split stops torchdata's loader with ``StopIteration``): the loaders start the
+epoch again. A warning says so.
 """
 
 from __future__ import annotations
@@ -61,20 +63,25 @@ def own_part(checkpoint: Mapping[str, Any]) -> PerRank:
 
 
 def put_back(
-    checkpoint: dict[str, Any], own: Mapping[str, Any], reset: list[str], where: str
+    checkpoint: dict[str, Any], own: Mapping[str, Any] | None, resharded: bool, where: str
 ) -> dict[str, Any]:
-    """``checkpoint`` (rank 0's) with this rank's own part over it, in place; with the
-    part reset (restored by another number of ranks than saved it), rank 0's, said
-    once at WARNING."""
-    if OWN in reset:
-        logger.warning(
-            "%s was saved by another number of ranks: every rank resumes with rank 0's "
-            "loops, data loader position, callback states and on_save_checkpoint values "
-            "(each rank's own mean nothing here)",
-            where,
-        )
+    """``checkpoint`` (rank 0's) with this rank's own part over it, in place. Saved by
+    another number of ranks (``resharded``): rank 0's, without its data loader
+    positions, said at WARNING."""
+    if not resharded:
+        checkpoint.update(own or {})  # keys keep their places: the order is rank 0's
         return checkpoint
-    checkpoint.update(own)  # keys keep their places: the order is rank 0's
+    loops = checkpoint.get("loops")
+    fit = loops.get("fit_loop") if isinstance(loops, dict) else None
+    progress = fit.get("state_dict") if isinstance(fit, dict) else None
+    if isinstance(progress, dict):
+        progress.pop("combined_loader", None)
+    logger.warning(
+        "%s was saved by another number of ranks: every rank resumes with rank 0's loops, "
+        "callback states and on_save_checkpoint values (each rank's own mean nothing "
+        "here), and the data loaders start the epoch again",
+        where,
+    )
     return checkpoint
 
 
