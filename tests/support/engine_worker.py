@@ -1,12 +1,14 @@
-"""One rank of a training job under an engine (FSDP1, FSDP2) through an integration
-(Accelerate, Hugging Face Trainer), launched by ``multirank.launch``.
+"""One rank of a training job under an engine (FSDP1, FSDP2, DeepSpeed ZeRO 1-3)
+through an integration (Accelerate, Hugging Face Trainer, or DeepSpeed alone),
+launched by ``multirank.launch``.
 
 ``python engine_worker.py SCENARIO STORE OUT``; SCENARIO is
-``INTEGRATION:ENGINE:MODE`` (``accelerate:fsdp2:reference``): MODE ``reference``
-trains every step, saving at ``SAVE_AT``; ``crash`` trains to ``SAVE_AT``, saves
-and is SIGKILLed; ``resume`` restores the newest generation and trains to the end.
-Each rank writes ``OUT/rank<r>.json``: digests of the whole weights and optimizer
-state after the save step (``saved``; ``restored`` on a resume) and at the end.
+``INTEGRATION:ENGINE:MODE`` (``accelerate:fsdp2:reference``, ``trainer:zero3:resume``):
+MODE ``reference`` saves at step ``SAVE_AT`` only, trains to ``STEPS``, reports and is
+SIGKILLed (its store is one a killed run left); ``resume`` restores the newest
+generation and trains to ``STEPS``, saving nothing. Each rank writes
+``OUT/rank<r>.json``: digests of the whole weights and optimizer state at the save
+(``saved``; ``restored`` right after a resume) and at the end (``final``).
 
 Accelerate turns FSDP on only for accelerator devices (``AcceleratorState`` keeps
 ``MULTI_CPU`` for ``cpu=True``). :func:`fsdp_on_cpu` sets the distributed type to
@@ -34,7 +36,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator, g
 
 RANK = int(os.environ.get("RANK", "0"))
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
-SAVE_AT, STEPS = 3, 8
+SAVE_AT, STEPS = 5, 8
 SEED = 0
 
 
@@ -95,25 +97,42 @@ def _model() -> torch.nn.Module:
     )
 
 
-def accelerate_run(engine: str, mode: str, store: str, out: dict[str, Any]) -> None:
+def _accelerator(engine: str) -> Any:
+    """An Accelerator running ``engine`` (``fsdp2``, ``fsdp1[-STATE_DICT_TYPE]``,
+    ``zero1``..``zero3``) on this job's CPU ranks."""
     from accelerate import Accelerator, DataLoaderConfiguration
-    from accelerate.utils import FullyShardedDataParallelPlugin, set_seed
+    from accelerate.utils import (
+        DeepSpeedPlugin,
+        FullyShardedDataParallelPlugin,
+        InitProcessGroupKwargs,
+    )
 
-    from ckptvault.integrations.accelerate import Checkpointer
-
+    loaders = DataLoaderConfiguration(use_seedable_sampler=True)
+    if engine.startswith("zero"):
+        deepspeed_on_cpu()
+        return Accelerator(
+            deepspeed_plugin=DeepSpeedPlugin(zero_stage=int(engine.removeprefix("zero"))),
+            dataloader_config=loaders,
+            kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")],
+        )
     fsdp_on_cpu()
     version, _, state_dict_type = engine.removeprefix("fsdp").partition("-")
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=int(version), state_dict_type=state_dict_type or "SHARDED_STATE_DICT"
     )
+    return Accelerator(cpu=True, fsdp_plugin=plugin, dataloader_config=loaders)
+
+
+def accelerate_run(engine: str, mode: str, store: str, out: dict[str, Any]) -> None:
+    from accelerate.utils import set_seed
+
+    from ckptvault.integrations.accelerate import Checkpointer
+
     set_seed(SEED)
-    accelerator = Accelerator(
-        cpu=True,
-        fsdp_plugin=plugin,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-    )
+    accelerator = _accelerator(engine)
     model = _model()
-    if version == "1":  # FSDP1 flattens the parameters: the optimizer takes the prepared ones
+    flattens = engine.startswith("fsdp1")
+    if flattens:  # FSDP1 flattens the parameters: the optimizer takes the prepared ones
         model = accelerator.prepare(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     data = torch.utils.data.TensorDataset(
@@ -122,11 +141,15 @@ def accelerate_run(engine: str, mode: str, store: str, out: dict[str, Any]) -> N
     )
     loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.7)
-    prepared = accelerator.prepare(
-        *([model] if version == "2" else []), optimizer, loader, scheduler
-    )
-    model = prepared[0] if version == "2" else model
+    prepared = accelerator.prepare(*([] if flattens else [model]), optimizer, loader, scheduler)
+    model = model if flattens else prepared[0]
     optimizer, loader, scheduler = prepared[-3:]
+
+    def state() -> dict[str, str]:
+        if engine.startswith("zero"):
+            return ds_digests(model)
+        return digests(model, optimizer)
+
     out["engine"] = str(accelerator.distributed_type)
     with cv.CheckpointManager(store, run_id="engine", collective_timeout_s=60) as mgr:
         ckpt = Checkpointer(accelerator, mgr)
@@ -135,7 +158,7 @@ def accelerate_run(engine: str, mode: str, store: str, out: dict[str, Any]) -> N
             info = ckpt.load_state()
             assert info is not None
             step = info.step
-            out["restored"] = digests(model, optimizer)
+            out["restored"] = state()
         for epoch in range(step // len(loader), STEPS // len(loader) + 1):
             for x, y in ckpt.skip_first_batches(loader, step - epoch * len(loader)):
                 if step == STEPS:
@@ -148,42 +171,65 @@ def accelerate_run(engine: str, mode: str, store: str, out: dict[str, Any]) -> N
                 step += 1
                 if step == SAVE_AT and mode != "resume":
                     ckpt.save_state(step, blocking=True)
-                    out["saved"] = digests(model, optimizer)
-                    if mode == "crash":
-                        _report(out)
-                        os.kill(os.getpid(), signal.SIGKILL)
-    out["final"] = digests(model, optimizer)
+                    out["saved"] = state()
+    out["final"] = state()
     out["step"] = step
 
 
-def trainer_run(engine: str, mode: str, store: str, out: dict[str, Any]) -> None:
-    """A tiny GPT-2 under ``CkptvaultTrainer`` with FSDP: saves every ``SAVE_AT``
-    steps; ``crash`` is SIGKILLed right after the first save."""
-    from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
-    from transformers import set_seed as hf_set_seed
+def _trainer_engine(engine: str) -> dict[str, Any]:
+    """TrainingArguments for ``engine`` on this job's CPU ranks."""
+    if engine.startswith("zero"):
+        deepspeed_on_cpu()
+        config = {
+            "zero_optimization": {"stage": int(engine.removeprefix("zero"))},
+            "train_micro_batch_size_per_gpu": "auto",
+            "train_batch_size": "auto",
+            "gradient_accumulation_steps": "auto",
+        }
+        # Under DeepSpeed Trainer hands Accelerate no backend (it takes the device's;
+        # a CPU has none): Accelerate's process state is set up with gloo first, and
+        # Trainer told to use it (Trainer's own option for a configured state).
+        from accelerate.state import PartialState
 
-    from ckptvault.integrations.huggingface import CkptvaultTrainer
-
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        PartialState(backend="gloo")
+        return {"deepspeed": config, "accelerator_config": {"use_configured_state": True}}
     fsdp_on_cpu()
-
-    class Recorder(TrainerCallback):
-        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if state.global_step == SAVE_AT and mode != "resume":
-                out["saved"] = digests(trainer.model_wrapped, trainer.optimizer.optimizer)
-                if mode == "crash":
-                    _report(out)
-                    os.kill(os.getpid(), signal.SIGKILL)
-
-    hf_set_seed(SEED)
-    config = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=8)
-    model = GPT2LMHeadModel(config)  # dropout on: the RNGs matter
-    tokens = torch.randint(0, 32, (24, 8), generator=torch.Generator().manual_seed(1))
     version, _, state_dict_type = engine.removeprefix("fsdp").partition("-")
     # Accelerate refuses FSDP1's sync_module_states on CPU (every rank builds the same
     # model from the same seed here anyway).
     fsdp_config: dict[str, Any] = {"version": int(version), "sync_module_states": False}
     if state_dict_type:
         fsdp_config["state_dict_type"] = state_dict_type
+    return {"use_cpu": True, "fsdp": "full_shard", "fsdp_config": fsdp_config}
+
+
+def trainer_run(engine: str, mode: str, store: str, out: dict[str, Any]) -> None:
+    """A tiny GPT-2 under ``CkptvaultTrainer`` with FSDP or DeepSpeed."""
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+    from transformers import set_seed as hf_set_seed
+
+    from ckptvault.integrations.huggingface import CkptvaultTrainer
+
+    def state() -> dict[str, str]:
+        if engine.startswith("zero"):
+            return ds_digests(trainer.model_wrapped)
+        return digests(trainer.model_wrapped, trainer.optimizer.optimizer)
+
+    class Recorder(TrainerCallback):
+        def on_step_end(self, args: Any, state_: Any, control: Any, **kwargs: Any) -> None:
+            if state_.global_step != SAVE_AT:  # Trainer also saves at its last step
+                control.should_save = False
+
+        def on_save(self, args: Any, state_: Any, control: Any, **kwargs: Any) -> None:
+            if state_.global_step == SAVE_AT and mode != "resume":
+                out["saved"] = state()
+
+    hf_set_seed(SEED)
+    config = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=8)
+    model = GPT2LMHeadModel(config)  # dropout on: the RNGs matter
+    tokens = torch.randint(0, 32, (24, 8), generator=torch.Generator().manual_seed(1))
+    engine_args = _trainer_engine(engine)
     args = TrainingArguments(
         str(Path(store).parent / f"out-{RANK}"),
         max_steps=STEPS,
@@ -192,11 +238,9 @@ def trainer_run(engine: str, mode: str, store: str, out: dict[str, Any]) -> None
         save_steps=SAVE_AT,
         logging_steps=1,
         per_device_train_batch_size=2,
-        use_cpu=True,
         report_to="none",
         disable_tqdm=True,
-        fsdp="full_shard",
-        fsdp_config=fsdp_config,
+        **engine_args,
     )
     with cv.CheckpointManager(store, run_id="engine", collective_timeout_s=60) as manager:
         trainer = CkptvaultTrainer(
@@ -211,12 +255,18 @@ def trainer_run(engine: str, mode: str, store: str, out: dict[str, Any]) -> None
 
             def loaded(checkpoint: Any) -> None:  # the moment the generation is in place
                 original(checkpoint)
-                out["restored"] = digests(trainer.model_wrapped, trainer.optimizer.optimizer)
+                out["restored"] = state()
 
             trainer._load_optimizer_and_scheduler = loaded  # type: ignore[method-assign]
         trainer.train(resume_from_checkpoint=mode == "resume" or None)
-    out["engine"] = "fsdp" if trainer.is_fsdp_enabled else "none"
-    out["final"] = digests(trainer.model_wrapped, trainer.optimizer.optimizer)
+    out["engine"] = (
+        "deepspeed"
+        if trainer.is_deepspeed_enabled
+        else "fsdp"
+        if trainer.is_fsdp_enabled
+        else "none"
+    )
+    out["final"] = state()
     out["step"] = trainer.state.global_step
     out["losses"] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
 
@@ -256,7 +306,7 @@ def deepspeed_on_cpu() -> None:
 def deepspeed_run(engine_name: str, mode: str, store: str, out: dict[str, Any]) -> None:
     """A DeepSpeed engine (``zero1``, ``zero2``, ``zero3``) built with
     ``deepspeed.initialize``, saved through :class:`DeepSpeedState`; ``reference``
-    saves at ``SAVE_AT``, trains to the end and is SIGKILLed once it has reported."""
+    (see the module docstring for the modes)."""
     import deepspeed
 
     from ckptvault.engines.deepspeed import DeepSpeedState
@@ -300,15 +350,9 @@ def deepspeed_run(engine_name: str, mode: str, store: str, out: dict[str, Any]) 
                 mgr.save(step, {**DeepSpeedState(engine).capture(), "rng": cv.RNGState()})
                 mgr.wait()
                 out["saved"] = ds_digests(engine)
-                if mode == "crash":
-                    _report(out)
-                    os.kill(os.getpid(), signal.SIGKILL)
     out["final"] = ds_digests(engine)
     out["step"] = step
     out["engine"] = f"zero{engine.zero_optimization_stage()}"
-    if mode == "reference":  # the store its save left is one a SIGKILLed run left
-        _report(out)
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 SCENARIOS = {"accelerate": accelerate_run, "trainer": trainer_run, "deepspeed": deepspeed_run}
@@ -327,6 +371,9 @@ def main() -> None:
     out: dict[str, Any] = {"rank": RANK, "world": WORLD}
     try:
         SCENARIOS[integration](engine, mode, store, out)
+        if mode == "reference":  # its store is one a SIGKILLed run left behind
+            _report(out)
+            os.kill(os.getpid(), signal.SIGKILL)
     finally:
         _report(out)
         if dist.is_initialized():

@@ -75,6 +75,7 @@ class DeepSpeedState:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         keys = self._state_keys()
+        self._link_state()
         weights: dict[str, Any] = {}
         moments: dict[str, Any] = {}
         for name, param in self.params:
@@ -92,6 +93,7 @@ class DeepSpeedState:
         a step of learning rate 0 on zero gradients (the weights do not move; the
         state it creates is overwritten by the restore)."""
         self._init_optimizer_state()
+        self._link_state()
         keys = self._state_keys()
         weights = {name: self._zeros(param) for name, param in self.params}
         moments = {name: {key: self._zeros(param) for key in keys} for name, param in self.params}
@@ -162,10 +164,16 @@ class DeepSpeedState:
                 base.step()
             finally:
                 group["params"], group["lr"], param.grad = listed, rate, grad
-        # ZeRO-1/2 and bf16 link each parameter's fragments of the new state after
-        # their own first step; this step was the base optimizer's.
-        link = getattr(self.engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+
+    def _link_state(self) -> None:
+        """Point each parameter's fragments at the optimizer state (ZeRO-1/2, bf16).
+        DeepSpeed links them once, after the first group's first step, when the other
+        groups have no state yet (0.19: a parameter of the second group then has no
+        ``exp_avg`` fragment); linking again is idempotent."""
+        zero = self.engine.optimizer
+        link = getattr(zero, "_lazy_init_hp_params_optimizer_state", None)
         if callable(link):
+            zero._hp_optimizer_states_linked = False
             link()
 
     def _state_keys(self) -> list[str]:

@@ -36,8 +36,10 @@ FSDP (``fsdp_version`` 1 or 2, any ``state_dict_type``): each model's weights an
 optimizer's state (model ``i`` with optimizer ``i``, as ``save_state`` pairs them) are
 saved as every rank's shards, keyed by parameter name, through DCP's state-dict API
 (:mod:`ckptvault.engines.fsdp`): one collective generation that restores at the same
-number of ranks or another, into FSDP1 or FSDP2. DeepSpeed, Megatron-LM and XLA save
-through their own engines and are refused.
+number of ranks or another, into FSDP1 or FSDP2. DeepSpeed (ZeRO stages 1-3): the
+engine's fp32 weights, optimizer state and counters, every rank its chunk
+(:mod:`ckptvault.engines.deepspeed`), restorable at another number of ranks and
+stage. Megatron-LM and XLA save through their own engines and are refused.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ckptvault.engines.fsdp import ShardedState
 from ckptvault.errors import UsageError
+from ckptvault.integrations.accelerate_engines import REFUSED, EngineEntries, named
 from ckptvault.state.rng import RNGState
 
 if TYPE_CHECKING:
@@ -56,8 +58,6 @@ if TYPE_CHECKING:
     from ckptvault.saving.handles import SaveHandle
 
 __all__ = ["Checkpointer", "PreparedDataLoader"]
-
-_ENGINES = frozenset({"DEEPSPEED", "MEGATRON_LM", "XLA"})
 
 
 class Checkpointer:
@@ -74,8 +74,8 @@ class Checkpointer:
         manager: CheckpointManager,
         extra: Mapping[str, Any] | None = None,
     ) -> None:
-        engine = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
-        if engine in _ENGINES:
+        engine = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+        if engine in REFUSED:
             raise UsageError(
                 f"ckptvault's Accelerate integration does not support {engine}: it saves "
                 "through its own engine; use accelerator.save_state for it"
@@ -86,9 +86,7 @@ class Checkpointer:
         self._rng: dict[str, Any] | None = None  # set again when the resumed pass starts
         # id(prepared loader) -> the skipping copy whose pass stands for its own.
         self._standins: dict[int, Any] = {}
-        # FSDP: each model with its optimizer, saved through DCP's state-dict API.
-        self._sharded = engine == "FSDP"
-        self._sharded_states: list[ShardedState] = []
+        self._engine = EngineEntries(accelerator, engine)
         clash = sorted(set(self.extra) & set(self._own_names()))
         if clash:
             raise UsageError(
@@ -124,9 +122,10 @@ class Checkpointer:
                 "keeps no directories (accelerator.load_state(input_dir) reads pickles). Pass "
                 "load_state() for the newest that verifies, or load_state(step=N)"
             )
-        info = self.manager.restore(self._state(), step=step, allow_rollback_to=allow_rollback_to)
+        state = self._state(restoring=True)
+        info = self.manager.restore(state, step=step, allow_rollback_to=allow_rollback_to)
         if info is not None:
-            self._apply_sharded()
+            self._engine.apply()
         # The RNGs were just set to the saved states: read back, they are set again
         # when the resumed pass starts (skip_first_batches).
         self._rng = RNGState().state_dict() if info is not None else None
@@ -150,24 +149,17 @@ class Checkpointer:
     # -- the state ------------------------------------------------------------------
 
     def _own_names(self) -> list[str]:
-        accelerator = self.accelerator
-        models = [_named("model", index) for index in range(len(accelerator._models))]
-        optimizers = [_named("optimizer", index) for index in range(len(accelerator._optimizers))]
         rest = ["scheduler", "dataloader", "scaler", "accelerator", "rng"]
-        return [*models, *optimizers, *rest]
+        return [*self._engine.names(), *rest]
 
-    def _own_entries(self) -> dict[str, Any]:
+    def _own_entries(self, restoring: bool) -> dict[str, Any]:
         accelerator = self.accelerator
-        entries: dict[str, Any] = self._sharded_entries() if self._sharded else {}
-        for index, model in enumerate(accelerator._models if not self._sharded else ()):
-            entries[_named("model", index)] = accelerator.unwrap_model(model)
-        for index, optimizer in enumerate(accelerator._optimizers if not self._sharded else ()):
-            entries[_named("optimizer", index)] = _inner(optimizer)
+        entries: dict[str, Any] = self._engine.entries(restoring)
         for index, scheduler in enumerate(accelerator._schedulers):
-            entries[_named("scheduler", index)] = getattr(scheduler, "scheduler", scheduler)
+            entries[named("scheduler", index)] = getattr(scheduler, "scheduler", scheduler)
         for index, loader in enumerate(accelerator._dataloaders):
             standin = self._standins.get(id(loader))
-            entries[_named("dataloader", index)] = PreparedDataLoader(loader, standin)
+            entries[named("dataloader", index)] = PreparedDataLoader(loader, standin)
         if accelerator.scaler is not None:
             entries["scaler"] = accelerator.scaler
         for index, custom in enumerate(accelerator._custom_objects):
@@ -176,34 +168,8 @@ class Checkpointer:
         entries["rng"] = RNGState()
         return entries
 
-    def _state(self) -> dict[str, Any]:
-        return {**self._own_entries(), **self.extra}
-
-    def _sharded_entries(self) -> dict[str, Any]:
-        """FSDP: model ``i`` and optimizer ``i`` as DCP's state-dict API gives them."""
-        models, optimizers = self.accelerator._models, self.accelerator._optimizers
-        if len(optimizers) > len(models):
-            raise UsageError(
-                f"{len(optimizers)} optimizers for {len(models)} FSDP models: the Checkpointer "
-                "saves optimizer i with model i, as accelerator.save_state does"
-            )
-        self._sharded_states = [
-            ShardedState(model, _inner(optimizers[index]) if index < len(optimizers) else None)
-            for index, model in enumerate(models)
-        ]
-        entries: dict[str, Any] = {}
-        for index, sharded in enumerate(self._sharded_states):
-            captured = sharded.capture()
-            entries[_named("model", index)] = captured["model"]
-            if "optimizer" in captured:
-                entries[_named("optimizer", index)] = captured["optimizer"]
-        return entries
-
-    def _apply_sharded(self) -> None:
-        """After a restore into :meth:`_sharded_entries`: load what it wrote there."""
-        states, self._sharded_states = self._sharded_states, []
-        for sharded in states:
-            sharded.apply()
+    def _state(self, restoring: bool = False) -> dict[str, Any]:
+        return {**self._own_entries(restoring), **self.extra}
 
 
 class PreparedDataLoader:
@@ -310,12 +276,3 @@ class _ResumedPass:
             if index == 0 and rng is not None and self.after_first:
                 RNGState().load_state_dict(rng)
             yield batch
-
-
-def _inner(optimizer: Any) -> Any:
-    """The torch optimizer inside Accelerate's wrapper."""
-    return getattr(optimizer, "optimizer", optimizer)
-
-
-def _named(kind: str, index: int) -> str:
-    return kind if index == 0 else f"{kind}_{index}"

@@ -41,8 +41,11 @@ the Hub as they are saved (``hub_strategy``: there is no directory to push); a f
 FSDP (``fsdp_config={"version": 1 or 2}``, any ``state_dict_type``): the weights and
 the optimizer's state are saved as every rank's shards, keyed by parameter name,
 through DCP's state-dict API (:mod:`ckptvault.engines.fsdp`); the generation restores
-at the same number of ranks or another, into FSDP1 or FSDP2. Not supported (refused
-at construction): DeepSpeed (it saves through its own engine), FSDP on XLA,
+at the same number of ranks or another, into FSDP1 or FSDP2. DeepSpeed (ZeRO stages
+1-3): the engine's fp32 weights, optimizer state and counters, every rank its chunk
+(:mod:`ckptvault.engines.deepspeed`), in place of ``engine.save_checkpoint``'s
+pickles; Trainer's ``deepspeed_load_checkpoint`` reads the generation instead while
+``train`` runs. Not supported (refused at construction): FSDP on XLA,
 ``load_best_model_at_end`` (it reloads a ``checkpoint-N`` directory: restore the best
 step with ``mgr.restore(..., step=trainer.state.best_global_step)``) and
 ``save_only_model``.
@@ -50,6 +53,7 @@ step with ``mgr.restore(..., step=trainer.state.best_global_step)``) and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -61,9 +65,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import transformers.trainer
 from transformers import Trainer, TrainerState
 from transformers.trainer_callback import ExportableState
 
+from ckptvault.engines.deepspeed import DeepSpeedState
 from ckptvault.engines.fsdp import ShardedState
 from ckptvault.errors import NoValidCheckpoint, StateMismatchError, UsageError
 from ckptvault.integrations.resume_paths import has_history, step_of_path
@@ -148,7 +154,11 @@ class CkptvaultTrainer(Trainer):
         scaler = getattr(self.accelerator, "scaler", None)
         optimizer, scheduler = self.optimizer, self.lr_scheduler
         assert optimizer is not None and scheduler is not None  # built before any step
-        if self.is_fsdp_enabled:  # every rank's shards, by parameter name
+        if self.is_deepspeed_enabled:  # every rank's chunk of ZeRO's state
+            captured = DeepSpeedState(self.model_wrapped).capture()
+            weights = {"model": captured["model"], "optimizer": captured["optimizer"]}
+            weights["deepspeed"] = captured["engine"]
+        elif self.is_fsdp_enabled:  # every rank's shards, by parameter name
             weights = self._sharded_state().capture()
         else:
             weights = {"model": self.model, "optimizer": optimizer.state_dict()}
@@ -191,9 +201,11 @@ class CkptvaultTrainer(Trainer):
         else:
             target = None
         try:
-            if resume is not None and self.is_fsdp_enabled:
+            engine = self.is_fsdp_enabled or self.is_deepspeed_enabled
+            if resume is not None and engine:
                 self._read_trainer_state(resume)
-            output = super().train(target, trial, ignore_keys_for_eval, **kwargs)
+            with self._deepspeed_loads_from_the_store():
+                output = super().train(target, trial, ignore_keys_for_eval, **kwargs)
         finally:
             self._ckptvault_resume = None
             if resume is not None:
@@ -224,8 +236,30 @@ class CkptvaultTrainer(Trainer):
             )
         return _Resume(tempfile.mkdtemp(prefix="ckptvault-resume-"), step)
 
+    @contextlib.contextmanager
+    def _deepspeed_loads_from_the_store(self) -> Any:
+        """Under DeepSpeed, Trainer loads a resumed run's weights with the module
+        function ``deepspeed_load_checkpoint`` (no method to override): while
+        ``train`` runs, a resume of ours goes to :meth:`_load_from_checkpoint`."""
+        if not self.is_deepspeed_enabled:
+            yield
+            return
+        original = transformers.trainer.deepspeed_load_checkpoint
+
+        def load(model: Any, checkpoint: str, *args: Any, **kwargs: Any) -> Any:
+            if self._resuming(checkpoint) is None:
+                return original(model, checkpoint, *args, **kwargs)
+            self._load_from_checkpoint(checkpoint, model)
+            return None
+
+        transformers.trainer.deepspeed_load_checkpoint = load
+        try:
+            yield
+        finally:
+            transformers.trainer.deepspeed_load_checkpoint = original
+
     def _read_trainer_state(self, resume: _Resume) -> None:
-        """FSDP: Trainer reads the TrainerState before it wraps the model, and loads
+        """FSDP and DeepSpeed: Trainer reads the TrainerState before it wraps the model, and loads
         the weights after (:meth:`_load_from_checkpoint`). The TrainerState of the
         generation to resume from is written first, and that generation's step
         pinned, so that the weights come from the same one."""
@@ -253,12 +287,17 @@ class CkptvaultTrainer(Trainer):
         if resume is None:
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             return
-        sharded = self._sharded_state() if self.is_fsdp_enabled else None
-        weights = (
-            sharded.capture()
-            if sharded is not None
-            else {"model": self.model if model is None else model, "optimizer": {}}
-        )
+        sharded: ShardedState | DeepSpeedState | None = None
+        if self.is_deepspeed_enabled:
+            sharded = DeepSpeedState(self.model_wrapped)
+            template = sharded.template()
+            weights = {"model": template["model"], "optimizer": template["optimizer"]}
+            weights["deepspeed"] = template["engine"]
+        elif self.is_fsdp_enabled:
+            sharded = self._sharded_state()
+            weights = sharded.capture()
+        else:
+            weights = {"model": self.model if model is None else model, "optimizer": {}}
         holder: dict[str, Any] = {
             **weights,
             "scheduler": {},
@@ -275,7 +314,7 @@ class CkptvaultTrainer(Trainer):
                 "resume_from_checkpoint=None to start fresh"
             )
         state = _trainer_state(holder["trainer_state"], info.step)
-        if sharded is not None:  # FSDP built its optimizer already: both load now
+        if sharded is not None:  # the engine built its optimizer already: both load now
             sharded.apply()
         state.save_to_json(str(Path(resume.directory) / TRAINER_STATE_FILE))
         resume.info, self.restore_info = info, info
@@ -293,7 +332,7 @@ class CkptvaultTrainer(Trainer):
         if resume is None:
             super()._load_optimizer_and_scheduler(checkpoint)
             return
-        if not self.is_fsdp_enabled:  # FSDP's was loaded with the weights
+        if not (self.is_fsdp_enabled or self.is_deepspeed_enabled):  # else with the weights
             _load_into("optimizer", self.optimizer, resume.optimizer)
         _load_into("scheduler", self.lr_scheduler, resume.scheduler)
         scaler = getattr(self.accelerator, "scaler", None)
@@ -319,17 +358,9 @@ class CkptvaultTrainer(Trainer):
 
 def _refuse_unsupported(trainer: Trainer) -> None:
     args = trainer.args
-    engines = [
-        name
-        for name, on in (
-            ("DeepSpeed", getattr(trainer, "is_deepspeed_enabled", False)),
-            ("FSDP on XLA", getattr(trainer, "is_fsdp_xla_enabled", False)),
-        )
-        if on
-    ]
-    if engines:
+    if getattr(trainer, "is_fsdp_xla_enabled", False):
         raise UsageError(
-            f"CkptvaultTrainer does not support {engines[0]}: it saves through its own engine; "
+            "CkptvaultTrainer does not support FSDP on XLA: it saves through its own engine; "
             "train without it, or use Trainer's own checkpoints"
         )
     if args.load_best_model_at_end:
