@@ -97,30 +97,46 @@ def _model() -> torch.nn.Module:
     )
 
 
-def _accelerator(engine: str) -> Any:
-    """An Accelerator running ``engine`` (``fsdp2``, ``fsdp1[-STATE_DICT_TYPE]``,
-    ``zero1``..``zero3``) on this job's CPU ranks."""
-    from accelerate import Accelerator, DataLoaderConfiguration
-    from accelerate.utils import (
-        DeepSpeedPlugin,
-        FullyShardedDataParallelPlugin,
-        InitProcessGroupKwargs,
-    )
+def readme_engines(heading: str, **stubs: Any) -> dict[str, Any]:
+    """The README's engine settings under ``heading``: its ``fsdp(version,
+    state_dict_type)`` and ``zero(stage)``, the block run as written (``stubs``: the
+    names whose calls the worker makes itself)."""
+    from support.readme_runs import readme_block
 
+    namespace: dict[str, Any] = {"__name__": "readme", **stubs}
+    exec(readme_block(heading), namespace)
+    return namespace
+
+
+def engine_settings(namespace: dict[str, Any], engine: str) -> dict[str, Any]:
+    """``engine`` (``fsdp2``, ``fsdp1-FULL_STATE_DICT``, ``zero3``) through the README's
+    own ``fsdp``/``zero``."""
+    if engine.startswith("zero"):
+        return dict(namespace["zero"](int(engine.removeprefix("zero"))))
+    version, _, state_dict_type = engine.removeprefix("fsdp").partition("-")
+    return dict(namespace["fsdp"](int(version), state_dict_type or "SHARDED_STATE_DICT"))
+
+
+def _accelerator(engine: str) -> Any:
+    """An Accelerator running ``engine`` on this job's CPU ranks, set up as the
+    README's "Accelerate with FSDP or DeepSpeed" says."""
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.utils import InitProcessGroupKwargs
+
+    readme = readme_engines(
+        "#### Accelerate with FSDP or DeepSpeed",
+        Accelerator=lambda **kwargs: None,
+        DataLoaderConfiguration=DataLoaderConfiguration,
+    )
+    settings = engine_settings(readme, engine)
     loaders = DataLoaderConfiguration(use_seedable_sampler=True)
     if engine.startswith("zero"):
         deepspeed_on_cpu()
-        return Accelerator(
-            deepspeed_plugin=DeepSpeedPlugin(zero_stage=int(engine.removeprefix("zero"))),
-            dataloader_config=loaders,
-            kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")],
-        )
+        # Accelerate finds no accelerator device to take a backend from: gloo.
+        gloo = [InitProcessGroupKwargs(backend="gloo")]
+        return Accelerator(dataloader_config=loaders, kwargs_handlers=gloo, **settings)
     fsdp_on_cpu()
-    version, _, state_dict_type = engine.removeprefix("fsdp").partition("-")
-    plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=int(version), state_dict_type=state_dict_type or "SHARDED_STATE_DICT"
-    )
-    return Accelerator(cpu=True, fsdp_plugin=plugin, dataloader_config=loaders)
+    return Accelerator(cpu=True, dataloader_config=loaders, **settings)
 
 
 def accelerate_run(engine: str, mode: str, store: str, out: dict[str, Any]) -> None:
@@ -177,15 +193,14 @@ def accelerate_run(engine: str, mode: str, store: str, out: dict[str, Any]) -> N
 
 
 def _trainer_engine(engine: str) -> dict[str, Any]:
-    """TrainingArguments for ``engine`` on this job's CPU ranks."""
+    """TrainingArguments for ``engine`` on this job's CPU ranks: the README's "Trainer
+    with FSDP or DeepSpeed" settings, and what a CPU needs besides."""
+    readme = readme_engines(
+        "#### Trainer with FSDP or DeepSpeed", TrainingArguments=lambda *args, **kwargs: None
+    )
+    settings = engine_settings(readme, engine)
     if engine.startswith("zero"):
         deepspeed_on_cpu()
-        config = {
-            "zero_optimization": {"stage": int(engine.removeprefix("zero"))},
-            "train_micro_batch_size_per_gpu": "auto",
-            "train_batch_size": "auto",
-            "gradient_accumulation_steps": "auto",
-        }
         # Under DeepSpeed Trainer hands Accelerate no backend (it takes the device's;
         # a CPU has none): Accelerate's process state is set up with gloo first, and
         # Trainer told to use it (Trainer's own option for a configured state).
@@ -193,15 +208,12 @@ def _trainer_engine(engine: str) -> dict[str, Any]:
 
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         PartialState(backend="gloo")
-        return {"deepspeed": config, "accelerator_config": {"use_configured_state": True}}
+        return {**settings, "accelerator_config": {"use_configured_state": True}}
     fsdp_on_cpu()
-    version, _, state_dict_type = engine.removeprefix("fsdp").partition("-")
     # Accelerate refuses FSDP1's sync_module_states on CPU (every rank builds the same
     # model from the same seed here anyway).
-    fsdp_config: dict[str, Any] = {"version": int(version), "sync_module_states": False}
-    if state_dict_type:
-        fsdp_config["state_dict_type"] = state_dict_type
-    return {"use_cpu": True, "fsdp": "full_shard", "fsdp_config": fsdp_config}
+    settings["fsdp_config"] = {**settings["fsdp_config"], "sync_module_states": False}
+    return {**settings, "use_cpu": True}
 
 
 def trainer_run(engine: str, mode: str, store: str, out: dict[str, Any]) -> None:

@@ -289,7 +289,9 @@ class DeepSpeedState:
             )
         for group, saved in zip(base.param_groups, saved_groups, strict=True):
             for key, value in saved.items():
-                group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+                if key == "params" or key not in group:  # hyperparameters the group has
+                    continue
+                group[key] = tuple(value) if isinstance(group[key], tuple) else value
         for (_, param), step in zip(flat, steps, strict=True):
             state = base.state.get(param)
             if state and "step" in state:
