@@ -3,7 +3,7 @@
 Public names::
 
     CheckpointManager, RNGState, PerRank, RestoreInfo, SaveHandle, GenerationInfo,
-    SkippedGeneration, Retention, errors, __version__
+    SkippedGeneration, Retention, MemoryTier, errors, __version__
 
 Names that need torch are imported on first use, so ``ckptvault.errors`` and the
 command-line tools for listing and verifying stores start without importing torch.
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         RestoreInfo,
         SkippedGeneration,
     )
+    from ckptvault.memory.tier import MemoryTier
     from ckptvault.retention.policy import Retention
     from ckptvault.saving.handles import SaveHandle, SaveStats
     from ckptvault.saving.preemption import Preempted
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "CheckpointManager": "ckptvault.manager",
     "GenerationInfo": "ckptvault.storage.listing",
+    "MemoryTier": "ckptvault.memory.tier",
     "RestoreInfo": "ckptvault.manager",
     "Retention": "ckptvault.retention.policy",
     "SaveHandle": "ckptvault.saving.handles",
@@ -47,6 +49,7 @@ _LAZY = {
 __all__ = [
     "CheckpointManager",
     "GenerationInfo",
+    "MemoryTier",
     "PerRank",
     "Preempted",
     "RNGState",

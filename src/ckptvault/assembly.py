@@ -22,6 +22,9 @@ from ckptvault.distributed.save import CollectiveSave
 from ckptvault.errors import UsageError
 from ckptvault.events import EventBus
 from ckptvault.io.writer import default_threads
+from ckptvault.memory.attach import attach_memory_tier
+from ckptvault.memory.tier import MemoryTier
+from ckptvault.memory.writer import TieredWriter
 from ckptvault.observe.catalog import validated_generations
 from ckptvault.observe.catalog_recorder import (
     CatalogOption,
@@ -82,6 +85,7 @@ class ManagerOptions(TypedDict, total=False):
     metrics_addr: str | None
     validate_every: int | None
     validate_with: Factory | str | None
+    memory_tier: MemoryTier | None
 
 
 @dataclass
@@ -93,7 +97,7 @@ class ManagerParts:
     events: EventBus
     replicator: Replicator | None
     retention: RetentionKeeper | None
-    writer: GenerationWriter
+    writer: GenerationWriter | TieredWriter
     scheduler: SaveScheduler
     restorer: Restorer
     preemption: PreemptionWatch | None = None
@@ -133,8 +137,14 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
         ),
         collective=CollectiveSave,
     )
+    saver: GenerationWriter | TieredWriter = writer
+    memory_tiers: list[Store] = []
+    memory_tier = options.get("memory_tier")
+    if memory_tier is not None:
+        saver, memory_store = attach_memory_tier(run, writer, memory_tier)
+        memory_tiers.append(memory_store)
     scheduler = SaveScheduler(
-        writer.write, writer.announce, config.max_in_flight, config.if_busy, writer.announce_failure
+        saver.write, saver.announce, config.max_in_flight, config.if_busy, saver.announce_failure
     )
     validator = Validator(run, config.threads)
     restorer = Restorer(
@@ -144,6 +154,7 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
         config.max_fallback,
         remote_tiers=tiers,
         on_remote_restore=replicator.fetch if replicator else None,
+        memory_tiers=memory_tiers,
     )
     # Serves last but one (before the signal handlers): a taken port fails the manager.
     metrics = _metrics(options, run, replicator, recorder.path if recorder else None)
@@ -155,7 +166,7 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
         events,
         replicator,
         retention,
-        writer,
+        saver,
         scheduler,
         restorer,
         _preemption(options),

@@ -187,6 +187,20 @@ class Replicated:
 
 
 @dataclass(frozen=True)
+class MemorySkipped:
+    """A save's memory-tier copy was skipped: the tier had no room (``reason``)."""
+
+    run_id: str
+    store: str  # the memory tier
+    step: int
+    reason: str
+
+    @property
+    def summary(self) -> str:
+        return f"step {self.step} was not kept in memory: {self.reason}"
+
+
+@dataclass(frozen=True)
 class ReplicasDisagree:
     """Replicated tensors of a multi-rank save held different bytes on some ranks
     (``ckptvault.distributed.replicas``); the generation holds rank 0's copy."""
@@ -236,6 +250,7 @@ Event = (
     | Deleted
     | Replicated
     | ReplicasDisagree
+    | MemorySkipped
 )
 Subscriber = Callable[[Event], None]
 

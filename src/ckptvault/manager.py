@@ -114,6 +114,10 @@ class CheckpointManager:
         validate_every, validate_with: validate one published generation in K on a
             background thread: load it into objects ``validate_with()`` builds (a
             factory, or ``"module:function"``) and run their check (see ``validate``).
+        memory_tier: a :class:`~ckptvault.MemoryTier`: every save goes to a node-local
+            directory on tmpfs, every ``durable_every``-th also to this store (a
+            verified copy of the same generation); restore tries memory first
+            (``RestoreInfo.source``). One node for now (:mod:`ckptvault.memory`).
     """
 
     def __init__(self, directory: StoreLocation, **options: Unpack[ManagerOptions]) -> None:

@@ -164,7 +164,7 @@ LAYERS: list[set[str]] = [
     {"trust"},
     {"config", "run_context", "io"},
     {"saving", "retention", "observe", "planning"},
-    {"distributed", "replication"},
+    {"distributed", "replication", "memory"},
     {"restoring"},
     {"dcp", "assembly"},
     {"manager"},

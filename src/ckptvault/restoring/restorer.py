@@ -81,6 +81,9 @@ class RestoreInfo:
     # step the run was rolled back from (the previous floor, or the newest newer
     # generation that verified); None when nothing newer was gone back over.
     rolled_back_from: int | None = None
+    # Where the bytes came from: "memory" (this node's memory tier) or "store" (the
+    # store or one of its tiers).
+    source: str = "store"
 
 
 def check_environment(contract: Any, where: str, options: ApplyOptions) -> list[str]:
@@ -121,6 +124,7 @@ class Restorer:
         max_fallback: int | None = None,
         remote_tiers: Sequence[Store] = (),
         on_remote_restore: Callable[[Store, GenerationRef], None] | None = None,
+        memory_tiers: Sequence[Store] = (),
     ) -> None:
         self.store = run.store
         self.run_id = run.run_id
@@ -130,9 +134,13 @@ class Restorer:
         self.threads = threads
         self.contract_fields = contract_fields
         self.max_fallback = max_fallback  # newer generations restore may skip; None: any
-        # The local tier first; remote tiers only when it has nothing that verifies.
+        # The memory tier first, then the local one; remote tiers only when they have
+        # nothing that verifies.
+        self.memory_tiers = tuple(memory_tiers)
+        self.remote_tiers = tuple(remote_tiers)
         self.selectors = [
-            CandidateSelector(store, run.run_id, run.trust) for store in (run.store, *remote_tiers)
+            CandidateSelector(store, run.run_id, run.trust)
+            for store in (*memory_tiers, run.store, *remote_tiers)
         ]
         self.on_remote_restore = on_remote_restore
         self.collective: CollectiveLoader | None = None
@@ -214,7 +222,7 @@ class Restorer:
             if rollback is not None:
                 warn_rollback(rollback, ref, self.run_id)
             self._report_restored(store, ref, selection, rollback, clock)
-        if store is not self.store and self.on_remote_restore is not None:
+        if store in self.remote_tiers and self.on_remote_restore is not None:
             self.on_remote_restore(store, ref)  # bring it back to the local tier
         return RestoreInfo(
             step=ref.step,
@@ -234,6 +242,7 @@ class Restorer:
             environment=environment,
             lineage=Lineage.from_contract(loaded.manifest.contract),
             rolled_back_from=rollback.from_step if rollback is not None else None,
+            source="memory" if store in self.memory_tiers else "store",
         )
 
     def _choose_anywhere(

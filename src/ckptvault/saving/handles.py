@@ -35,7 +35,7 @@ class SaveHandle:
     def __init__(
         self,
         step: int,
-        future: Future[GenerationInfo] | None,
+        future: Future[GenerationInfo | None] | None,
         stall_seconds: float,
         skipped: bool = False,
     ) -> None:
@@ -47,7 +47,7 @@ class SaveHandle:
 
     @classmethod
     def completed(cls, info: GenerationInfo, seconds: float) -> SaveHandle:
-        future: Future[GenerationInfo] = Future()
+        future: Future[GenerationInfo | None] = Future()
         future.set_result(info)
         return cls(info.step, future, seconds)
 

@@ -28,7 +28,8 @@ from ckptvault.state.capture import CapturedState
 from ckptvault.storage.listing import GenerationInfo
 
 Metrics = dict[str, int | float] | None  # validated, for the manifest
-WriteFunction = Callable[[int, CapturedState, Metrics], WrittenGeneration]
+# None: the writer skipped the save (a memory tier without room).
+WriteFunction = Callable[[int, CapturedState, Metrics], WrittenGeneration | None]
 AnnounceFunction = Callable[[WrittenGeneration], None]
 # (step, error, stall seconds, total seconds) of a save that failed after it was accepted
 FailureFunction = Callable[[int, BaseException, float, float], None]
@@ -69,6 +70,8 @@ class SaveScheduler:
             info = self._run(step, captured, metrics, started)
             seconds = time.perf_counter() - started
             self.stats.last_stall_seconds = self.stats.last_save_seconds = seconds
+            if info is None:  # the writer skipped it
+                return SaveHandle(step, None, seconds, skipped=True)
             return SaveHandle.completed(info, seconds)
         if not self._make_room(step):
             return SaveHandle(step, None, time.perf_counter() - started, skipped=True)
@@ -100,11 +103,15 @@ class SaveScheduler:
         metrics: Metrics,
         started: float,
         staged: tuple[float, float] | None = None,
-    ) -> GenerationInfo:
+    ) -> GenerationInfo | None:
         """One save, inline or on the worker thread, counted in ``stats`` and told to
-        the subscribers; ``staged``: an asynchronous save's (stall, copy) seconds."""
+        the subscribers; ``staged``: an asynchronous save's (stall, copy) seconds.
+        None: the writer skipped it."""
         try:
             written = self._write(step, captured, metrics)
+            if written is None:  # the writer skipped it (a memory tier without room)
+                self.stats.saves_skipped += 1
+                return None
         except BaseException as exc:
             self.stats.saves_failed += 1
             total = time.perf_counter() - started

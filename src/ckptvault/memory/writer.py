@@ -1,0 +1,187 @@
+"""Saving with a memory tier: every save into memory, every ``durable_every``-th
+also into the store.
+
+The memory copy is written as any generation is (collectively on several ranks),
+then, on a durable save, copied into the store under the same name by the
+coordinator, every byte checked against the memory manifest's digests on its way
+(:func:`~ckptvault.replication.replicator.copy_generation`): the store's copy is
+never better than verified, and restore sees one generation in two tiers (the memory
+one first). Every rank learns the copy's outcome, so a failed durable copy fails
+the save on every rank alike.
+
+A memory save that does not fit (the tier's free space is checked before writing) is
+skipped with a warning and a ``MemorySkipped`` event; a durable save then goes to
+the store directly. Training never fails for want of memory. After each memory
+publish only the newest ``keep`` generations stay in memory (a retention keeper of
+the memory tier, told of each publish: the same trust rule as every other deletion).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ckptvault.errors import SaveFailedError, StorageFullError
+from ckptvault.events import MemorySkipped
+from ckptvault.format.layout import GenerationName
+from ckptvault.replication.replicator import copy_generation, find_generation
+from ckptvault.storage.listing import GenerationInfo
+from ckptvault.trust.checks import TrustPolicy
+
+if TYPE_CHECKING:
+    from ckptvault.memory.tier import MemoryTier
+    from ckptvault.retention.keeper import RetentionKeeper
+    from ckptvault.saving.generation_writer import GenerationWriter, WrittenGeneration
+    from ckptvault.state.capture import CapturedState
+
+logger = logging.getLogger("ckptvault")
+
+
+class TieredWriter:
+    """The manager's writer with a memory tier (see the module docstring).
+    ``memory`` and ``durable`` write the same run into the memory tier's store and
+    into the store; ``keeper`` keeps the memory tier to ``tier.keep``."""
+
+    def __init__(
+        self,
+        memory: GenerationWriter,
+        durable: GenerationWriter,
+        tier: MemoryTier,
+        keeper: RetentionKeeper,
+    ) -> None:
+        self.memory, self.durable, self.tier, self.keeper = memory, durable, tier, keeper
+        self.coordinator = durable.coordinator
+        self.saves = 0  # saves written by this manager: which ones are durable
+        self._locked = False
+        # Per generation id written to memory: the store's copy, once made.
+        self._copies: dict[str, GenerationInfo] = {}
+        self._direct: set[str] = set()  # generation ids written to the store directly
+        self.durable_ids: set[str] = set()  # generation ids copied into the store
+
+    # The generation last saved or restored, and the contract: both writers' own.
+    @property
+    def parent(self) -> str | None:
+        return self.durable.parent
+
+    @parent.setter
+    def parent(self, value: str | None) -> None:
+        self.memory.parent = self.durable.parent = value
+
+    @property
+    def contract(self) -> dict[str, Any]:
+        return self.durable.contract
+
+    def write(
+        self, step: int, captured: CapturedState, metrics: dict[str, int | float] | None
+    ) -> WrittenGeneration | None:
+        """One save: into memory (unless it does not fit), and on every
+        ``durable_every``-th into the store. None when nothing was written."""
+        self.saves += 1
+        durable = self.saves % self.tier.durable_every == 0
+        written = self._write_memory(step, captured, metrics)
+        if written is None:
+            if not durable:
+                return None
+            direct = self.durable.write(step, captured, metrics)
+            self._direct.add(direct.info.generation_id)
+            return direct
+        self.durable.parent = self.memory.parent
+        if durable:
+            self._copy(written)
+        return written
+
+    def announce(self, written: WrittenGeneration) -> None:
+        """Publish events for the memory generation and its store copy, then keep the
+        memory tier to ``keep`` generations."""
+        copy = self._copies.pop(written.info.generation_id, None)
+        if written.info.generation_id in self._direct:  # written to the store directly
+            self._direct.discard(written.info.generation_id)
+            self.durable.announce(written)
+            return
+        self.memory.announce(written)  # the keeper, subscribed, marks what `keep` drops
+        if self.coordinator.is_coordinator:
+            self.keeper.apply_now()  # and deletes it now (delete_delay=0): memory is scarce
+        if copy is not None:
+            self.durable.announce(replace(written, info=copy))
+
+    def in_store(self, generation_id: str) -> bool:
+        """Whether the store holds a copy of this memory generation (this manager's
+        copies, or one listed there: a copy made before a restart)."""
+        if generation_id in self.durable_ids:
+            return True
+        return any(
+            ref.generation_id == generation_id for ref in self.durable.store.list_generations()
+        )
+
+    def announce_failure(
+        self, step: int, error: BaseException, stall_seconds: float, total_seconds: float
+    ) -> None:
+        self.durable.announce_failure(step, error, stall_seconds, total_seconds)
+
+    def close(self) -> None:
+        self.memory.close()
+        self.durable.close()
+        if self._locked:
+            self.memory.store.release_writer()
+            self._locked = False
+
+    # -- parts ---------------------------------------------------------------------------
+
+    def _write_memory(
+        self, step: int, captured: CapturedState, metrics: dict[str, int | float] | None
+    ) -> WrittenGeneration | None:
+        if self.coordinator.is_coordinator and not self._locked:
+            self.memory.store.acquire_writer()
+            self._locked = True
+        try:
+            return self.memory.write(step, captured, metrics)
+        except (StorageFullError, SaveFailedError) as exc:
+            if isinstance(exc, SaveFailedError) and "StorageFullError" not in str(exc):
+                raise
+            warnings.warn(
+                f"ckptvault: the memory tier has no room for step {step} "
+                f"({self.memory.store.location}); the save goes on without it: {exc}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            if self.coordinator.is_coordinator:
+                self.memory.events.emit(
+                    MemorySkipped(
+                        run_id=self.memory.run_id,
+                        store=self.memory.store.location,
+                        step=step,
+                        reason=str(exc).splitlines()[0][:2000],
+                    )
+                )
+            return None
+
+    def _copy(self, written: WrittenGeneration) -> None:
+        """The memory generation into the store, verified, by the coordinator; every
+        rank raises the same error when it fails."""
+        info = written.info
+        outcome: dict[str, Any] = {}
+        if self.coordinator.is_coordinator:
+            try:
+                name = GenerationName(info.step, info.generation_id)
+                ref = find_generation(self.memory.store, name)
+                if ref is None:
+                    raise SaveFailedError(f"{info.path} vanished before its durable copy")
+                trust = self.memory.trust
+                policy = TrustPolicy(run_id=self.memory.run_id, trusted_keys=trust.trusted)
+                copied = copy_generation(
+                    self.memory.store, ref, self.durable.store, policy, trust.keystore
+                )
+                outcome = {"location": copied.location}
+            except Exception as exc:  # every rank raises it below
+                outcome = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+        if self.coordinator.world_size > 1:
+            outcome = self.coordinator.broadcast(outcome)
+        if "error" in outcome:
+            raise SaveFailedError(
+                f"step {info.step} was saved to the memory tier ({info.path}) but its "
+                f"durable copy into {self.durable.store.location} failed: {outcome['error']}"
+            )
+        self._copies[info.generation_id] = replace(info, path=str(outcome["location"]))
+        self.durable_ids.add(info.generation_id)

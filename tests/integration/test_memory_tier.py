@@ -1,0 +1,190 @@
+"""The memory tier on one node (``CheckpointManager(memory_tier=cv.MemoryTier(...))``).
+
+A real process saves a model and its optimizer at every step 1..13 into a memory
+tier (durable every 5th save) and is SIGKILLed. A new process then restores:
+
+- from memory (``source == "memory"``), step 13, bit-exact;
+- with the memory tier emptied (a lost node), step 10 from the store;
+- with one byte of the memory copy changed, nothing from it: the memory tier's
+  verified fallback (step 12), or without it the store's step 10;
+
+plain, and signed and encrypted (the ledger, trusted keys and a key store: the memory
+generations are signed, MAC'd and in the ledger like stored ones). A memory tier
+with no room (a 1 MiB tmpfs) skips its copies with a warning; training goes on and
+the durable saves still happen. Its directory is private: a link or a directory
+others can write is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptvault as cv
+from ckptvault.errors import UsageError
+from ckptvault.trust.signing import generate_keypair
+from support.common import mounted_tmpfs
+
+
+def _child(root: Path, trust: dict[str, Any], memory: Path) -> str:
+    return f"""
+import hashlib, json, os, signal
+import torch
+import ckptvault as cv
+
+torch.manual_seed(0)
+model = torch.nn.Linear(64, 64)
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+digests = {{}}
+mgr = cv.CheckpointManager({str(root / "store")!r}, run_id="mem", **{trust!r},
+                           memory_tier=cv.MemoryTier(path={str(memory)!r}, keep=1, durable_every=5))
+for step in range(1, 14):
+    model(torch.randn(8, 64)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    mgr.save(step, {{"model": model, "optim": optimizer}}, blocking=True)
+    digests[step] = hashlib.sha256(model.weight.detach().numpy().tobytes()).hexdigest()
+open({str(root / "digests.json")!r}, "w").write(json.dumps(digests))
+os.kill(os.getpid(), signal.SIGKILL)  # a crash: no close, no cleanup
+"""
+
+
+def _trust(root: Path, signed: bool) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "ledger": str(root / "ledger.db"),
+        "audit_log": str(root / "audit.jsonl"),
+    }
+    if signed:
+        generate_keypair(root / "key.pem", root / "key.pub")
+        options.update(
+            signing_key=str(root / "key.pem"),
+            trusted_keys=[str(root / "key.pub")],
+            keystore=str(root / "keys"),
+        )
+    return options
+
+
+@pytest.fixture(params=["plain", "signed+encrypted"], scope="module")
+def killed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A run SIGKILLed after saving steps 1..13 (memory every step, store every 5th)."""
+    root = tmp_path_factory.mktemp(request.param.replace("+", "-"))
+    trust = _trust(root, request.param != "plain")
+    memory = root / "memory"
+    result = subprocess.run(
+        [sys.executable, "-c", _child(root, trust, memory)], capture_output=True, text=True
+    )
+    assert result.returncode == -9, result.stderr[-3000:]
+    digests = json.loads((root / "digests.json").read_text())
+    return {"root": root, "trust": trust, "memory": memory, "digests": digests}
+
+
+def _restore(run: dict, memory: Path) -> tuple[cv.RestoreInfo | None, str]:
+    """A restore in a fresh manager, with the ledger as the killed run left it (a
+    restore raises the floor: each test starts from the killed run's own)."""
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    tier = cv.MemoryTier(path=memory, keep=1, durable_every=5)
+    ledger = memory.with_name(memory.name + ".ledger.db")
+    shutil.copyfile(run["trust"]["ledger"], ledger)
+    audit = memory.with_name(memory.name + ".audit.jsonl")
+    shutil.copyfile(run["trust"]["audit_log"], audit)
+    trust = {**run["trust"], "ledger": str(ledger), "audit_log": str(audit)}
+    with cv.CheckpointManager(
+        run["root"] / "store", run_id="mem", **trust, memory_tier=tier
+    ) as mgr:
+        info = mgr.restore({"model": model, "optim": optimizer})
+    import hashlib
+
+    return info, hashlib.sha256(model.weight.detach().numpy().tobytes()).hexdigest()
+
+
+def _steps(directory: Path) -> list[int]:
+    return sorted(int(p.name.split(".")[0].removeprefix("step-")) for p in directory.glob("step-*"))
+
+
+def _copy_of(run: dict, name: str) -> Path:
+    """A scratch copy of the killed run's memory tier (each test changes its own)."""
+    target = run["root"] / name
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(run["memory"], target, symlinks=True)
+    return target
+
+
+def test_a_restarted_process_restores_the_newest_save_from_memory(killed: dict):
+    assert _steps(killed["root"] / "store") == [5, 10]  # every 5th save went to the store
+    assert _steps(killed["memory"]) == [12, 13]  # keep=1, and retention's verified fallback
+    info, digest = _restore(killed, _copy_of(killed, "m1"))
+    assert info is not None and info.step == 13 and info.source == "memory"
+    assert digest == killed["digests"]["13"]
+
+
+def test_an_emptied_memory_tier_falls_back_to_the_store(killed: dict):
+    memory = _copy_of(killed, "m2")
+    for child in memory.iterdir():
+        shutil.rmtree(child) if child.is_dir() else child.unlink()
+    info, digest = _restore(killed, memory)
+    assert info is not None and info.step == 10 and info.source == "store"
+    assert digest == killed["digests"]["10"]
+
+
+def test_a_changed_byte_in_memory_is_refused_and_the_next_copy_used(killed: dict):
+    memory = _copy_of(killed, "m3")
+    newest = sorted(memory.glob("step-*"))[-1]
+    assert newest.name.startswith("step-000000000013.")
+    [tensor_file] = newest.glob("*.safetensors*")  # ".enc" when encrypted
+    data = bytearray(tensor_file.read_bytes())
+    data[-1] ^= 0x01
+    tensor_file.write_bytes(bytes(data))
+    info, digest = _restore(killed, memory)
+    assert info is not None and info.step == 12 and info.source == "memory"
+    assert digest == killed["digests"]["12"]
+    assert [s.step for s in info.skipped] == [13]
+    for older in sorted(memory.glob("step-*"))[:-1]:  # and without the memory fallback
+        shutil.rmtree(older)
+    info, digest = _restore(killed, memory)
+    assert info is not None and info.step == 10 and info.source == "store"
+    assert digest == killed["digests"]["10"]
+
+
+def test_a_full_memory_tier_skips_its_copies_and_training_goes_on(tmp_path: Path):
+    model = torch.nn.Linear(512, 512)  # 1 MiB of weights: more than the tier holds
+    with mounted_tmpfs(tmp_path / "small", "size=1m,mode=0700") as memory:
+        tier = cv.MemoryTier(path=memory, keep=1, durable_every=2)
+        manager = cv.CheckpointManager(tmp_path / "store", run_id="full", memory_tier=tier)
+        with manager as mgr, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            handles = [mgr.save(step, {"model": model}, blocking=True) for step in (1, 2, 3, 4)]
+        assert [h.skipped for h in handles] == [True, False, True, False]
+        assert sum("no room" in str(w.message) for w in caught) == 4
+        assert _steps(memory) == []
+    assert _steps(tmp_path / "store") == [2, 4]
+
+
+def test_the_memory_directory_must_be_private(tmp_path: Path):
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o777)
+    os.chmod(open_dir, 0o777)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere").mkdir()
+    for path in (open_dir, link):
+        with pytest.raises(UsageError, match="memory tier's directory"):
+            cv.CheckpointManager(
+                tmp_path / "store", run_id="r", memory_tier=cv.MemoryTier(path=path)
+            )
+
+
+def test_memory_tier_settings_are_checked():
+    with pytest.raises(UsageError, match="durable_every"):
+        cv.MemoryTier(durable_every=0)
+    with pytest.raises(UsageError, match="keep"):
+        cv.MemoryTier(keep=0)
