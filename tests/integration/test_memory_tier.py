@@ -183,6 +183,32 @@ def test_the_memory_directory_must_be_private(tmp_path: Path):
             )
 
 
+def test_the_readme_example_runs_as_written(tmp_path: Path):
+    """The README's block, in a process of its own, with the default directory under
+    /dev/shm (for a node name of this test's own, removed after)."""
+    from support.readme_runs import readme_block
+
+    node = f"readme-{os.getpid()}"
+    script = (
+        "import torch\nimport ckptvault as cv\n"
+        "state, step = {'model': torch.nn.Linear(4, 4)}, 1\n"
+        + readme_block("### A memory tier: recovery from RAM")
+        + "print(info.source, info.step)\n"
+    )
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", script],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "CKPTVAULT_NODE": node},
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.split() == ["memory", "1"]
+    finally:
+        shutil.rmtree(Path(f"/dev/shm/ckptvault-{os.geteuid()}/run42/{node}"), ignore_errors=True)
+
+
 def test_memory_tier_settings_are_checked():
     with pytest.raises(UsageError, match="durable_every"):
         cv.MemoryTier(durable_every=0)
