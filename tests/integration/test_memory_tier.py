@@ -209,6 +209,26 @@ def test_the_readme_example_runs_as_written(tmp_path: Path):
         shutil.rmtree(Path(f"/dev/shm/ckptvault-{os.geteuid()}/run42/{node}"), ignore_errors=True)
 
 
+def test_ckptvault_ls_lists_the_memory_tier_through_a_pipe(killed: dict):
+    memory = _copy_of(killed, "m4")
+    result = subprocess.run(
+        [sys.executable, "-m", "ckptvault", "ls", "--tier", "memory", "--memory-path", str(memory)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:2] == ["step", "generation"]
+    assert [line.split()[0] for line in lines[1:]] == ["13", "12"]  # one line each, unwrapped
+    os.chmod(memory, 0o777)  # a tier others can write is refused, not listed
+    refused = subprocess.run(
+        [sys.executable, "-m", "ckptvault", "ls", "--tier", "memory", "--memory-path", str(memory)],
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode != 0 and "writable by group or others" in refused.stderr
+
+
 def test_memory_tier_settings_are_checked():
     with pytest.raises(UsageError, match="durable_every"):
         cv.MemoryTier(durable_every=0)

@@ -19,7 +19,13 @@ from pathlib import Path
 
 from ckptvault.errors import UsageError
 
-__all__ = ["MemoryTier", "node_name", "tier_directory"]
+__all__ = [
+    "MemoryTier",
+    "default_directory",
+    "existing_directory",
+    "node_name",
+    "tier_directory",
+]
 
 NODE_ENV = "CKPTVAULT_NODE"
 DEFAULT_BASE = Path("/dev/shm")
@@ -61,6 +67,25 @@ def node_name() -> str:
     return name
 
 
+def default_directory(run_id: str, node: str | None = None) -> Path:
+    """Where a run's memory tier lives on ``node`` (default: this one) when
+    ``MemoryTier(path=None)``; nothing is created."""
+    node = node or node_name()
+    for what, name in (("run id", run_id), ("node", node)):
+        if not _NAME.match(name):
+            raise UsageError(f"{what} {name[:80]!r} is not a name a memory tier's path holds")
+    return DEFAULT_BASE / f"ckptvault-{os.geteuid()}" / run_id / node
+
+
+def existing_directory(path: Path) -> Path | None:
+    """``path`` if it is a memory tier's directory as :func:`tier_directory` leaves
+    one (refused otherwise, as there); None when there is none. Nothing is created."""
+    if not os.path.lexists(path):
+        return None
+    _check_private(path)
+    return path
+
+
 def tier_directory(tier: MemoryTier, run_id: str) -> Path:
     """The tier's directory on this node, created ``0700`` and checked (see the
     module docstring)."""
@@ -94,6 +119,10 @@ def _make_private(path: Path) -> None:
             f"cannot create the memory tier's directory {path}: {exc.strerror}; give "
             "MemoryTier(path=...) a directory on tmpfs this user can write"
         ) from exc
+    _check_private(path)
+
+
+def _check_private(path: Path) -> None:
     info = os.lstat(path)
     problem = None
     if stat.S_ISLNK(info.st_mode):
