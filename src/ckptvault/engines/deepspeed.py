@@ -15,17 +15,25 @@ parameter is gathered or set.
 
 Restoring gathers each parameter's chunks back, sets DeepSpeed's partitions with
 ``safe_set_full_*``, and copies the fp32 weights into the module's parameters
-(ZeRO-3: inside ``GatheredParameters``), as a step would have left them.
+(ZeRO-3: inside ``GatheredParameters``), as a step would have left them. What it sets
+besides tensors comes from the store: only the engine's own counters (each a count)
+and loss-scaler fields, and the hyperparameters its groups have (each of the kind the
+group holds), are set; a generation with anything else, or a tensor too many or too
+few, is refused while the restore plans, before anything is applied
+(:class:`~ckptvault.state.checked.Checked`).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ckptvault.errors import StateMismatchError, UsageError
+from ckptvault.state.checked import Checked, layout_problems
 
 __all__ = ["DeepSpeedState", "is_deepspeed_engine"]
 
@@ -87,11 +95,14 @@ class DeepSpeedState:
             }
         return {"model": weights, "optimizer": self._optimizer(moments), "engine": self._counters()}
 
-    def template(self) -> dict[str, Any]:
+    def template(self) -> dict[str, Checked]:
         """The layout :meth:`capture` returns, zero-filled, for a restore to fill. An
         optimizer that has not stepped yet gets its state first, as DCP gives one:
         a step of learning rate 0 on zero gradients (the weights do not move; the
-        state it creates is overwritten by the restore)."""
+        state it creates is overwritten by the restore). Each entry is
+        :class:`~ckptvault.state.checked.Checked`: a restore refuses a generation
+        whose entries do not fit this engine (:meth:`problems`) before it applies
+        anything, and fills the template whole or not at all."""
         self._init_optimizer_state()
         self._link_state()
         keys = self._state_keys()
@@ -102,7 +113,64 @@ class DeepSpeedState:
             "optimizer": self._optimizer(moments),
             "engine": self._counters(),
         }
-        return self._template
+        return {
+            part: Checked(value, functools.partial(self._part_problems, part))
+            for part, value in self._template.items()
+        }
+
+    def problems(self, state: Mapping[str, Any]) -> list[str]:
+        """Why ``state`` (the layout of :meth:`capture`, as a restore filled it) cannot
+        be loaded into this engine, each "entry: what is wrong"; none when it can."""
+        if not self._template:
+            raise UsageError("DeepSpeedState.problems before template: make the template first")
+        return [
+            f"{part}{problem}"
+            for part in self._template
+            for problem in (
+                self._part_problems(part, state[part])
+                if part in state
+                else [": missing from the checkpoint"]
+            )
+        ]
+
+    def _part_problems(self, part: str, saved: Any) -> list[str]:
+        """The problems of ``saved`` as the template's ``part`` (paths relative to it)."""
+        template = self._template[part]
+        if part == "model":
+            return _exact(template, saved, "")
+        if part == "engine":
+            return _counter_problems(saved)
+        problems = _exact(template, saved, "", keys_only=True)
+        if problems:
+            return problems
+        problems = _exact(template["state"], saved["state"], "['state']")
+        return problems + self._step_and_group_problems(saved["steps"], saved["param_groups"])
+
+    def _step_and_group_problems(self, steps: Any, groups: Any) -> list[str]:
+        live, flat = self._base().param_groups, self._flat()
+        if not isinstance(groups, list) or len(groups) != len(live):
+            shown = f"{len(groups)} groups" if isinstance(groups, list) else type(groups).__name__
+            return [
+                f"['param_groups']: the checkpoint holds {shown}, this optimizer {len(live)} "
+                "parameter groups: build the optimizer the run was saved with"
+            ]
+        problems = []
+        for index, (group, saved) in enumerate(zip(live, groups, strict=True)):
+            if not isinstance(saved, dict) or not all(type(key) is str for key in saved):
+                problems.append(f"['param_groups'][{index}]: not a dict of hyperparameters")
+                continue
+            for key, value in saved.items():
+                if key != "params" and key in group:  # the hyperparameters the group has
+                    where = f"['param_groups'][{index}][{key!r}]"
+                    problems += layout_problems(group[key], value, where, complete=True)
+        if not isinstance(steps, list) or not steps or not all(_count(s, float) for s in steps):
+            problems.append("['steps']: not a list of step counts (numbers from 0 to 2**53)")
+        elif len(set(steps)) > 1 and len(steps) != len(flat):
+            problems.append(
+                f"['steps']: {len(steps)} different step counts for this optimizer's "
+                f"{len(flat)} partitions: build the ZeRO configuration the run was saved with"
+            )
+        return problems
 
     # -- restoring -----------------------------------------------------------------
 
@@ -112,8 +180,18 @@ class DeepSpeedState:
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         state = self._template if restored is None else restored
-        if not state:
+        if not self._template:
             raise UsageError("DeepSpeedState.apply before template: restore into the template")
+        problems = self.problems(state)
+        if problems:  # a restore refused these already; anything else is checked here
+            raise StateMismatchError(
+                "cannot load into the DeepSpeed engine: "
+                + "; ".join(problems[:5])
+                + (f"; ... ({len(problems)} in all)" if len(problems) > 5 else "")
+                + ". Nothing was loaded: restore a generation saved from this model and "
+                "optimizer",
+                mismatched=problems,
+            )
         optimizer = state["optimizer"]
         for name, param in self.params:
             weight = state["model"][name].full_tensor()
@@ -121,18 +199,21 @@ class DeepSpeedState:
                 self._set_zero3(param, weight, None)
             else:
                 safe_set_full_fp32_param(param, weight)
-            for key, chunk in optimizer["state"][name].items():
+            for key in self._template["optimizer"]["state"][name]:
+                chunk = optimizer["state"][name][key]
                 if self.stage == 3:
                     self._set_zero3(param, chunk.full_tensor(), key)
                 else:
                     safe_set_full_optimizer_state(param, chunk.full_tensor(), key)
             self._set_module_weight(param, weight)
         self._set_steps_and_groups(optimizer)
-        for key, value in state["engine"].items():
-            setattr(self.engine, key, int(value))
+        counters = state["engine"]
+        for key in _COUNTERS:
+            setattr(self.engine, key, counters[key])
         scaler = getattr(self.engine.optimizer, "loss_scaler", None)
-        for key, value in state["engine"].get("loss_scaler", {}).items():
-            setattr(scaler, key, value)
+        if scaler is not None and hasattr(scaler, "cur_iter"):  # dynamic (fp16); else none
+            for key, value in counters.get("loss_scaler", {}).items():
+                setattr(scaler, key, value)
 
     # -- parts -----------------------------------------------------------------------
 
@@ -276,17 +357,11 @@ class DeepSpeedState:
         param.data.copy_(weight.reshape(param.shape).to(param.dtype))
 
     def _set_steps_and_groups(self, optimizer: Mapping[str, Any]) -> None:
+        """The step counts and hyperparameters (checked by :meth:`problems`)."""
         base, flat = self._base(), self._flat()
         saved_groups, steps = optimizer["param_groups"], optimizer["steps"]
         if len(set(steps)) == 1:  # as always: one step count, however ZeRO partitions
             steps = steps[:1] * len(flat)
-        if len(saved_groups) != len(base.param_groups) or len(steps) != len(flat):
-            raise StateMismatchError(
-                f"the checkpoint's DeepSpeed optimizer has {len(saved_groups)} parameter "
-                f"groups in {len(steps)} partitions, this one {len(base.param_groups)} in "
-                f"{len(flat)}: build the optimizer and ZeRO configuration the run was saved with",
-                mismatched=["optimizer/param_groups"],
-            )
         for group, saved in zip(base.param_groups, saved_groups, strict=True):
             for key, value in saved.items():
                 if key == "params" or key not in group:  # hyperparameters the group has
@@ -299,3 +374,73 @@ class DeepSpeedState:
                 state["step"] = (
                     torch.full_like(old, step) if isinstance(old, torch.Tensor) else step
                 )
+
+
+# The largest counter a generation may set: DeepSpeed and torch keep them in int64.
+_MAX_COUNT = 2**63 - 1
+
+
+def _count(value: Any, kind: type = int) -> bool:
+    """Whether ``value`` is a count: an ``int`` (``kind`` float: or a whole float, as
+    a torch optimizer's step is), from 0 to the largest int64 (float: 2**53)."""
+    if type(value) is int:
+        return 0 <= value <= (_MAX_COUNT if kind is int else 2**53)
+    return kind is float and type(value) is float and value.is_integer() and 0 <= value <= 2**53
+
+
+def _exact(
+    template: Mapping[str, Any], saved: Any, where: str, keys_only: bool = False
+) -> list[str]:
+    """``saved`` has ``template``'s layout (:func:`layout_problems`) and no key of its
+    own (a template is filled whole: every key of it, none besides); ``keys_only``:
+    its top-level keys alone."""
+    if not isinstance(saved, Mapping):
+        return [f"{where}: the checkpoint holds {type(saved).__name__}, the engine a dict"]
+    extra = [
+        f"{where}[{key!r}]: not in this engine's state" for key in saved if key not in template
+    ]
+    if keys_only:
+        missing = [
+            f"{where}[{key!r}]: missing from the checkpoint" for key in template if key not in saved
+        ]
+        return extra + missing
+    problems = extra + layout_problems(template, saved, where, complete=True)
+    for key, item in template.items():
+        if isinstance(item, Mapping) and isinstance(saved.get(key), Mapping):
+            problems += [
+                f"{where}[{key!r}][{inner!r}]: not in this engine's state"
+                for inner in saved[key]
+                if inner not in item
+            ]
+    return problems
+
+
+def _counter_problems(saved: Any) -> list[str]:
+    """The engine's counters: each of :data:`_COUNTERS` a count, and a dynamic loss
+    scaler's numbers; nothing else (each key becomes an attribute of the engine)."""
+    if not isinstance(saved, Mapping):
+        return [f": the checkpoint holds {type(saved).__name__}, the engine a dict of counters"]
+    problems = [
+        f"[{key!r}]: not a counter of a DeepSpeed engine"
+        for key in saved
+        if key not in (*_COUNTERS, "loss_scaler")
+    ]
+    problems += [
+        f"[{key!r}]: {'missing' if key not in saved else repr(saved[key])[:40]}, not a count "
+        "from 0 to 2**63 - 1"
+        for key in _COUNTERS
+        if not _count(saved.get(key))
+    ]
+    scaler = saved.get("loss_scaler", {})
+    if not isinstance(scaler, Mapping):
+        return [*problems, "['loss_scaler']: not a dict of the loss scaler's state"]
+    for key, value in scaler.items():
+        where = f"['loss_scaler'][{key!r}]"
+        if key not in _SCALER:
+            problems.append(f"{where}: not part of a DeepSpeed loss scaler's state")
+        elif key == "cur_scale":
+            number = type(value) in (int, float) and math.isfinite(value) and value > 0
+            problems += [] if number else [f"{where}: {value!r:.40}, not a finite scale > 0"]
+        elif not (type(value) is int and -_MAX_COUNT <= value <= _MAX_COUNT):
+            problems.append(f"{where}: {value!r:.40}, not an int64")
+    return problems

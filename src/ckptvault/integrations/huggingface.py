@@ -288,6 +288,7 @@ class CkptvaultTrainer(Trainer):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             return
         sharded: ShardedState | DeepSpeedState | None = None
+        weights: dict[str, Any]
         if self.is_deepspeed_enabled:
             sharded = DeepSpeedState(self.model_wrapped)
             template = sharded.template()

@@ -64,6 +64,7 @@ from ckptvault.state.capture import (
     stateful_kind,
     type_name,
 )
+from ckptvault.state.checked import Checked
 from ckptvault.state.codec import KeyPath, format_path
 from ckptvault.state.dtensors import in_live_layout
 from ckptvault.state.names import ApplyOptions
@@ -286,8 +287,15 @@ def plan_restore(
                 plan.unexpected.append(format_path((key,)))
             continue
         live = state[key]
-        current = live.value if isinstance(live, PerRank) else live  # wrapped: in place
+        current = live.value if isinstance(live, (PerRank, Checked)) else live  # in place
+        unclean = (plan.missing, plan.unexpected, plan.mismatched)
+        sizes = [len(found) for found in unclean]
         try:
+            if isinstance(live, Checked):  # a template, filled whole or refused
+                problems = live.check(value)
+                if problems:
+                    plan.refused += [f"{format_path((key,))}{problem}" for problem in problems]
+                    continue
             final = planner.resolve(current, value, (key,))
         except CheckpointError:
             raise
@@ -298,10 +306,14 @@ def plan_restore(
                 f"object ({type(exc).__name__}: {message}); nothing was restored",
                 mismatched=[format_path((key,))],
             ) from exc
+        if isinstance(live, Checked):
+            for found, size in zip(unclean, sizes, strict=True):
+                plan.refused += found[size:]
+                del found[size:]
         if final is not current:
 
             def assign(key: str = key, final: Any = final, live: Any = live) -> None:
-                if isinstance(live, PerRank):
+                if isinstance(live, (PerRank, Checked)):
                     live.value = final
                 else:
                     state[key] = final
@@ -311,9 +323,10 @@ def plan_restore(
 
             plan.replacements.append(Action(format_path((key,)), assign, unassign))
     skip = set(left_alone)
-    for key in state:
+    for key, live in state.items():
         if key not in saved and key not in skip:
-            plan.missing.append(format_path((key,)))
+            missing = plan.refused if isinstance(live, Checked) else plan.missing
+            missing.append(format_path((key,)))
     return plan
 
 

@@ -27,6 +27,7 @@ import torch
 
 from ckptvault.errors import FormatError
 from ckptvault.state.capture import CapturedState, capture_state, is_stateful
+from ckptvault.state.checked import Checked
 from ckptvault.state.param_names import parameter_names
 from ckptvault.state.rng import RNGState
 
@@ -54,7 +55,9 @@ def is_per_rank(value: Any) -> bool:
 
 
 def unwrap(value: Any) -> Any:
-    return value.value if isinstance(value, PerRank) else value
+    """A top-level entry's value, without its wrapper (:class:`PerRank`, or a
+    restore template's :class:`~ckptvault.state.checked.Checked`)."""
+    return value.value if isinstance(value, (PerRank, Checked)) else value
 
 
 def unwrap_entries(state: Any) -> Any:
@@ -73,7 +76,7 @@ def rank_entry(rank: int) -> str:
 def capture_ranked(state: Mapping[str, Any], rank: int) -> CapturedState:
     """Capture ``state`` for a multi-rank save: the job's entries as usual, this
     rank's own under ``rank<r>/`` tensor keys and in ``CapturedState.rank_tree``."""
-    shared = {key: value for key, value in state.items() if not is_per_rank(value)}
+    shared = {key: unwrap(value) for key, value in state.items() if not is_per_rank(value)}
     own = {key: unwrap(value) for key, value in state.items() if is_per_rank(value)}
     names = parameter_names(state)  # the job's modules, as restore names them
     captured = capture_state(shared, names)

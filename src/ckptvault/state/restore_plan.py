@@ -152,7 +152,8 @@ class RestorePlan:
             f"{where} cannot be restored into these objects, even with strict=False: "
             + "; ".join(self.refused[:5])
             + (f"; ... ({len(self.refused)} in all)" if len(self.refused) > 5 else "")
-            + ". Nothing was restored.",
+            + ". Nothing was restored: restore into objects built as the saved run's were "
+            "(the same model, optimizer and engine configuration), or another generation.",
             mismatched=self.refused,
         )
 

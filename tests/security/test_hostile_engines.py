@@ -1,0 +1,56 @@
+"""Hostile engine generations: what an attacker who can write an unsigned store puts in
+a DeepSpeed or FSDP generation's state, restored into a real engine.
+
+Every edit must be refused as a typed ``StateMismatchError`` before anything is
+applied: the live engine (weights, moments, steps, hyperparameters, counters, loss
+scaler) and a plain entry restored beside it stay exactly as they were. Engines run
+for real (DeepSpeed with its CPU accelerator, one gloo rank) in a worker process
+(``support/engine_hostile_worker.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from support.engine_hostile_worker import DEEPSPEED_ATTACKS
+from support.multirank import launch
+
+WORKER = Path(__file__).parents[1] / "support" / "engine_hostile_worker.py"
+
+
+def _run(scenario: str, tmp_path: Path, world: int = 1) -> list[dict[str, Any]]:
+    codes, reports = launch(
+        scenario, tmp_path / "store", world, tmp_path / "out", timeout=240, worker=WORKER
+    )
+    assert codes == [0] * world, [report.get("log", "")[-3000:] for report in reports]
+    return reports
+
+
+def test_a_forged_deepspeed_generation_is_refused_before_anything_is_applied(tmp_path: Path):
+    pytest.importorskip("deepspeed")
+    (report,) = _run("deepspeed-forged", tmp_path)
+    for attack in DEEPSPEED_ATTACKS:
+        outcome = report[attack]
+        assert outcome["error"].startswith("ckptvault.errors."), (attack, outcome["error"])
+        assert (
+            "StateMismatchError" in outcome["error"] or "NoValidCheckpoint" in outcome["error"]
+        ), (attack, outcome["error"])
+        assert outcome["engine untouched"] and outcome["meta untouched"], (attack, outcome)
+    # The messages say where and what.
+    assert (
+        "state['engine']['optimizer']: not a counter" in report["counter named optimizer"]["error"]
+    )
+    assert "['param_groups'][0]['lr']: the checkpoint holds str" in report["lr a string"]["error"]
+    assert report["unedited"] == {"error": "ok", "meta": {"tokens": 7}}
+
+
+def test_a_dynamic_loss_scaler_is_saved_and_restored(tmp_path: Path):
+    """fp16 engines keep a DynamicLossScaler; its state used to go through int() with
+    the counters (TypeError: a dict), after the weights had been set."""
+    pytest.importorskip("deepspeed")
+    (report,) = _run("deepspeed-loss-scaler", tmp_path)
+    assert report["error"] == "ok"
+    assert report["scaler"] == [4096.0, 7, 1] and report["same"]

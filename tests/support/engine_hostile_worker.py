@@ -1,0 +1,252 @@
+"""One rank of a job that restores hostile engine generations (DeepSpeed ZeRO with
+DeepSpeed's CPU accelerator, FSDP2), launched by ``multirank.launch``.
+
+``python engine_hostile_worker.py SCENARIO STORE OUT``. Each scenario builds a small
+real engine, saves one generation, and then restores copies of it that an attacker
+who can write an unsigned store edited (:mod:`support.forging`), each into the same
+live engine. Each rank writes ``OUT/rank<r>.json``: per attack, the error raised
+(``"ok"`` when none), its message, and whether the live engine and a plain entry
+beside it are as they were before.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import ckptvault as cv
+from support.forging import read_logical, write_logical
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator, gloo
+
+RANK = int(os.environ.get("RANK", "0"))
+Edit = Callable[[dict[str, Any]], None]
+
+
+# -- editing a generation's state tree (the codec's JSON) ---------------------------
+
+
+def get(node: dict[str, Any], key: str) -> Any:
+    """``node[key]`` of an encoded dict (a JSON object, or ``$dict`` pairs)."""
+    if "$dict" not in node:
+        return node[key]
+    return next(value for name, value in node["$dict"] if name == key)
+
+
+def put(node: dict[str, Any], key: str, value: Any) -> None:
+    if "$dict" not in node:
+        node[key] = value
+        return
+    for pair in node["$dict"]:
+        if pair[0] == key:
+            pair[1] = value
+            return
+    node["$dict"].append([key, value])
+
+
+def forged(original: Path, name: str, edit: Edit) -> Path:
+    """A copy of the store at ``original`` whose one generation's state ``edit`` changed
+    (rank 0 writes it; every rank restores it)."""
+    copied = original.parent / name
+    if RANK == 0:
+        shutil.copytree(original, copied)
+        generation = next(copied.rglob("manifest.json")).parent
+        document = read_logical(generation)
+        edit(document["state"])
+        write_logical(generation, document)
+    if dist.is_initialized():
+        dist.barrier()
+    return copied
+
+
+# -- DeepSpeed ---------------------------------------------------------------------
+
+
+def deepspeed_engine(model: torch.nn.Module, stage: int) -> Any:
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, config=config, model_parameters=model.parameters()
+    )
+    return engine
+
+
+def deepspeed_train(engine: Any, steps: int, seed: int) -> None:
+    batches = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(4, 8, generator=batches)
+        engine.backward(engine(x).pow(2).sum())
+        engine.step()
+
+
+def deepspeed_fingerprint(engine: Any) -> str:
+    """Every fp32 weight, moment, module weight and buffer, the steps, hyperparameters,
+    counters and loss-scaler state of ``engine``, as text."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    parts = []
+    for name, param in engine.module.named_parameters():
+        full = [safe_get_full_fp32_param(param)]
+        full += [safe_get_full_optimizer_state(param, key) for key in ("exp_avg", "exp_avg_sq")]
+        with deepspeed.zero.GatheredParameters([param], enabled=hasattr(param, "ds_id")):
+            full.append(param.detach().clone())
+        parts.append(f"{name}: {[t.tolist() if t is not None else None for t in full]}")
+    parts += [f"{name}: {buffer.tolist()}" for name, buffer in engine.module.named_buffers()]
+    base = engine.optimizer.optimizer
+    parts.append(str([float(state["step"]) for state in base.state.values()]))
+    parts.append(str([{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]))
+    counters = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+    parts.append(str([getattr(engine, key) for key in counters]))
+    parts.append(str(vars(getattr(engine.optimizer, "loss_scaler", None) or object())))
+    parts.append(type(engine.optimizer).__name__)
+    return "\n".join(parts)
+
+
+def restore_deepspeed(store: Path, engine: Any, meta: dict[str, Any]) -> str:
+    """Restore ``store`` into ``engine`` (and ``meta``) as the integrations do; the
+    error raised, or "ok"."""
+    from ckptvault.engines.deepspeed import DeepSpeedState
+
+    state = DeepSpeedState(engine)
+    try:
+        with cv.CheckpointManager(store, run_id="hostile", collective_timeout_s=60) as mgr:
+            mgr.restore({**state.template(), "meta": meta})
+        state.apply()
+    except Exception as exc:
+        return f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def optimizer_edit(edit: Callable[[Any], None]) -> Edit:
+    return lambda state: edit(state["optimizer"])
+
+
+def group_edit(edit: Callable[[Any], None]) -> Edit:
+    return optimizer_edit(lambda optimizer: edit(get(optimizer, "param_groups")[0]))
+
+
+DEEPSPEED_ATTACKS: dict[str, Edit] = {
+    # Each key of the counters became an attribute of the engine: engine.optimizer = 0.
+    "counter named optimizer": lambda s: put(s["engine"], "optimizer", 0),
+    "counter a string": lambda s: put(s["engine"], "global_steps", "abc"),
+    "counter huge": lambda s: put(s["engine"], "global_steps", 10**30),
+    "counter a float": lambda s: put(s["engine"], "global_steps", 1.5),
+    "counters not a dict": lambda s: s.__setitem__("engine", 5),
+    "loss scaler a list": lambda s: put(s["engine"], "loss_scaler", [1]),
+    "steps strings": optimizer_edit(lambda o: put(o, "steps", ["x"])),
+    "steps lists": optimizer_edit(lambda o: put(o, "steps", [[1]])),
+    "steps negative": optimizer_edit(lambda o: put(o, "steps", [-1e308])),
+    "steps too many": optimizer_edit(lambda o: put(o, "steps", [1.0, 2.0, 3.0])),
+    "lr a string": group_edit(lambda g: put(g, "lr", "abc")),
+    "betas an int": group_edit(lambda g: put(g, "betas", 5)),
+    "betas three": group_edit(lambda g: put(g, "betas", {"$tuple": [0.1, 0.2, 0.3]})),
+    "a group too many": optimizer_edit(
+        lambda o: get(o, "param_groups").append(copy.deepcopy(get(o, "param_groups")[0]))
+    ),
+    "groups not a list": optimizer_edit(lambda o: put(o, "param_groups", {"$dict": []})),
+    "state of another parameter": optimizer_edit(
+        lambda o: put(get(o, "state"), "evil", {"$dict": []})
+    ),
+    "a moment of its own": optimizer_edit(
+        lambda o: put(get(get(o, "state"), "0.weight"), "evil", get(get(o, "state"), "0.bias"))
+    ),
+    "a weight missing": lambda s: s["model"]["$dict"].pop(0),
+}
+
+
+def deepspeed_forged(store: Path, out: dict[str, Any]) -> None:
+    """Every attack of :data:`DEEPSPEED_ATTACKS` against a ZeRO-2 generation."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    engine = deepspeed_engine(model, 2)
+    deepspeed_train(engine, 2, 1)
+    from ckptvault.engines.deepspeed import DeepSpeedState
+
+    with cv.CheckpointManager(store, run_id="hostile", collective_timeout_s=60) as mgr:
+        mgr.save(2, {**DeepSpeedState(engine).capture(), "meta": {"tokens": 7}})
+    deepspeed_train(engine, 1, 2)  # the live engine is elsewhere than the generation
+    before = deepspeed_fingerprint(engine)
+    for name, edit in DEEPSPEED_ATTACKS.items():
+        meta = {"tokens": 0}
+        error = restore_deepspeed(forged(store, name.replace(" ", "-"), edit), engine, meta)
+        out[name] = {
+            "error": error,
+            "engine untouched": deepspeed_fingerprint(engine) == before,
+            "meta untouched": meta == {"tokens": 0},
+        }
+    meta = {"tokens": 0}
+    out["unedited"] = {"error": restore_deepspeed(store, engine, meta), "meta": meta}
+
+
+def deepspeed_loss_scaler(store: Path, out: dict[str, Any]) -> None:
+    """A dynamic loss scaler's state (fp16 engines, which DeepSpeed's CPU accelerator
+    does not run: a bf16 ZeRO-1 engine is given DeepSpeed's own DynamicLossScaler)
+    saved and restored."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from ckptvault.engines.deepspeed import DeepSpeedState
+
+    def engine_with_scaler(scale: float) -> Any:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 4))
+        engine = deepspeed_engine(model, 1)
+        engine.optimizer.loss_scaler = DynamicLossScaler(scale, 10, 1, 2, False)
+        return engine
+
+    saved = engine_with_scaler(2.0**12)
+    deepspeed_train(saved, 1, 1)
+    saved.optimizer.loss_scaler.cur_iter, saved.optimizer.loss_scaler.cur_hysteresis = 7, 1
+    with cv.CheckpointManager(store, run_id="hostile", collective_timeout_s=60) as mgr:
+        mgr.save(1, {**DeepSpeedState(saved).capture(), "meta": {}})
+    engine = engine_with_scaler(1.0)
+    deepspeed_train(engine, 1, 1)
+    out["error"] = restore_deepspeed(store, engine, {})
+    scaler = engine.optimizer.loss_scaler
+    out["scaler"] = [scaler.cur_scale, scaler.cur_iter, scaler.cur_hysteresis]
+    out["same"] = deepspeed_fingerprint(engine) == deepspeed_fingerprint(saved)
+
+
+SCENARIOS: dict[str, Callable[[Path, dict[str, Any]], None]] = {
+    "deepspeed-forged": deepspeed_forged,
+    "deepspeed-loss-scaler": deepspeed_loss_scaler,
+}
+
+
+def main() -> None:
+    scenario, store, out_dir = sys.argv[1:4]
+    out: dict[str, Any] = {"rank": RANK}
+    try:
+        if scenario.startswith("deepspeed"):
+            import deepspeed
+            import deepspeed.ops
+
+            # No shared-memory allreduce op to compile: nothing a checkpoint uses.
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+            deepspeed.init_distributed("gloo")
+        else:
+            dist.init_process_group("gloo")
+        SCENARIOS[scenario](Path(store), out)
+    finally:
+        Path(out_dir, f"rank{RANK}.json").write_text(json.dumps(out))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
