@@ -229,6 +229,24 @@ def test_ckptvault_ls_lists_the_memory_tier_through_a_pipe(killed: dict):
     assert refused.returncode != 0 and "writable by group or others" in refused.stderr
 
 
+def test_two_ranks_on_one_node_share_its_memory_tier(tmp_path: Path):
+    from support.multirank import launch
+
+    store = tmp_path / "store"
+    codes, reports = launch("memory_save", store, 2, tmp_path / "save")
+    assert codes == [0, 0], [r["log"][-2000:] for r in reports]
+    assert _steps(store) == [2] and _steps(Path(f"{store}-memory")) == [2, 3]
+    codes, reports = launch("memory_restore", store, 2, tmp_path / "restore")
+    assert codes == [0, 0], [r["log"][-2000:] for r in reports]
+    for report in reports:  # each rank's shard of step 3, from memory
+        assert (report["step"], report["source"], report["weight_exact"]) == (3, "memory", True)
+    shutil.rmtree(f"{store}-memory")  # the node's memory lost: the store's step 2
+    codes, reports = launch("memory_restore", store, 2, tmp_path / "fallback")
+    assert codes == [0, 0], [r["log"][-2000:] for r in reports]
+    for report in reports:
+        assert (report["step"], report["source"], report["weight_exact"]) == (2, "store", True)
+
+
 def test_memory_tier_settings_are_checked():
     with pytest.raises(UsageError, match="durable_every"):
         cv.MemoryTier(durable_every=0)

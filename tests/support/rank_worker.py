@@ -353,6 +353,31 @@ def per_rank_entries(store: str, out: dict[str, Any]) -> None:
     )
 
 
+def memory_tier(store: str) -> cv.MemoryTier:
+    """The job's memory tier: beside the store (one node: every rank shares it)."""
+    return cv.MemoryTier(path=f"{store}-memory", keep=1, durable_every=2)
+
+
+def memory_save(store: str, out: dict[str, Any]) -> None:
+    """Steps 1..3 into the memory tier; step 2 also into the store."""
+    torch.manual_seed(100 + RANK)
+    with manager(store, memory_tier=memory_tier(store)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state_of(step), blocking=True)
+
+
+def memory_restore(store: str, out: dict[str, Any]) -> None:
+    live = {"model": {"w": sharded(torch.zeros(ROWS, COLS)), "b": torch.zeros(3)}}
+    with manager(store, memory_tier=memory_tier(store)) as mgr:
+        info = mgr.restore(live, strict=False)
+    assert info is not None
+    out.update(
+        step=info.step,
+        source=info.source,
+        weight_exact=bool(torch.equal(full_of(live["model"]["w"]), weight(info.step))),
+    )
+
+
 SCENARIOS = {
     "save": save,
     "per_rank_entries": per_rank_entries,
@@ -369,6 +394,8 @@ SCENARIOS = {
     "fsdp_restore": fsdp_restore,
     "fsdp_restore_recording_reads": recording_reads(fsdp_restore),
     "restore_recording_reads": recording_reads(restore),
+    "memory_save": memory_save,
+    "memory_restore": memory_restore,
 }
 
 
