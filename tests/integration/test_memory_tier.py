@@ -169,6 +169,26 @@ def test_a_full_memory_tier_skips_its_copies_and_training_goes_on(tmp_path: Path
     assert _steps(tmp_path / "store") == [2, 4]
 
 
+def test_async_saves_go_to_memory_and_every_second_to_the_store(tmp_path: Path):
+    model = torch.nn.Linear(32, 32)
+    tier = cv.MemoryTier(path=tmp_path / "memory", keep=2, durable_every=2)
+    with cv.CheckpointManager(
+        tmp_path / "store", run_id="a", async_save=True, memory_tier=tier
+    ) as mgr:
+        for step in range(1, 6):
+            with torch.no_grad():
+                model.weight.fill_(float(step))
+            mgr.save(step, {"model": model})  # staged: the next fill_ cannot reach it
+        mgr.wait()
+    assert _steps(tmp_path / "store") == [2, 4]
+    assert _steps(tmp_path / "memory") == [4, 5]  # keep=2 (the fallback one of them)
+    fresh = torch.nn.Linear(32, 32)
+    with cv.CheckpointManager(tmp_path / "store", run_id="a", memory_tier=tier) as mgr:
+        info = mgr.restore({"model": fresh})
+    assert info is not None and (info.step, info.source) == (5, "memory")
+    assert torch.equal(fresh.weight, torch.full((32, 32), 5.0))
+
+
 def test_the_memory_directory_must_be_private(tmp_path: Path):
     open_dir = tmp_path / "open"
     open_dir.mkdir(mode=0o777)
