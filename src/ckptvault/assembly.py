@@ -158,6 +158,8 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
     )
     # Serves last but one (before the signal handlers): a taken port fails the manager.
     metrics = _metrics(options, run, replicator, recorder.path if recorder else None)
+    if metrics is not None and memory_tiers:
+        metrics.memory_location = memory_tiers[0].location
     return ManagerParts(
         store,
         config,

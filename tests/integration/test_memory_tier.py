@@ -164,6 +164,10 @@ def test_a_full_memory_tier_skips_its_copies_and_training_goes_on(tmp_path: Path
             warnings.simplefilter("always")
             handles = [mgr.save(step, {"model": model}, blocking=True) for step in (1, 2, 3, 4)]
         assert [h.skipped for h in handles] == [True, False, True, False]
+        skipped = mgr.metrics_registry.get_sample_value(
+            "ckptvault_memory_saves_skipped_total", {"run_id": "full"}
+        )
+        assert skipped == 4
         assert sum("no room" in str(w.message) for w in caught) == 4
         assert _steps(memory) == []
     assert _steps(tmp_path / "store") == [2, 4]
@@ -180,6 +184,10 @@ def test_async_saves_go_to_memory_and_every_second_to_the_store(tmp_path: Path):
                 model.weight.fill_(float(step))
             mgr.save(step, {"model": model})  # staged: the next fill_ cannot reach it
         mgr.wait()
+        sample = mgr.metrics_registry.get_sample_value
+        assert sample("ckptvault_memory_saves_total", {"run_id": "a"}) == 5
+        assert sample("ckptvault_saves_total", {"run_id": "a"}) == 2  # the durable ones
+        assert sample("ckptvault_memory_last_save_age_seconds", {"run_id": "a"}) < 60
     assert _steps(tmp_path / "store") == [2, 4]
     assert _steps(tmp_path / "memory") == [4, 5]  # keep=2 (the fallback one of them)
     fresh = torch.nn.Linear(32, 32)

@@ -36,6 +36,7 @@ from ckptvault.errors import CheckpointError, UsageError
 from ckptvault.events import (
     Deleted,
     Event,
+    MemorySkipped,
     Published,
     Refused,
     Replicated,
@@ -96,6 +97,10 @@ class ManagerMetrics:
         self._usage: dict[str, tuple[float, StoreUsage]] = {}
         self._server: Any = None
         self.port: int | None = None
+        # The memory tier's location, when the manager has one: its publishes are
+        # counted apart (the durable ones keep their meaning).
+        self.memory_location: str | None = None
+        self._memory_saved: float | None = None
         self._seed_from_store()
         self._define(pc)
         self.registry.register(_ScrapeTime(self, pc))
@@ -135,6 +140,12 @@ class ManagerMetrics:
         self._validation_failures = counter(
             "ckptvault_validation_failures", "Validations that failed (load or check)."
         )
+        self._memory_saves = counter(
+            "ckptvault_memory_saves", "Saves published to the memory tier."
+        )
+        self._memory_skipped = counter(
+            "ckptvault_memory_saves_skipped", "Saves the memory tier had no room for."
+        )
 
     def _seed_from_store(self) -> None:
         """A restarted job's last good checkpoint is the newest one already there."""
@@ -151,7 +162,13 @@ class ManagerMetrics:
         self._publishes.extend(times[-CADENCE_SAMPLES:])
 
     def __call__(self, event: Event) -> None:
-        if isinstance(event, Published):
+        if isinstance(event, Published) and event.store == self.memory_location:
+            self._memory_saves.inc()
+            with self._lock:
+                self._memory_saved = time.time()
+        elif isinstance(event, MemorySkipped):
+            self._memory_skipped.inc()
+        elif isinstance(event, Published):
             self._saves.inc()
             self._bytes.inc(event.bytes)
             self._blocking.observe(event.stall_seconds)
@@ -186,6 +203,15 @@ class ManagerMetrics:
         (a job that never checkpointed ages too)."""
         with self._lock:
             last = self._publishes[-1] if self._publishes else self._started
+        return max(0.0, now - last)
+
+    def memory_save_age(self, now: float) -> float | None:
+        """Seconds since the newest memory-tier publish (since start without one);
+        None without a memory tier."""
+        if self.memory_location is None:
+            return None
+        with self._lock:
+            last = self._memory_saved if self._memory_saved is not None else self._started
         return max(0.0, now - last)
 
     def cadence(self) -> float | None:
@@ -289,6 +315,11 @@ class _ScrapeTime:
                 "How long the oldest generation not yet copied to the replica tier has "
                 "waited; 0 when caught up.",
                 m.replication_lag(),
+            ),
+            (
+                "ckptvault_memory_last_save_age_seconds",
+                "Seconds since the last save into the memory tier (since start without one).",
+                m.memory_save_age(now),
             ),
             (
                 "ckptvault_last_validated_checkpoint_age_seconds",
