@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from support.engine_hostile_worker import DEEPSPEED_ATTACKS
+from support.engine_hostile_worker import DEEPSPEED_ATTACKS, FSDP_ATTACKS
 from support.multirank import launch
 
 WORKER = Path(__file__).parents[1] / "support" / "engine_hostile_worker.py"
@@ -54,3 +54,29 @@ def test_a_dynamic_loss_scaler_is_saved_and_restored(tmp_path: Path):
     (report,) = _run("deepspeed-loss-scaler", tmp_path)
     assert report["error"] == "ok"
     assert report["scaler"] == [4096.0, 7, 1] and report["same"]
+
+
+def test_a_forged_fsdp_generation_is_refused_before_anything_is_applied(tmp_path: Path):
+    """The template's tensors are the live FSDP2 model's and optimizer's own: a
+    generation DCP's setters would refuse half-way (a KeyError or a zip() ValueError
+    after the weights and moments were copied in place, a string left as the
+    optimizer's step) is refused while the restore plans. A generation of the other
+    engine (same parameter names and shapes) is refused the same way."""
+    pytest.importorskip("deepspeed")
+    (report,) = _run("fsdp-forged", tmp_path)
+    for attack in [*FSDP_ATTACKS, "fsdp into deepspeed", "deepspeed into fsdp"]:
+        outcome = report[attack]
+        assert outcome["error"].startswith("ckptvault.errors.StateMismatchError"), (
+            attack,
+            outcome["error"],
+        )
+        assert outcome["untouched"], (attack, outcome)
+    assert (
+        "['param_groups'][0]['params']: the checkpoint's group holds"
+        in (report["params renamed"]["error"])
+    )
+    assert (
+        "['step']: the checkpoint holds str, the live state a tensor"
+        in (report["step a string"]["error"])
+    )
+    assert report["unedited"] == {"error": "ok", "meta": {"tokens": 7}}

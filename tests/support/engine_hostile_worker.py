@@ -1,5 +1,5 @@
 """One rank of a job that restores hostile engine generations (DeepSpeed ZeRO with
-DeepSpeed's CPU accelerator, FSDP2), launched by ``multirank.launch``.
+DeepSpeed's CPU accelerator, FSDP2 on gloo), launched by ``multirank.launch``.
 
 ``python engine_hostile_worker.py SCENARIO STORE OUT``. Each scenario builds a small
 real engine, saves one generation, and then restores copies of it that an attacker
@@ -222,9 +222,118 @@ def deepspeed_loss_scaler(store: Path, out: dict[str, Any]) -> None:
     out["same"] = deepspeed_fingerprint(engine) == deepspeed_fingerprint(saved)
 
 
+# -- FSDP2 ------------------------------------------------------------------------
+
+
+def fsdp_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def fsdp_train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    batches = torch.Generator().manual_seed(seed)
+    model(torch.randn(4, 8, generator=batches)).pow(2).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def fsdp_fingerprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    whole = StateDictOptions(full_state_dict=True)
+    return repr(
+        (
+            get_model_state_dict(model, options=whole),
+            get_optimizer_state_dict(model, optimizer, options=whole),
+        )
+    )
+
+
+def restore_fsdp(store: Path, model: Any, optimizer: Any, meta: dict[str, Any]) -> str:
+    """Restore ``store`` into the FSDP2 ``model`` and ``optimizer`` (and ``meta``) as
+    the integrations do; the error raised, or "ok"."""
+    from ckptvault.engines.fsdp import ShardedState
+
+    state = ShardedState(model, optimizer)
+    try:
+        with cv.CheckpointManager(store, run_id="hostile", collective_timeout_s=60) as mgr:
+            mgr.restore({**state.template(), "meta": meta})
+        state.apply()
+    except Exception as exc:
+        return f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def state_edit(edit: Callable[[Any], None]) -> Edit:
+    return optimizer_edit(lambda o: edit(get(get(o, "state"), "0.weight")))
+
+
+FSDP_ATTACKS: dict[str, Edit] = {
+    "lr a string": group_edit(lambda g: put(g, "lr", "abc")),
+    "betas an int": group_edit(lambda g: put(g, "betas", 5)),
+    "no params": group_edit(lambda g: g["$dict"].remove(["params", get(g, "params")])),
+    "params of one": group_edit(lambda g: put(g, "params", ["0.weight"])),
+    "params renamed": group_edit(lambda g: put(g, "params", ["x", "0.bias", "2.weight", "2.bias"])),
+    "a group too many": DEEPSPEED_ATTACKS["a group too many"],
+    "groups not a list": DEEPSPEED_ATTACKS["groups not a list"],
+    # A string replaced the live step tensor: the optimizer held "x" afterwards.
+    "step a string": state_edit(lambda entry: put(entry, "step", "x")),
+    "a moment a number": state_edit(lambda entry: put(entry, "exp_avg", 1.0)),
+    "a weight a number": lambda s: put(s["model"], "0.weight", 3),
+}
+
+
+def fsdp_forged(store: Path, out: dict[str, Any]) -> None:
+    """Every attack of :data:`FSDP_ATTACKS` against an FSDP2 generation, and the
+    generations of the other engine: FSDP2's restored by DeepSpeed, DeepSpeed's by
+    FSDP2."""
+    from ckptvault.engines.deepspeed import DeepSpeedState
+    from ckptvault.engines.fsdp import ShardedState
+
+    model, optimizer = fsdp_model()
+    fsdp_train(model, optimizer, 1)
+    with cv.CheckpointManager(store, run_id="hostile", collective_timeout_s=60) as mgr:
+        mgr.save(1, {**ShardedState(model, optimizer).capture(), "meta": {"tokens": 7}})
+    fsdp_train(model, optimizer, 2)
+    before = fsdp_fingerprint(model, optimizer)
+    for name, edit in FSDP_ATTACKS.items():
+        meta = {"tokens": 0}
+        error = restore_fsdp(forged(store, name.replace(" ", "-"), edit), model, optimizer, meta)
+        untouched = fsdp_fingerprint(model, optimizer) == before and meta == {"tokens": 0}
+        out[name] = {"error": error, "untouched": untouched}
+
+    torch.manual_seed(0)  # the same parameter names and shapes, under DeepSpeed
+    sequential = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+    )
+    engine = deepspeed_engine(sequential, 2)
+    deepspeed_train(engine, 1, 3)
+    deepspeed_before = deepspeed_fingerprint(engine)
+    meta = {"tokens": 0}
+    error = restore_deepspeed(store, engine, meta)
+    untouched = deepspeed_fingerprint(engine) == deepspeed_before and meta == {"tokens": 0}
+    out["fsdp into deepspeed"] = {"error": error, "untouched": untouched}
+    deepspeed_store = store.parent / "deepspeed"
+    with cv.CheckpointManager(deepspeed_store, run_id="hostile", collective_timeout_s=60) as mgr:
+        mgr.save(1, {**DeepSpeedState(engine).capture(), "meta": {"tokens": 7}})
+    error = restore_fsdp(deepspeed_store, model, optimizer, meta)
+    untouched = fsdp_fingerprint(model, optimizer) == before and meta == {"tokens": 0}
+    out["deepspeed into fsdp"] = {"error": error, "untouched": untouched}
+    out["unedited"] = {"error": restore_fsdp(store, model, optimizer, meta), "meta": meta}
+
+
 SCENARIOS: dict[str, Callable[[Path, dict[str, Any]], None]] = {
     "deepspeed-forged": deepspeed_forged,
     "deepspeed-loss-scaler": deepspeed_loss_scaler,
+    "fsdp-forged": fsdp_forged,
 }
 
 
@@ -232,15 +341,12 @@ def main() -> None:
     scenario, store, out_dir = sys.argv[1:4]
     out: dict[str, Any] = {"rank": RANK}
     try:
-        if scenario.startswith("deepspeed"):
-            import deepspeed
-            import deepspeed.ops
+        import deepspeed
+        import deepspeed.ops
 
-            # No shared-memory allreduce op to compile: nothing a checkpoint uses.
-            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-            deepspeed.init_distributed("gloo")
-        else:
-            dist.init_process_group("gloo")
+        # No shared-memory allreduce op to compile: nothing a checkpoint uses.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        deepspeed.init_distributed("gloo")
         SCENARIOS[scenario](Path(store), out)
     finally:
         Path(out_dir, f"rank{RANK}.json").write_text(json.dumps(out))

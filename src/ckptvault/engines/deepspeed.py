@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ckptvault.errors import StateMismatchError, UsageError
-from ckptvault.state.checked import Checked, layout_problems
+from ckptvault.state.checked import Checked, layout_problems, skeleton
 
 __all__ = ["DeepSpeedState", "is_deepspeed_engine"]
 
@@ -75,6 +75,7 @@ class DeepSpeedState:
         ]
         self._mesh: Any = None
         self._template: dict[str, Any] = {}
+        self._layout: dict[str, Any] = {}  # the template's, as it was made
 
     # -- what is saved -------------------------------------------------------------
 
@@ -113,6 +114,7 @@ class DeepSpeedState:
             "optimizer": self._optimizer(moments),
             "engine": self._counters(),
         }
+        self._layout = skeleton(self._template)
         return {
             part: Checked(value, functools.partial(self._part_problems, part))
             for part, value in self._template.items()
@@ -135,7 +137,7 @@ class DeepSpeedState:
 
     def _part_problems(self, part: str, saved: Any) -> list[str]:
         """The problems of ``saved`` as the template's ``part`` (paths relative to it)."""
-        template = self._template[part]
+        template = self._layout[part]
         if part == "model":
             return _exact(template, saved, "")
         if part == "engine":
@@ -199,7 +201,7 @@ class DeepSpeedState:
                 self._set_zero3(param, weight, None)
             else:
                 safe_set_full_fp32_param(param, weight)
-            for key in self._template["optimizer"]["state"][name]:
+            for key in self._layout["optimizer"]["state"][name]:
                 chunk = optimizer["state"][name][key]
                 if self.stage == 3:
                     self._set_zero3(param, chunk.full_tensor(), key)

@@ -18,12 +18,14 @@ other and into another number of ranks.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from ckptvault.errors import UsageError
+from ckptvault.errors import StateMismatchError, UsageError
+from ckptvault.state.checked import Checked, layout_problems, skeleton
 
 __all__ = ["ShardedState", "fsdp_version"]
 
@@ -45,16 +47,18 @@ class ShardedState:
     """A sharded model's weights and its optimizer's state, as DCP's state-dict API
     gives them (every rank its own shards, keyed by parameter name).
 
-    :meth:`capture` returns ``{"model": ..., "optimizer": ...}`` to save, or to
-    restore into (DCP initialises an optimizer that has no state yet: its moments
-    exist, zero, as they would after a step of learning rate 0); :meth:`apply`
-    loads what a restore wrote into the last capture. Every rank calls both, in the
-    same order: DCP's state-dict functions are collectives for FSDP1."""
+    :meth:`capture` returns ``{"model": ..., "optimizer": ...}`` to save;
+    :meth:`template` the same, checked, to restore into (DCP initialises an optimizer
+    that has no state yet: its moments exist, zero, as they would after a step of
+    learning rate 0); :meth:`apply` loads what a restore wrote into the last capture.
+    Every rank calls them in the same order: DCP's state-dict functions are
+    collectives for FSDP1."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         self.model, self.optimizer = model, optimizer
         self._native: dict[str, Any] = {}
         self._captured: dict[str, Any] = {}
+        self._layout: dict[str, Any] = {}  # the template's, as it was made
         self._meshes: dict[Any, Any] = {}
 
     def capture(self) -> dict[str, Any]:
@@ -70,6 +74,53 @@ class ShardedState:
         self._captured = {key: self._as_dtensors(value) for key, value in self._native.items()}
         return self._captured
 
+    def template(self) -> dict[str, Checked]:
+        """:meth:`capture`, for a restore to fill: each entry
+        :class:`~ckptvault.state.checked.Checked`, so that a generation whose entries
+        DCP's setters cannot load (:meth:`problems`) is refused while the restore
+        plans, before anything is applied (the tensors of the template are the live
+        model's and optimizer's own)."""
+        captured = self.capture()
+        self._layout = skeleton(captured)
+        return {
+            part: Checked(value, functools.partial(self._part_problems, part))
+            for part, value in captured.items()
+        }
+
+    def problems(self, state: Mapping[str, Any]) -> list[str]:
+        """Why ``state`` (the layout of :meth:`capture`) cannot be loaded by DCP's
+        setters, each "entry: what is wrong"; none when it can."""
+        return [
+            f"{part}{problem}"
+            for part in self._layout
+            for problem in (
+                self._part_problems(part, state[part])
+                if part in state
+                else [": missing from the checkpoint"]
+            )
+        ]
+
+    def _part_problems(self, part: str, saved: Any) -> list[str]:
+        """The problems of ``saved`` as the captured ``part`` (paths relative to it):
+        its layout (:func:`~ckptvault.state.checked.layout_problems`), and each
+        optimizer parameter group naming the live group's parameters."""
+        template = self._layout[part]
+        problems = layout_problems(template, saved, "", complete=False)
+        if part != "optimizer" or problems:
+            return problems
+        for index, (live, group) in enumerate(
+            zip(template["param_groups"], saved["param_groups"], strict=True)
+        ):
+            names = group.get("params")
+            if sorted(map(str, names)) != sorted(live["params"]) or len(set(names)) != len(names):
+                problems.append(
+                    f"['param_groups'][{index}]['params']: the checkpoint's group holds "
+                    f"{len(names)} parameters ({', '.join(map(repr, names[:3]))}"
+                    f"{', ...' if len(names) > 3 else ''}), not the live group's "
+                    f"{len(live['params'])}: build the optimizer the run was saved with"
+                )
+        return problems
+
     def apply(self, restored: Mapping[str, Any] | None = None) -> None:
         """Load ``restored`` into the model and optimizer: by default the last
         :meth:`capture`, as a restore filled it in place (tensors copied into,
@@ -82,6 +133,16 @@ class ShardedState:
         if not self._native:
             raise UsageError("ShardedState.apply before capture: capture the template first")
         restored = self._captured if restored is None else restored
+        problems = self.problems(restored) if self._layout else []
+        if problems:  # a restore into the template refused these already
+            raise StateMismatchError(
+                "cannot load into the sharded model and optimizer: "
+                + "; ".join(problems[:5])
+                + (f"; ... ({len(problems)} in all)" if len(problems) > 5 else "")
+                + ". Nothing was loaded: restore a generation saved from this model and "
+                "optimizer",
+                mismatched=problems,
+            )
         native = {key: _merged(self._native[key], restored[key]) for key in self._native}
         set_model_state_dict(self.model, native["model"])
         if self.optimizer is not None:

@@ -45,7 +45,7 @@ class EngineEntries:
     def entries(self, restoring: bool) -> dict[str, Any]:
         """The entries to save, or (``restoring``) for a restore to fill."""
         if self.engine == "FSDP":
-            return self._fsdp()
+            return self._fsdp(restoring)
         if self.engine == "DEEPSPEED":
             return self._deepspeed(restoring)
         accelerator = self.accelerator
@@ -62,7 +62,7 @@ class EngineEntries:
         for state in pending:
             state.apply()
 
-    def _fsdp(self) -> dict[str, Any]:
+    def _fsdp(self, restoring: bool) -> dict[str, Any]:
         models, optimizers = self.accelerator._models, self.accelerator._optimizers
         if len(optimizers) > len(models):
             raise UsageError(
@@ -75,7 +75,7 @@ class EngineEntries:
         ]
         entries: dict[str, Any] = {}
         for index, sharded in enumerate(self._pending):
-            captured = sharded.capture()
+            captured: dict[str, Any] = sharded.template() if restoring else sharded.capture()
             entries[named("model", index)] = captured["model"]
             if "optimizer" in captured:
                 entries[named("optimizer", index)] = captured["optimizer"]

@@ -296,7 +296,7 @@ class CkptvaultTrainer(Trainer):
             weights["deepspeed"] = template["engine"]
         elif self.is_fsdp_enabled:
             sharded = self._sharded_state()
-            weights = sharded.capture()
+            weights = dict(sharded.template())
         else:
             weights = {"model": self.model if model is None else model, "optimizer": {}}
         holder: dict[str, Any] = {

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Checked", "layout_problems"]
+__all__ = ["Checked", "layout_problems", "skeleton"]
 
 Check = Callable[[Any], list[str]]
 
@@ -70,6 +70,21 @@ def layout_problems(template: Any, saved: Any, where: str, *, complete: bool) ->
     if _scalar(saved) != _scalar(template):
         return [_wrong(where, saved, f"a {_scalar(template) or type(template).__name__}")]
     return []
+
+
+def skeleton(template: Any) -> Any:
+    """``template``'s layout, kept apart from it (a restore fills the template in
+    place): its containers copied, each tensor an empty one."""
+    if isinstance(template, torch.Tensor):
+        return _TENSOR
+    if isinstance(template, Mapping):
+        return {key: skeleton(item) for key, item in template.items()}
+    if isinstance(template, (list, tuple)):
+        return type(template)(skeleton(item) for item in template)
+    return template
+
+
+_TENSOR = torch.empty(0)
 
 
 def _scalar(value: Any) -> str | None:
