@@ -76,3 +76,26 @@ def test_a_killed_run_resumes_bit_identically_and_reshards(
         for report in _ok(*_run(f"{integration}:{other}:resume", store, world, out)):
             assert report["restored"] == reference[0]["saved"], (other, world)
             assert report["step"] == STEPS  # and training goes on
+
+
+def test_deepspeed_saves_the_module_state_its_optimizer_does_not_hold(tmp_path: Path):
+    """BatchNorm's running statistics and a frozen layer (``requires_grad=False``,
+    set after the model was built, as a pretrained load does) are the module's state,
+    not the optimizer's: they were left out of the generation, and a resume kept the
+    new model's (fresh statistics, another seed's frozen weights) without a word. Every
+    rank gets rank 0's, as DeepSpeed's own checkpoint gives them (each rank's
+    statistics differ: its own batches)."""
+    pytest.importorskip("deepspeed")
+    worker = Path(__file__).parents[1] / "support" / "engine_hostile_worker.py"
+    codes, reports = launch(
+        "deepspeed-module-state", tmp_path / "store", 2, tmp_path / "out", 240, worker
+    )
+    _ok(codes, reports)
+    for stage in ("zero1", "zero3"):
+        saved = reports[0][stage]["saved"]
+        assert saved["frozen"][1] == [5.0, 6.0, 7.0, 8.0, 9.0]
+        assert saved["1.num_batches_tracked"] == 2
+        assert reports[1][stage]["saved"]["1.running_mean"] != saved["1.running_mean"]
+        for report in reports:
+            assert report[stage]["error"] == "ok", report[stage]["error"]
+            assert report[stage]["restored"] == saved, (stage, report["rank"])

@@ -6,7 +6,8 @@ real engine, saves one generation, and then restores copies of it that an attack
 who can write an unsigned store edited (:mod:`support.forging`), each into the same
 live engine. Each rank writes ``OUT/rank<r>.json``: per attack, the error raised
 (``"ok"`` when none), its message, and whether the live engine and a plain entry
-beside it are as they were before.
+beside it are as they were before. ``deepspeed-module-state`` checks that a generation
+holds the module state besides what the optimizer holds (buffers, frozen layers).
 """
 
 from __future__ import annotations
@@ -222,6 +223,46 @@ def deepspeed_loss_scaler(store: Path, out: dict[str, Any]) -> None:
     out["same"] = deepspeed_fingerprint(engine) == deepspeed_fingerprint(saved)
 
 
+def deepspeed_module_state(store: Path, out: dict[str, Any]) -> None:
+    """A module with state its optimizer does not hold: BatchNorm's buffers (each rank
+    its own running statistics, from its own batches) and a frozen layer set after
+    it was built (as a pretrained load would), under ZeRO-1 and ZeRO-3, saved and
+    restored into an engine built from another seed. Reports, per stage, the buffers
+    and frozen weight rank 0 held at the save and those each rank holds restored."""
+    import deepspeed
+
+    from ckptvault.engines.deepspeed import DeepSpeedState
+
+    def build(seed: int, stage: int) -> Any:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 3)
+        )
+        model[2].requires_grad_(False)
+        if seed == 0:
+            with torch.no_grad():
+                model[2].weight.copy_(torch.arange(15.0).reshape(3, 5))
+        return deepspeed_engine(model, stage)
+
+    def module_state(engine: Any) -> dict[str, Any]:
+        frozen = engine.module[2].weight
+        with deepspeed.zero.GatheredParameters([frozen], enabled=hasattr(frozen, "ds_id")):
+            weight = frozen.detach().tolist()
+        buffers = {name: b.tolist() for name, b in engine.module.named_buffers()}
+        return {"frozen": weight, **buffers}
+
+    for stage in (1, 3):
+        saved = build(0, stage)
+        deepspeed_train(saved, 2, 10 + RANK)  # each rank its own batches
+        path = store / f"zero{stage}"
+        with cv.CheckpointManager(path, run_id="hostile", collective_timeout_s=60) as mgr:
+            mgr.save(2, {**DeepSpeedState(saved).capture(), "meta": {}})
+        at_save = module_state(saved)
+        engine = build(1, stage)
+        error = restore_deepspeed(path, engine, {})
+        out[f"zero{stage}"] = {"error": error, "saved": at_save, "restored": module_state(engine)}
+
+
 # -- FSDP2 ------------------------------------------------------------------------
 
 
@@ -334,6 +375,7 @@ SCENARIOS: dict[str, Callable[[Path, dict[str, Any]], None]] = {
     "deepspeed-forged": deepspeed_forged,
     "deepspeed-loss-scaler": deepspeed_loss_scaler,
     "fsdp-forged": fsdp_forged,
+    "deepspeed-module-state": deepspeed_module_state,
 }
 
 

@@ -8,14 +8,19 @@ the universal form holds, through DeepSpeed's own fragment API
 (``deepspeed.utils.safe_get_full_fp32_param`` and friends): for every parameter,
 by name, the fp32 master weight and each optimizer state tensor (``exp_avg``,
 ``exp_avg_sq``), and besides them the optimizer's step and hyperparameters and the
-engine's counters. Each tensor is kept as this rank's ``Shard(0)`` chunk of it (a
-DTensor over the data-parallel group), so every rank writes a share and a restore
-at another number of ranks reshards; the whole tensor exists only while one
-parameter is gathered or set.
+engine's counters. The module's state the optimizer does not hold, its frozen
+parameters and persistent buffers (BatchNorm's running statistics), is saved beside
+the weights under its ``state_dict`` names, in its own dtype, as data-parallel rank 0
+holds it (DeepSpeed's own checkpoint keeps rank 0's module: each rank's statistics
+are its own batches'). Each tensor is kept as this rank's ``Shard(0)`` chunk of it (a
+DTensor over the data-parallel group; a 0-d buffer replicated), so every rank writes
+a share and a restore at another number of ranks reshards; the whole tensor exists
+only while one parameter is gathered or set.
 
 Restoring gathers each parameter's chunks back, sets DeepSpeed's partitions with
 ``safe_set_full_*``, and copies the fp32 weights into the module's parameters
-(ZeRO-3: inside ``GatheredParameters``), as a step would have left them. What it sets
+(ZeRO-3: inside ``GatheredParameters``), as a step would have left them, and the
+frozen parameters and buffers into the module. What it sets
 besides tensors comes from the store: only the engine's own counters (each a count)
 and loss-scaler fields, and the hyperparameters its groups have (each of the kind the
 group holds), are set; a generation with anything else, or a tensor too many or too
@@ -73,6 +78,7 @@ class DeepSpeedState:
         self.params = [
             (name, param) for name, param in engine.module.named_parameters() if param.requires_grad
         ]
+        self.extras = _module_extras(engine.module)
         self._mesh: Any = None
         self._template: dict[str, Any] = {}
         self._layout: dict[str, Any] = {}  # the template's, as it was made
@@ -94,6 +100,8 @@ class DeepSpeedState:
                 key: self._chunk(safe_get_full_optimizer_state(param, key), shape, f"{name}/{key}")
                 for key in keys
             }
+        for name, tensor in self.extras:  # in their own dtype: no fp32 copy exists
+            weights[name] = self._chunk(self._rank0(tensor), self._shape(tensor), name, None)
         return {"model": weights, "optimizer": self._optimizer(moments), "engine": self._counters()}
 
     def template(self) -> dict[str, Checked]:
@@ -108,6 +116,7 @@ class DeepSpeedState:
         self._link_state()
         keys = self._state_keys()
         weights = {name: self._zeros(param) for name, param in self.params}
+        weights |= {name: self._zeros(tensor, tensor.dtype) for name, tensor in self.extras}
         moments = {name: {key: self._zeros(param) for key in keys} for name, param in self.params}
         self._template = {
             "model": weights,
@@ -208,6 +217,8 @@ class DeepSpeedState:
                 else:
                     safe_set_full_optimizer_state(param, chunk.full_tensor(), key)
             self._set_module_weight(param, weight)
+        for name, tensor in self.extras:
+            self._set_module_weight(tensor, state["model"][name].full_tensor())
         self._set_steps_and_groups(optimizer)
         counters = state["engine"]
         for key in _COUNTERS:
@@ -292,7 +303,7 @@ class DeepSpeedState:
             }
         return counters
 
-    def _shape(self, param: torch.nn.Parameter) -> torch.Size:
+    def _shape(self, param: torch.Tensor) -> torch.Size:
         return torch.Size(getattr(param, "ds_shape", param.shape))
 
     def _mesh_of(self) -> Any:
@@ -303,31 +314,56 @@ class DeepSpeedState:
         return self._mesh
 
     def _as_dtensor(self, local: torch.Tensor, shape: torch.Size) -> Any:
-        from torch.distributed.tensor import DTensor, Shard
+        """``local`` as this rank's ``Shard(0)`` chunk of a tensor of ``shape`` (a 0-d
+        tensor, which has no dim 0: replicated)."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
 
         stride = torch.empty(shape, device="meta").stride()
+        placement = Shard(0) if len(shape) else Replicate()
         return DTensor.from_local(
-            local, self._mesh_of(), [Shard(0)], run_check=False, shape=shape, stride=stride
+            local, self._mesh_of(), [placement], run_check=False, shape=shape, stride=stride
         )
 
-    def _chunk(self, full: torch.Tensor | None, shape: torch.Size, where: str) -> Any:
+    def _chunk(
+        self,
+        full: torch.Tensor | None,
+        shape: torch.Size,
+        where: str,
+        dtype: torch.dtype | None = torch.float32,
+    ) -> Any:
         if full is None:
             raise StateMismatchError(
                 f"DeepSpeed holds no fp32 state for {where}: the parameter is not managed "
                 "by its ZeRO optimizer",
                 mismatched=[where],
             )
-        full = full.detach().to("cpu", torch.float32).reshape(shape)
-        chunks = full.chunk(self.world, 0) if full.dim() else (full,)
+        full = full.detach().to("cpu", dtype or full.dtype).reshape(shape)
+        if not full.dim():  # every rank holds it (see _as_dtensor)
+            return self._as_dtensor(full.clone(), full.shape)
+        chunks = full.chunk(self.world, 0)
         local = chunks[self.rank] if self.rank < len(chunks) else full[:0]
         return self._as_dtensor(local.clone(), full.shape)
 
-    def _zeros(self, param: torch.nn.Parameter) -> Any:
-        shape = self._shape(param)
+    def _zeros(self, tensor: torch.Tensor, dtype: torch.dtype = torch.float32) -> Any:
+        shape = self._shape(tensor)
         full = torch.empty(shape, device="meta")
-        chunks = full.chunk(self.world, 0) if full.dim() else (full,)
+        chunks = full.chunk(self.world, 0) if full.dim() else (full,) * self.world
         local_shape = chunks[self.rank].shape if self.rank < len(chunks) else (0, *shape[1:])
-        return self._as_dtensor(torch.zeros(local_shape, dtype=torch.float32), shape)
+        return self._as_dtensor(torch.zeros(local_shape, dtype=dtype), shape)
+
+    def _rank0(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The whole ``tensor`` (a frozen parameter or a buffer) as data-parallel rank
+        0 holds it, on every rank: what DeepSpeed's own checkpoint keeps of the module
+        (a buffer such as BatchNorm's running statistics may differ between ranks)."""
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([tensor], enabled=hasattr(tensor, "ds_id")):
+            whole = tensor.detach().to("cpu", copy=True)
+        carrier = whole.view(torch.uint8) if whole.dtype == torch.bool else whole
+        if self.world > 1:
+            source = torch.distributed.get_global_rank(self.group, 0)
+            torch.distributed.broadcast(carrier, src=source, group=self.group)
+        return whole
 
     def _set_zero3(self, param: torch.nn.Parameter, value: torch.Tensor, key: str | None) -> None:
         """This rank's ZeRO-3 partition of ``param``'s fp32 weight (``key`` None) or
@@ -346,10 +382,11 @@ class DeepSpeedState:
         if zero._swappable_optimizer_subgroup(group):
             zero._optimizer_states_and_gradient_swap_out(group)
 
-    def _set_module_weight(self, param: torch.nn.Parameter, weight: torch.Tensor) -> None:
+    def _set_module_weight(self, param: torch.Tensor, weight: torch.Tensor) -> None:
         """The module's (low-precision) parameter from the fp32 weight, as a step
-        leaves it; ZeRO-3 partitions it again on leaving ``GatheredParameters``."""
-        if self.stage == 3:
+        leaves it, or a frozen parameter or buffer from its saved value; ZeRO-3
+        partitions a parameter again on leaving ``GatheredParameters``."""
+        if hasattr(param, "ds_id"):  # ZeRO-3's
             import deepspeed
 
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
@@ -446,3 +483,16 @@ def _counter_problems(saved: Any) -> list[str]:
         elif not (type(value) is int and -_MAX_COUNT <= value <= _MAX_COUNT):
             problems.append(f"{where}: {value!r:.40}, not an int64")
     return problems
+
+
+def _module_extras(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The module's state the optimizer does not hold, by ``state_dict`` name: its
+    frozen parameters (``requires_grad=False``) and persistent buffers."""
+    frozen = [(name, p) for name, p in module.named_parameters() if not p.requires_grad]
+    buffers = [
+        (f"{prefix}.{name}" if prefix else name, buffer)
+        for prefix, owner in module.named_modules()
+        for name, buffer in owner.named_buffers(recurse=False)
+        if name not in owner._non_persistent_buffers_set
+    ]
+    return frozen + buffers
