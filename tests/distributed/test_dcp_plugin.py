@@ -27,6 +27,7 @@ import ckptvault as cv
 from ckptvault.errors import (
     IntegrityError,
     NoValidCheckpoint,
+    StateMismatchError,
     StoreLockedError,
     UsageError,
 )
@@ -280,6 +281,24 @@ def test_a_tampered_value_is_refused_before_anything_is_applied(store, tmp_path)
     assert live["lr"] == 0.0  # nothing was applied
     dcp.load(live, storage_reader=reader)
     assert live["lr"] == 0.5
+
+
+def test_a_json_value_where_the_state_dict_holds_a_tensor_is_refused(store):
+    """An unsigned generation whose tensor entry was replaced by a JSON value (taken
+    out of DCP's metadata, put into ``dcp_objects``): DCP plans a byte read for the
+    live tensor, and the value took the tensor's place in the caller's state dict
+    (``set_state_dict`` then failed deep in torch). A plugin save never stores a
+    tensor as a value: refused, nothing loaded."""
+    save(store, 1, {"w": torch.arange(3.0), "lr": 0.5})
+    generation = generations(store)[-1]
+    document = read_logical(generation)
+    del document["dcp"]["tensors"]["w"]
+    document["state"]["dcp_objects"]["w"] = 5
+    write_logical(generation, document)
+    live = {"w": torch.zeros(3), "lr": 0.0}
+    with pytest.raises(StateMismatchError, match=r"'w'.*JSON value.*holds a tensor"):
+        dcp.load(live, storage_reader=cv.dcp.StorageReader(store, run_id=RUN))
+    assert torch.equal(live["w"], torch.zeros(3)) and live["lr"] == 0.0
 
 
 def test_async_save_then_load(store):

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+import torch
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
@@ -40,7 +41,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem, SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ckptvault.dcp.publish import PLUGIN_NAME
-from ckptvault.errors import FormatError, UnsupportedValueError, UsageError
+from ckptvault.errors import FormatError, StateMismatchError, UnsupportedValueError, UsageError
 from ckptvault.format.canonical import dumps_canonical, loads_canonical
 from ckptvault.format.manifest import Manifest
 from ckptvault.state.codec import decode_plain, encode_plain
@@ -195,6 +196,23 @@ def object_setter(
     if missing:
         raise FormatError(f"the generation holds no value {missing[:3]}")
     default: DefaultLoadPlanner = planner
+    # A plugin save stores every tensor as one: a value where the caller holds a
+    # tensor is a generation of another layout (or an edited one), never loaded.
+    tensors = sorted(
+        item.dest_index.fqn
+        for item in items
+        if isinstance(default.state_dict.get(item.dest_index.fqn), torch.Tensor)
+    )
+    if tensors:
+        shown = ", ".join(repr(fqn[:200]) for fqn in tensors[:3])
+        raise StateMismatchError(
+            f"the generation stores {shown}{' ...' if len(tensors) > 3 else ''} as a JSON "
+            "value, but the state dict holds a tensor there (a DCP plugin save stores "
+            "every tensor as a tensor): this generation was not saved from this state "
+            "dict's layout, or was edited. Nothing was loaded on this rank; load a "
+            "generation saved from this layout",
+            mismatched=tensors,
+        )
 
     def set_values() -> None:
         for item in items:
