@@ -80,3 +80,14 @@ def test_a_forged_fsdp_generation_is_refused_before_anything_is_applied(tmp_path
         in (report["step a string"]["error"])
     )
     assert report["unedited"] == {"error": "ok", "meta": {"tokens": 7}}
+
+
+def test_a_trainer_rollback_under_deepspeed_is_applied_once_and_reported(tmp_path: Path):
+    """Under an engine the Trainer reads the TrainerState and the weights in two
+    restores: allow_rollback_to was applied by both (two rollback_allowed audit
+    entries for one decision), and the second, finding nothing newer left, gave the
+    resume a RestoreInfo saying nothing was rolled back from."""
+    pytest.importorskip("deepspeed")
+    (report,) = _run("trainer-rollback", tmp_path)
+    assert report["info"] == [2, 4]  # step 2, rolled back from step 4
+    assert report["audit"].count("rollback_allowed") == 1, report["audit"]

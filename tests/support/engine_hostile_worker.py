@@ -371,11 +371,63 @@ def fsdp_forged(store: Path, out: dict[str, Any]) -> None:
     out["unedited"] = {"error": restore_fsdp(store, model, optimizer, meta), "meta": meta}
 
 
+# -- the Hugging Face Trainer under DeepSpeed ---------------------------------------
+
+
+def trainer_rollback(store: Path, out: dict[str, Any]) -> None:
+    """``CkptvaultTrainer`` under DeepSpeed ZeRO-1, with a ledger: saves at steps 2
+    and 4, then a new Trainer resumes with ``allow_rollback_to=2``. Under an engine the
+    Trainer reads the TrainerState and the weights in two restores; reports the
+    ``restore_info`` the resume gives and the audit log's entries."""
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from ckptvault.integrations.huggingface import CkptvaultTrainer
+    from support.engine_worker import _trainer_engine
+
+    settings = _trainer_engine("zero1")
+    tokens = torch.randint(0, 32, (16, 8), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": t, "labels": t} for t in tokens]
+    control = store.parent / "control"
+    options = {"ledger": str(control / "ledger"), "audit_log": str(control / "audit.jsonl")}
+
+    def trainer(manager: Any, save: bool) -> Any:
+        torch.manual_seed(0)
+        config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=32, n_positions=8)
+        args = TrainingArguments(
+            str(store.parent / "out"),
+            max_steps=4,
+            save_strategy="steps" if save else "no",
+            save_steps=2,
+            per_device_train_batch_size=2,
+            report_to="none",
+            disable_tqdm=True,
+            **settings,
+        )
+        model = GPT2LMHeadModel(config)
+        return CkptvaultTrainer(
+            model=model, args=args, train_dataset=data, checkpoint_manager=manager
+        )
+
+    with cv.CheckpointManager(store, run_id="hostile", **options) as manager:
+        trainer(manager, True).train()
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()  # a second Trainer's Accelerator takes its plugin
+    with cv.CheckpointManager(store, run_id="hostile", **options) as manager:
+        resumed = trainer(manager, False)
+        resumed.train(resume_from_checkpoint=True, allow_rollback_to=2)
+    info = resumed.restore_info
+    out["info"] = [info.step, info.rolled_back_from]
+    audit = (control / "audit.jsonl").read_text().splitlines()
+    out["audit"] = [json.loads(line).get("event") for line in audit]
+
+
 SCENARIOS: dict[str, Callable[[Path, dict[str, Any]], None]] = {
     "deepspeed-forged": deepspeed_forged,
     "deepspeed-loss-scaler": deepspeed_loss_scaler,
     "fsdp-forged": fsdp_forged,
     "deepspeed-module-state": deepspeed_module_state,
+    "trainer-rollback": trainer_rollback,
 }
 
 
@@ -388,7 +440,8 @@ def main() -> None:
 
         # No shared-memory allreduce op to compile: nothing a checkpoint uses.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        deepspeed.init_distributed("gloo")
+        if not scenario.startswith("trainer"):  # the Trainer sets up its own
+            deepspeed.init_distributed("gloo")
         SCENARIOS[scenario](Path(store), out)
     finally:
         Path(out_dir, f"rank{RANK}.json").write_text(json.dumps(out))

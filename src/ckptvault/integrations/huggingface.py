@@ -102,6 +102,9 @@ class _Resume:
     step: int | None  # None: the newest generation that verifies
     allow_rollback_to: int | None = None
     info: RestoreInfo | None = None
+    # Under an engine: the restore that read the TrainerState first (it applied any
+    # rollback; the weights must come from its generation).
+    first: RestoreInfo | None = None
     optimizer: dict[str, Any] = field(default_factory=dict)
     scheduler: dict[str, Any] = field(default_factory=dict)
     scaler: dict[str, Any] = field(default_factory=dict)
@@ -262,7 +265,8 @@ class CkptvaultTrainer(Trainer):
         """FSDP and DeepSpeed: Trainer reads the TrainerState before it wraps the model, and loads
         the weights after (:meth:`_load_from_checkpoint`). The TrainerState of the
         generation to resume from is written first, and that generation's step
-        pinned, so that the weights come from the same one."""
+        pinned, so that the weights come from the same one (checked); an allowed
+        rollback is applied by this first restore alone."""
         holder: dict[str, Any] = {"trainer_state": {}}
         info = self.checkpoint_manager.restore(
             holder, step=resume.step, allow_rollback_to=resume.allow_rollback_to, strict=False
@@ -274,7 +278,7 @@ class CkptvaultTrainer(Trainer):
             )
         state = _trainer_state(holder["trainer_state"], info.step)
         state.save_to_json(str(Path(resume.directory) / TRAINER_STATE_FILE))
-        resume.step = info.step
+        resume.step, resume.first = info.step, info
 
     def _resuming(self, checkpoint: str | None) -> _Resume | None:
         resume = self._ckptvault_resume
@@ -306,13 +310,24 @@ class CkptvaultTrainer(Trainer):
             "rng": RNGState(),
             "trainer_state": {},
         }
-        info = self.checkpoint_manager.restore(
-            holder, step=resume.step, allow_rollback_to=resume.allow_rollback_to
-        )
+        first = resume.first  # the rollback, if any, is applied once: by the first read
+        rollback = resume.allow_rollback_to if first is None else None
+        info = self.checkpoint_manager.restore(holder, step=resume.step, allow_rollback_to=rollback)
         if info is None:
             raise NoValidCheckpoint(
                 f"{self.checkpoint_manager!r} holds no generation to resume from: train with "
                 "resume_from_checkpoint=None to start fresh"
+            )
+        if first is not None:
+            if info.generation_id != first.generation_id:
+                raise NoValidCheckpoint(
+                    f"the TrainerState was read from generation {first.generation_id} (step "
+                    f"{first.step}) and the weights from {info.generation_id}: the store "
+                    "changed between the two reads (a save of the same step elsewhere?), "
+                    "so this resume stops before training: start it again"
+                )
+            info = dataclasses.replace(
+                info, skipped=first.skipped, rolled_back_from=first.rolled_back_from
             )
         state = _trainer_state(holder["trainer_state"], info.step)
         if sharded is not None:  # the engine built its optimizer already: both load now
