@@ -91,3 +91,14 @@ def test_a_trainer_rollback_under_deepspeed_is_applied_once_and_reported(tmp_pat
     (report,) = _run("trainer-rollback", tmp_path)
     assert report["info"] == [2, 4]  # step 2, rolled back from step 4
     assert report["audit"].count("rollback_allowed") == 1, report["audit"]
+
+
+def test_a_restore_that_finds_nothing_leaves_a_fresh_optimizer_fresh(tmp_path: Path):
+    """Restoring into an engine first gives its optimizer state to fill (a step of
+    learning rate 0, as DCP does): on an empty store Checkpointer.load_state() said
+    None, nothing changed, but the optimizer had taken a step, and every later step's
+    bias correction was another than a fresh run's."""
+    pytest.importorskip("deepspeed")
+    (report,) = _run("empty-store", tmp_path)
+    assert report["accelerate"] == {"info": None, "same": True}
+    assert report["fsdp"] == {"same": True}

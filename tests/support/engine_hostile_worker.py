@@ -422,12 +422,59 @@ def trainer_rollback(store: Path, out: dict[str, Any]) -> None:
     out["audit"] = [json.loads(line).get("event") for line in audit]
 
 
+# -- a restore that finds nothing ----------------------------------------------------
+
+
+def empty_store(store: Path, out: dict[str, Any]) -> None:
+    """Accelerate under DeepSpeed ZeRO-2, and ShardedState over FSDP2: a fresh run
+    that calls ``load_state()`` on an empty store (None: nothing changed) must then
+    train exactly as one that never called it. Reports whether each did."""
+    from accelerate.state import AcceleratorState
+
+    from ckptvault.engines.fsdp import ShardedState
+    from ckptvault.integrations.accelerate import Checkpointer
+    from support.engine_worker import _accelerator, _model
+
+    def accelerate_run(load: bool) -> tuple[Any, dict[str, str]]:
+        AcceleratorState._reset_state()
+        accelerator = _accelerator("zero2")
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        loader = torch.utils.data.DataLoader(torch.zeros(8, 8), batch_size=4)
+        model, optimizer, _ = accelerator.prepare(model, optimizer, loader)
+        info = None
+        if load:
+            with cv.CheckpointManager(store, run_id="hostile") as mgr:
+                info = Checkpointer(accelerator, mgr).load_state()
+        torch.manual_seed(5)  # the same dropout masks
+        deepspeed_train(model, 3, 1)
+        return info, {"state": deepspeed_fingerprint(model)}
+
+    _, fresh = accelerate_run(False)
+    info, loaded = accelerate_run(True)
+    out["accelerate"] = {"info": info, "same": loaded == fresh}
+
+    def fsdp_run(load: bool) -> str:
+        model, optimizer = fsdp_model()
+        if load:
+            sharded = ShardedState(model, optimizer)
+            with cv.CheckpointManager(store.parent / "fsdp", run_id="hostile") as mgr:
+                assert mgr.restore(sharded.template()) is None
+            sharded.discard()
+        for seed in range(3):
+            fsdp_train(model, optimizer, seed)
+        return fsdp_fingerprint(model, optimizer)
+
+    out["fsdp"] = {"same": fsdp_run(True) == fsdp_run(False)}
+
+
 SCENARIOS: dict[str, Callable[[Path, dict[str, Any]], None]] = {
     "deepspeed-forged": deepspeed_forged,
     "deepspeed-loss-scaler": deepspeed_loss_scaler,
     "fsdp-forged": fsdp_forged,
     "deepspeed-module-state": deepspeed_module_state,
     "trainer-rollback": trainer_rollback,
+    "empty-store": empty_store,
 }
 
 
@@ -440,7 +487,7 @@ def main() -> None:
 
         # No shared-memory allreduce op to compile: nothing a checkpoint uses.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        if not scenario.startswith("trainer"):  # the Trainer sets up its own
+        if scenario not in ("trainer-rollback", "empty-store"):  # they set up their own
             deepspeed.init_distributed("gloo")
         SCENARIOS[scenario](Path(store), out)
     finally:

@@ -82,6 +82,7 @@ class DeepSpeedState:
         self._mesh: Any = None
         self._template: dict[str, Any] = {}
         self._layout: dict[str, Any] = {}  # the template's, as it was made
+        self._fresh = False  # whether template() gave the optimizer its first state
 
     # -- what is saved -------------------------------------------------------------
 
@@ -112,6 +113,8 @@ class DeepSpeedState:
         :class:`~ckptvault.state.checked.Checked`: a restore refuses a generation
         whose entries do not fit this engine (:meth:`problems`) before it applies
         anything, and fills the template whole or not at all."""
+        base = self._base()
+        self._fresh = not any(base.state.get(param) for _, param in self._flat())
         self._init_optimizer_state()
         self._link_state()
         keys = self._state_keys()
@@ -128,6 +131,18 @@ class DeepSpeedState:
             part: Checked(value, functools.partial(self._part_problems, part))
             for part, value in self._template.items()
         }
+
+    def discard(self) -> None:
+        """The template will not be applied (the restore found nothing, or raised): an
+        optimizer that had no state before :meth:`template` gets none again, as it
+        was (its zero-step state would shift every later step's bias correction)."""
+        if self._fresh:
+            base = self._base()
+            for _, param in self._flat():
+                base.state.pop(param, None)
+            if hasattr(self.engine.optimizer, "_hp_optimizer_states_linked"):
+                self.engine.optimizer._hp_optimizer_states_linked = False  # at its next step
+        self._fresh, self._template, self._layout = False, {}, {}
 
     def problems(self, state: Mapping[str, Any]) -> list[str]:
         """Why ``state`` (the layout of :meth:`capture`, as a restore filled it) cannot

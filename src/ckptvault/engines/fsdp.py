@@ -59,6 +59,7 @@ class ShardedState:
         self._native: dict[str, Any] = {}
         self._captured: dict[str, Any] = {}
         self._layout: dict[str, Any] = {}  # the template's, as it was made
+        self._fresh = False  # whether capturing gave the optimizer its first state
         self._meshes: dict[Any, Any] = {}
 
     def capture(self) -> dict[str, Any]:
@@ -69,6 +70,7 @@ class ShardedState:
         )
 
         self._native = {"model": get_model_state_dict(self.model)}
+        self._fresh = self.optimizer is not None and not self.optimizer.state
         if self.optimizer is not None:
             self._native["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
         self._captured = {key: self._as_dtensors(value) for key, value in self._native.items()}
@@ -86,6 +88,15 @@ class ShardedState:
             part: Checked(value, functools.partial(self._part_problems, part))
             for part, value in captured.items()
         }
+
+    def discard(self) -> None:
+        """The template will not be applied (the restore found nothing, or raised): an
+        optimizer that had no state before it was captured gets none again (DCP gave
+        it a step of learning rate 0, which would shift every later step's bias
+        correction)."""
+        if self._fresh and self.optimizer is not None:
+            self.optimizer.state.clear()
+        self._fresh, self._native, self._captured, self._layout = False, {}, {}, {}
 
     def problems(self, state: Mapping[str, Any]) -> list[str]:
         """Why ``state`` (the layout of :meth:`capture`) cannot be loaded by DCP's

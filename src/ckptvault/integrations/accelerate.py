@@ -123,8 +123,14 @@ class Checkpointer:
                 "load_state() for the newest that verifies, or load_state(step=N)"
             )
         state = self._state(restoring=True)
-        info = self.manager.restore(state, step=step, allow_rollback_to=allow_rollback_to)
-        if info is not None:
+        try:
+            info = self.manager.restore(state, step=step, allow_rollback_to=allow_rollback_to)
+        except BaseException:
+            self._engine.discard()
+            raise
+        if info is None:
+            self._engine.discard()  # nothing changed: not even a fresh optimizer's state
+        else:
             self._engine.apply()
         # The RNGs were just set to the saved states: read back, they are set again
         # when the resumed pass starts (skip_first_batches).

@@ -11,7 +11,8 @@ the engine that holds them.
   ``optimizer`` and ``deepspeed``.
 
 A restore fills the entries of :meth:`EngineEntries.entries` (``restoring=True``)
-and then :meth:`EngineEntries.apply` loads what it wrote into the engine.
+and then :meth:`EngineEntries.apply` loads what it wrote into the engine; when it
+applies nothing, :meth:`EngineEntries.discard` leaves the engine as it was.
 """
 
 from __future__ import annotations
@@ -61,6 +62,14 @@ class EngineEntries:
         pending, self._pending = self._pending, []
         for state in pending:
             state.apply()
+
+    def discard(self) -> None:
+        """After a restore into :meth:`entries` that applied nothing (an empty store,
+        or a refusal): the engines' optimizers as they were before (see
+        ``DeepSpeedState.discard``)."""
+        pending, self._pending = self._pending, []
+        for state in pending:
+            state.discard()
 
     def _fsdp(self, restoring: bool) -> dict[str, Any]:
         models, optimizers = self.accelerator._models, self.accelerator._optimizers

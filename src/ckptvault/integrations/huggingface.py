@@ -312,12 +312,19 @@ class CkptvaultTrainer(Trainer):
         }
         first = resume.first  # the rollback, if any, is applied once: by the first read
         rollback = resume.allow_rollback_to if first is None else None
-        info = self.checkpoint_manager.restore(holder, step=resume.step, allow_rollback_to=rollback)
-        if info is None:
-            raise NoValidCheckpoint(
-                f"{self.checkpoint_manager!r} holds no generation to resume from: train with "
-                "resume_from_checkpoint=None to start fresh"
+        try:
+            info = self.checkpoint_manager.restore(
+                holder, step=resume.step, allow_rollback_to=rollback
             )
+            if info is None:
+                raise NoValidCheckpoint(
+                    f"{self.checkpoint_manager!r} holds no generation to resume from: train "
+                    "with resume_from_checkpoint=None to start fresh"
+                )
+        except BaseException:
+            if sharded is not None:  # the engine's optimizer as it was
+                sharded.discard()
+            raise
         if first is not None:
             if info.generation_id != first.generation_id:
                 raise NoValidCheckpoint(
