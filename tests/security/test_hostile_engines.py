@@ -102,3 +102,18 @@ def test_a_restore_that_finds_nothing_leaves_a_fresh_optimizer_fresh(tmp_path: P
     (report,) = _run("empty-store", tmp_path)
     assert report["accelerate"] == {"info": None, "same": True}
     assert report["fsdp"] == {"same": True}
+
+
+def test_a_forged_lightning_fsdp2_generation_is_refused_before_anything_is_applied(
+    tmp_path: Path,
+):
+    """CkptvaultModelParallelStrategy restores into the module's own DTensors and DCP's
+    optimizer state: a string lr was loaded (the next step failed with TypeError), an
+    optimizer state too many failed zip() after the weights were set."""
+    pytest.importorskip("lightning")
+    (report,) = _run("lightning-forged", tmp_path)
+    for attack in ("lr a string", "an optimizer too many"):
+        assert report[attack]["error"].startswith("ckptvault.errors.StateMismatchError"), report[
+            attack
+        ]["error"]
+        assert report[attack]["untouched"], attack

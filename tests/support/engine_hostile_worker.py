@@ -468,6 +468,63 @@ def empty_store(store: Path, out: dict[str, Any]) -> None:
     out["fsdp"] = {"same": fsdp_run(True) == fsdp_run(False)}
 
 
+# -- Lightning's ModelParallelStrategy (FSDP2) --------------------------------------
+
+
+def lightning_forged(store: Path, out: dict[str, Any]) -> None:
+    """A one-rank FSDP2 fit through ``CkptvaultModelParallelStrategy`` saves at step
+    2; fits resumed from edited copies of its generation must be refused before the
+    module's weights (the templates' tensors are its own) or optimizer change."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ckptvault.integrations.lightning import CkptvaultCheckpointIO
+    from ckptvault.integrations.lightning_strategies import CkptvaultModelParallelStrategy
+    from support.lightning_worker import Regression, hexed
+
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    ckpt = store.parent / "ckpt"
+
+    def fit(module: Any, path: Path, resume: bool) -> None:
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=4 if resume else 2,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            strategy=CkptvaultModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1),
+            plugins=[CkptvaultCheckpointIO(str(path), run_id="hostile")],
+            callbacks=[ModelCheckpoint(dirpath=str(ckpt), save_last=True, every_n_train_steps=2)],
+        )
+        loader = torch.utils.data.DataLoader(data, batch_size=4)
+        trainer.fit(module, loader, ckpt_path=str(ckpt / "last.ckpt") if resume else None)
+
+    torch.manual_seed(0)
+    fit(Regression(True), store, False)
+    attacks: dict[str, Edit] = {
+        "lr a string": lambda s: put(
+            get(get(s["lightning"], "optimizer_states")[0], "param_groups")[0], "lr", "abc"
+        ),
+        "an optimizer too many": lambda s: get(s["lightning"], "optimizer_states").append(
+            copy.deepcopy(get(s["lightning"], "optimizer_states")[0])
+        ),
+    }
+    for name, edit in attacks.items():
+        torch.manual_seed(0)
+        module = Regression(True)
+        initial = {key: hexed(value) for key, value in module.net.state_dict().items()}
+        try:
+            fit(module, forged(store, name.replace(" ", "-"), edit), True)
+            error = "ok"
+        except Exception as exc:
+            error = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+        weights = {key: hexed(value) for key, value in module.net.state_dict().items()}
+        # (The optimizer got its first state from DCP when the template was made: the
+        # fit stops here, so that is left alone.)
+        out[name] = {"error": error, "untouched": weights == initial}
+
+
 SCENARIOS: dict[str, Callable[[Path, dict[str, Any]], None]] = {
     "deepspeed-forged": deepspeed_forged,
     "deepspeed-loss-scaler": deepspeed_loss_scaler,
@@ -475,6 +532,7 @@ SCENARIOS: dict[str, Callable[[Path, dict[str, Any]], None]] = {
     "deepspeed-module-state": deepspeed_module_state,
     "trainer-rollback": trainer_rollback,
     "empty-store": empty_store,
+    "lightning-forged": lightning_forged,
 }
 
 
@@ -487,7 +545,7 @@ def main() -> None:
 
         # No shared-memory allreduce op to compile: nothing a checkpoint uses.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        if scenario not in ("trainer-rollback", "empty-store"):  # they set up their own
+        if scenario not in ("trainer-rollback", "empty-store", "lightning-forged"):  # their own
             deepspeed.init_distributed("gloo")
         SCENARIOS[scenario](Path(store), out)
     finally:

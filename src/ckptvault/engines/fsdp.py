@@ -27,7 +27,7 @@ import torch
 from ckptvault.errors import StateMismatchError, UsageError
 from ckptvault.state.checked import Checked, layout_problems, skeleton
 
-__all__ = ["ShardedState", "fsdp_version"]
+__all__ = ["ShardedState", "fsdp_version", "optimizer_problems"]
 
 
 def fsdp_version(model: torch.nn.Module) -> int | None:
@@ -116,21 +116,9 @@ class ShardedState:
         its layout (:func:`~ckptvault.state.checked.layout_problems`), and each
         optimizer parameter group naming the live group's parameters."""
         template = self._layout[part]
-        problems = layout_problems(template, saved, "", complete=False)
-        if part != "optimizer" or problems:
-            return problems
-        for index, (live, group) in enumerate(
-            zip(template["param_groups"], saved["param_groups"], strict=True)
-        ):
-            names = group.get("params")
-            if sorted(map(str, names)) != sorted(live["params"]) or len(set(names)) != len(names):
-                problems.append(
-                    f"['param_groups'][{index}]['params']: the checkpoint's group holds "
-                    f"{len(names)} parameters ({', '.join(map(repr, names[:3]))}"
-                    f"{', ...' if len(names) > 3 else ''}), not the live group's "
-                    f"{len(live['params'])}: build the optimizer the run was saved with"
-                )
-        return problems
+        if part == "optimizer":
+            return optimizer_problems(template, saved, "")
+        return layout_problems(template, saved, "", complete=False)
 
     def apply(self, restored: Mapping[str, Any] | None = None) -> None:
         """Load ``restored`` into the model and optimizer: by default the last
@@ -192,6 +180,27 @@ class ShardedState:
         return DTensor.from_local(
             local, mesh, [Shard(0)], run_check=False, shape=size, stride=contiguous
         )
+
+
+def optimizer_problems(layout: Any, saved: Any, where: str) -> list[str]:
+    """Why ``saved`` cannot be loaded by ``set_optimizer_state_dict`` as the optimizer
+    state ``layout`` (DCP's form, :func:`~ckptvault.state.checked.skeleton`) is: its
+    layout, and each parameter group naming the live group's parameters."""
+    problems = layout_problems(layout, saved, where, complete=False)
+    if problems:
+        return problems
+    for index, (live, group) in enumerate(
+        zip(layout["param_groups"], saved["param_groups"], strict=True)
+    ):
+        names = group.get("params")
+        if sorted(map(str, names)) != sorted(live["params"]) or len(set(names)) != len(names):
+            problems.append(
+                f"{where}['param_groups'][{index}]['params']: the checkpoint's group holds "
+                f"{len(names)} parameters ({', '.join(map(repr, names[:3]))}"
+                f"{', ...' if len(names) > 3 else ''}), not the live group's "
+                f"{len(live['params'])}: build the optimizer the run was saved with"
+            )
+    return problems
 
 
 def _check_chunked(sharded: Any, world: int) -> None:

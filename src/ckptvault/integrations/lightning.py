@@ -43,6 +43,7 @@ loads its own part collectively (:mod:`ckptvault.integrations.lightning_ranks`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections import OrderedDict
@@ -57,6 +58,7 @@ from lightning.fabric.utilities.types import _PATH
 from ckptvault.config import validate_step
 from ckptvault.coordinator import Coordinator, SingleProcess
 from ckptvault.durable import fsync_directory
+from ckptvault.engines.fsdp import optimizer_problems
 from ckptvault.errors import (
     NoValidCheckpoint,
     SaveFailedError,
@@ -75,8 +77,10 @@ from ckptvault.integrations.lightning_pointers import (
 from ckptvault.integrations.lightning_prune import LightningPruner
 from ckptvault.integrations.lightning_ranks import OWN, agree, own_part, put_back, shared_part
 from ckptvault.manager import CheckpointManager, RestoreInfo
+from ckptvault.state.checked import Checked, layout_problems, skeleton
 from ckptvault.state.codec import Encoder, KeyPath
 from ckptvault.state.codec_names import format_path
+from ckptvault.state.ranks import unwrap
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -274,7 +278,9 @@ class CkptvaultCheckpointIO(CheckpointIO):
                 pointer.store,
                 manager.store.location,
             )
-        state: dict[str, Any] = {CHECKPOINT: dict(into or {}), MODULE_METADATA: None}
+        entry = dict(into or {})  # templates to fill: checked before anything is applied
+        checked = Checked(entry, functools.partial(_into_problems, skeleton(entry)))
+        state: dict[str, Any] = {CHECKPOINT: checked if into else entry, MODULE_METADATA: None}
         info = self._restore_ranked(state, target, pointer)
         if info is None:
             raise NoValidCheckpoint(
@@ -295,7 +301,7 @@ class CkptvaultCheckpointIO(CheckpointIO):
                 info.step,
                 "generation" if is_last_pointer(target) else f"of step {pointer.step}",
             )
-        checkpoint: dict[str, Any] = state[CHECKPOINT]
+        checkpoint: dict[str, Any] = unwrap(state[CHECKPOINT])
         own = state[OWN].value if OWN in state else None
         # Saved by more ranks (its per-rank parts reset) or by one process (none).
         resharded = OWN in info.reset or (manager.coordinator.world_size > 1 and own is None)
@@ -420,6 +426,30 @@ def _saved_state(checkpoint: dict[str, Any], ranks: Coordinator) -> dict[str, An
         MODULE_METADATA: plain,
         OWN: own_part(checkpoint),
     }
+
+
+def _into_problems(layout: dict[str, Any], saved: Any) -> list[str]:
+    """Why the saved checkpoint dict cannot fill the templates a strategy restores in
+    place (``into``: the sharded ``state_dict`` and ``optimizer_states`` that DCP's
+    setters load next; their tensors are the live model's and optimizer's own)."""
+    if not isinstance(saved, Mapping):
+        return [f": the checkpoint holds {type(saved).__name__}, not Lightning's dict"]
+    problems = []
+    if "state_dict" in layout:
+        weights = saved.get("state_dict")
+        problems += layout_problems(layout["state_dict"], weights, "['state_dict']", complete=False)
+    if "optimizer_states" in layout:
+        live, states = layout["optimizer_states"], saved.get("optimizer_states")
+        if not isinstance(states, list) or len(states) != len(live):
+            shown = f"{len(states)}" if isinstance(states, list) else type(states).__name__
+            return [
+                *problems,
+                f"['optimizer_states']: the checkpoint holds {shown}, the strategy "
+                f"{len(live)} optimizers: configure the optimizers the run was saved with",
+            ]
+        for index, (optimizer, state) in enumerate(zip(live, states, strict=True)):
+            problems += optimizer_problems(optimizer, state, f"['optimizer_states'][{index}]")
+    return problems
 
 
 def _distributed() -> bool:
