@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import warnings
@@ -159,7 +160,10 @@ def test_a_full_memory_tier_skips_its_copies_and_training_goes_on(tmp_path: Path
     model = torch.nn.Linear(512, 512)  # 1 MiB of weights: more than the tier holds
     with mounted_tmpfs(tmp_path / "small", "size=1m,mode=0700") as memory:
         tier = cv.MemoryTier(path=memory, keep=1, durable_every=2)
-        manager = cv.CheckpointManager(tmp_path / "store", run_id="full", memory_tier=tier)
+        catalog = tmp_path / "catalog.sqlite3"
+        manager = cv.CheckpointManager(
+            tmp_path / "store", run_id="full", memory_tier=tier, catalog=catalog
+        )
         with manager as mgr, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             handles = [mgr.save(step, {"model": model}, blocking=True) for step in (1, 2, 3, 4)]
@@ -171,6 +175,10 @@ def test_a_full_memory_tier_skips_its_copies_and_training_goes_on(tmp_path: Path
         assert sum("no room" in str(w.message) for w in caught) == 4
         assert _steps(memory) == []
     assert _steps(tmp_path / "store") == [2, 4]
+    with sqlite3.connect(catalog) as db:  # each skip is an attempt in the catalog
+        query = "SELECT step, error_type FROM saves WHERE ok = 0 ORDER BY step"
+        rows = db.execute(query).fetchall()
+    assert rows == [(step, "MemorySkipped") for step in (1, 2, 3, 4)]
 
 
 def test_async_saves_go_to_memory_and_every_second_to_the_store(tmp_path: Path):

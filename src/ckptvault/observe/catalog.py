@@ -31,6 +31,7 @@ from ckptvault.errors import CheckpointError
 from ckptvault.events import (
     Deleted,
     Event,
+    MemorySkipped,
     Published,
     Refused,
     Replicated,
@@ -133,6 +134,10 @@ class Catalog(CatalogFile):
         elif isinstance(event, SaveFailed):
             with self.transaction() as db:
                 db.execute(_INSERT_SAVE, _save_row(event, at))
+        elif isinstance(event, MemorySkipped):  # an attempt the memory tier had no room for
+            row = (event.run_id, event.store, event.step, None, 0, 0.0, 0.0, "{}", at, 0)
+            with self.transaction() as db:
+                db.execute(_INSERT_SAVE, (*row, "MemorySkipped", event.reason))
         elif isinstance(event, (Restored, Refused)):
             with self.transaction() as db:
                 db.execute(_INSERT_RESTORE, _restore_row(event, at))

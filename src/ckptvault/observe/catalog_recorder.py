@@ -24,6 +24,7 @@ from ckptvault.events import (
     Deleted,
     Event,
     EventBus,
+    MemorySkipped,
     Published,
     Refused,
     Replicated,
@@ -37,7 +38,16 @@ from ckptvault.trust.ledger import default_ledger_path
 
 logger = logging.getLogger("ckptvault")
 
-RECORDED = (Published, SaveFailed, Restored, Refused, Replicated, Deleted, Validated)
+RECORDED = (
+    Published,
+    SaveFailed,
+    MemorySkipped,
+    Restored,
+    Refused,
+    Replicated,
+    Deleted,
+    Validated,
+)
 CatalogOption = str | os.PathLike[str] | bool | None
 
 
