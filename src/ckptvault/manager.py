@@ -22,6 +22,7 @@ from ckptvault.assembly import ManagerOptions, assemble
 from ckptvault.config import validate_step
 from ckptvault.distributed.messages import any_rank
 from ckptvault.errors import UsageError
+from ckptvault.memory.writer import TieredWriter
 from ckptvault.restoring.lineage import LINEAGE
 from ckptvault.restoring.restorer import RestoreInfo
 from ckptvault.restoring.selector import SkippedGeneration
@@ -149,9 +150,14 @@ class CheckpointManager:
         *,
         include_grads: bool = False,
         strict: bool = False,
+        durable: bool = False,
     ) -> SaveHandle:
         """Save ``state`` as a new generation of ``step``; ``metrics`` (name -> finite
         number, e.g. ``{"val_loss": 0.3}``) are recorded in its manifest.
+
+        With a memory tier, ``durable=True`` sends this save to the store too, whatever
+        ``durable_every`` says (a preemption's final save always goes there); without
+        one every save is durable.
 
         Synchronous (the default unless ``async_save=True``): the generation is durable
         when this returns. Asynchronous (``blocking=False``): returns as soon as the
@@ -174,6 +180,8 @@ class CheckpointManager:
             raise self._final_save(step, state, recorded)
         self._scheduler.raise_background_error()
         blocking = not self.config.async_save if blocking is None else blocking
+        if durable and isinstance(self._writer, TieredWriter):
+            self._writer.make_durable(step)
         return self._submit(step, state, blocking, time.perf_counter(), recorded)
 
     def _submit(
@@ -228,6 +236,8 @@ class CheckpointManager:
             self._scheduler.raise_background_error()
         except Exception as exc:  # already lost: say so, but still save what is here now
             logger.error("a background save failed before the preemption: %s", exc)
+        if isinstance(self._writer, TieredWriter):  # the node may not come back
+            self._writer.make_durable(step)
         return self._preemption.final_save(
             step,
             self._scheduler.drain,

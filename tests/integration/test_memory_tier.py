@@ -205,6 +205,23 @@ def test_async_saves_go_to_memory_and_every_second_to_the_store(tmp_path: Path):
     assert torch.equal(fresh.weight, torch.full((32, 32), 5.0))
 
 
+def test_a_durable_save_and_a_preempted_job_s_final_save_reach_the_store(tmp_path: Path):
+    import signal
+
+    model = torch.nn.Linear(8, 8)
+    tier = cv.MemoryTier(path=tmp_path / "memory", keep=1, durable_every=100)
+    with cv.CheckpointManager(
+        tmp_path / "store", run_id="d", memory_tier=tier, save_on_signal=(signal.SIGUSR1,)
+    ) as mgr:
+        mgr.save(1, {"model": model})
+        mgr.save(2, {"model": model}, durable=True)
+        mgr.save(3, {"model": model})
+        os.kill(os.getpid(), signal.SIGUSR1)  # the scheduler's notice
+        with pytest.raises(cv.Preempted):
+            mgr.save(4, {"model": model})
+    assert _steps(tmp_path / "store") == [2, 4]  # the asked-for one and the final one
+
+
 def test_the_memory_directory_must_be_private(tmp_path: Path):
     open_dir = tmp_path / "open"
     open_dir.mkdir(mode=0o777)

@@ -59,6 +59,7 @@ class TieredWriter:
         self._copies: dict[str, GenerationInfo] = {}
         self._direct: set[str] = set()  # generation ids written to the store directly
         self.durable_ids: set[str] = set()  # generation ids copied into the store
+        self._forced: set[int] = set()  # steps whose save must reach the store
 
     # The generation last saved or restored, and the contract: both writers' own.
     @property
@@ -79,7 +80,8 @@ class TieredWriter:
         """One save: into memory (unless it does not fit), and on every
         ``durable_every``-th into the store. None when nothing was written."""
         self.saves += 1
-        durable = self.saves % self.tier.durable_every == 0
+        durable = self.saves % self.tier.durable_every == 0 or step in self._forced
+        self._forced.discard(step)
         written = self._write_memory(step, captured, metrics)
         if written is None:
             if not durable:
@@ -105,6 +107,10 @@ class TieredWriter:
             self.keeper.apply_now()  # and deletes it now (delete_delay=0): memory is scarce
         if copy is not None:
             self.durable.announce(replace(written, info=copy))
+
+    def make_durable(self, step: int) -> None:
+        """The save of ``step`` (about to be submitted) goes to the store too."""
+        self._forced.add(step)
 
     def in_store(self, generation_id: str) -> bool:
         """Whether the store holds a copy of this memory generation (this manager's
