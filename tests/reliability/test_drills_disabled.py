@@ -250,3 +250,20 @@ def test_supervised_restart_fails_without_restarts(context, tmp_path, monkeypatc
     result = run(context, "supervised-restart", tmp_path)
     assert result.passed is False, result
     assert "1 attempt" in result.observed
+
+
+def test_node_loss_passes_and_fails_when_restore_passes_over_memory(
+    context, tmp_path, monkeypatch
+) -> None:
+    result = run(context, "node-loss", tmp_path / "with")
+    assert result.passed is True, result
+    assert result.timings["memory_recovery"] > 0 and result.timings["store_recovery"] > 0
+    from ckptvault.restoring import restorer
+
+    original = restorer.Restorer.__init__
+
+    def without_memory(self, *args, memory_tiers=(), **kwargs):  # type: ignore[no-untyped-def]
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(restorer.Restorer, "__init__", without_memory)
+    assert run(context, "node-loss", tmp_path / "without").passed is False

@@ -13,10 +13,17 @@ from ckptvault.ops.drills.base import Drill, DrillResult
 from ckptvault.ops.drills.context import DrillContext
 from ckptvault.ops.drills.crash import CRASH_DRILLS
 from ckptvault.ops.drills.damage import DAMAGE_DRILLS
+from ckptvault.ops.drills.memory import MEMORY_DRILLS
 from ckptvault.ops.drills.storage import STORAGE_DRILLS
 from ckptvault.ops.drills.trust_drills import TRUST_DRILLS
 
-ALL_DRILLS: tuple[Drill, ...] = (*DAMAGE_DRILLS, *TRUST_DRILLS, *STORAGE_DRILLS, *CRASH_DRILLS)
+ALL_DRILLS: tuple[Drill, ...] = (
+    *DAMAGE_DRILLS,
+    *TRUST_DRILLS,
+    *STORAGE_DRILLS,
+    *MEMORY_DRILLS,
+    *CRASH_DRILLS,
+)
 DRILL_NAMES = tuple(drill.name for drill in ALL_DRILLS)
 
 
