@@ -10,6 +10,7 @@ details; a new feature is a new part or an event subscriber.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -295,9 +296,13 @@ class CheckpointManager:
         """
         self._check_open()
         options = ApplyOptions(rename=rename, strict_dtypes=strict_dtypes, strict_env=strict_env)
+        # A memory tier on several nodes: each node first fetches what its peers hold.
+        fetched = self._writer.before_restore() if isinstance(self._writer, TieredWriter) else set()
         info = self._restorer.restore(
             state, step, strict, allow_contract_change, allow_rollback_to, options
         )
+        if info is not None and info.source == "memory" and info.generation_id in fetched:
+            info = dataclasses.replace(info, source="peer")
         if info is not None:
             self._writer.parent = info.generation_id
             if info.lineage is not None:  # a warm-started run keeps saying where it began

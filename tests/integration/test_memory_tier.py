@@ -300,6 +300,65 @@ def test_two_ranks_on_one_node_share_its_memory_tier(tmp_path: Path):
         assert (report["step"], report["source"], report["weight_exact"]) == (2, "store", True)
 
 
+@pytest.mark.parametrize("trust", ["plain", "signed+encrypted"])
+def test_four_ranks_on_two_nodes_survive_the_loss_of_a_node(
+    tmp_path: Path, trust: str, monkeypatch: pytest.MonkeyPatch
+):
+    """4 gloo ranks as 2 nodes (CKPTVAULT_NODE), memory every step, the store every
+    5th, every rank SIGKILLed at step 13; signed and encrypted with a ledger too
+    (each restore starts from the ledger the save left: a restore raises the floor)."""
+    from support.multirank import launch
+
+    store = tmp_path / "store"
+    ledger, audit = tmp_path / "ledger.db", tmp_path / "audit.log"
+    if trust != "plain":
+        generate_keypair(tmp_path / "key.pem", tmp_path / "key.pub")
+        monkeypatch.setenv("TEST_KEYSTORE", str(tmp_path / "keys"))
+        monkeypatch.setenv("TEST_SIGNING_KEY", str(tmp_path / "key.pem"))
+        monkeypatch.setenv("TEST_TRUSTED_KEY", str(tmp_path / "key.pub"))
+        monkeypatch.setenv("TEST_LEDGER", str(ledger))
+        monkeypatch.setenv("TEST_AUDIT_LOG", str(audit))
+    node_a, node_b = Path(f"{store}-memory-A"), Path(f"{store}-memory-B")
+    codes, reports = launch("nodes_save", store, 4, tmp_path / "save")
+    assert codes == [-9] * 4, [r["log"][-2000:] for r in reports]
+    assert _steps(store) == [5, 10]
+    assert _steps(node_a) == _steps(node_b) == [12, 13]  # rank 0's node, and its peer
+    saved_a, saved_b = _copy_of({"memory": node_a, "root": tmp_path}, "a0"), None
+    saved_b = _copy_of({"memory": node_b, "root": tmp_path}, "b0")
+
+    def restore(name: str) -> list[tuple[int, str, bool]]:
+        if trust != "plain":  # this restore's own copy of the ledger the save left
+            for saved, variable in ((ledger, "TEST_LEDGER"), (audit, "TEST_AUDIT_LOG")):
+                own = tmp_path / f"{name}-{saved.name}"
+                shutil.copyfile(saved, own)
+                monkeypatch.setenv(variable, str(own))
+        codes, reports = launch("nodes_restore", store, 4, tmp_path / name)
+        assert codes == [0] * 4, [r["log"][-2000:] for r in reports]
+        return [(r["step"], r["source"], r["weight_exact"]) for r in reports]
+
+    def reset(a: bool, b: bool) -> None:
+        for live, saved, keep in ((node_a, saved_a, a), (node_b, saved_b, b)):
+            shutil.rmtree(live, ignore_errors=True)
+            if keep:
+                shutil.copytree(saved, live, symlinks=True)
+
+    reset(a=True, b=False)  # node B is lost: its ranks fetch step 13 from node A
+    assert restore("lose-b") == [(13, "memory", True)] * 2 + [(13, "peer", True)] * 2
+    reset(a=False, b=True)  # node A is lost: from B's copy
+    assert restore("lose-a") == [(13, "peer", True)] * 2 + [(13, "memory", True)] * 2
+    reset(a=True, b=False)  # B lost, and one byte of A's copy of step 13 changed
+    newest = sorted(node_a.glob("step-*"))[-1]
+    [tensors] = sorted(newest.glob("*.safetensors*"))[:1]  # ".enc" when encrypted
+    tensors.chmod(0o644)
+    data = bytearray(tensors.read_bytes())
+    data[-1] ^= 1
+    tensors.write_bytes(bytes(data))
+    results = restore("corrupt")
+    assert [r[0] for r in results] == [12] * 4 and all(r[2] for r in results)
+    reset(a=False, b=False)  # both nodes lost: the store's step 10
+    assert restore("lose-both") == [(10, "store", True)] * 4
+
+
 def test_memory_tier_settings_are_checked():
     with pytest.raises(UsageError, match="durable_every"):
         cv.MemoryTier(durable_every=0)

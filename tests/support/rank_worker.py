@@ -56,6 +56,11 @@ def manager(store: str, **options: Any) -> cv.CheckpointManager:
     keystore = os.environ.get("TEST_KEYSTORE")  # an encrypted run, when set
     if keystore:
         options["keystore"] = keystore
+    signing = os.environ.get("TEST_SIGNING_KEY")  # a signed run, when set
+    if signing:
+        options.update(signing_key=signing, trusted_keys=[os.environ["TEST_TRUSTED_KEY"]])
+    if os.environ.get("TEST_LEDGER"):
+        options.update(ledger=os.environ["TEST_LEDGER"], audit_log=os.environ["TEST_AUDIT_LOG"])
     return cv.CheckpointManager(store, run_id="job", collective_timeout_s=20, **options)
 
 
@@ -378,6 +383,37 @@ def memory_restore(store: str, out: dict[str, Any]) -> None:
     )
 
 
+def node_tier(store: str) -> cv.MemoryTier:
+    """Two simulated nodes: ranks 0-1 on A, the rest on B, each with its own memory
+    directory beside the store."""
+    node = "A" if RANK < 2 else "B"
+    os.environ["CKPTVAULT_NODE"] = node
+    return cv.MemoryTier(path=f"{store}-memory-{node}", keep=1, durable_every=5, peers=1)
+
+
+def nodes_save(store: str, out: dict[str, Any]) -> None:
+    """Steps 1..13 into memory (every 5th into the store), then SIGKILL."""
+    torch.manual_seed(100 + RANK)
+    mgr = manager(store, memory_tier=node_tier(store))
+    for step in range(1, 14):
+        mgr.save(step, state_of(step), blocking=True)
+    Path(sys.argv[3], f"rank{RANK}.json").write_text(json.dumps(out))
+    os.kill(os.getpid(), signal.SIGKILL)  # every rank, at step 13
+
+
+def nodes_restore(store: str, out: dict[str, Any]) -> None:
+    live = {"model": {"w": sharded(torch.zeros(ROWS, COLS)), "b": torch.zeros(3)}}
+    with manager(store, memory_tier=node_tier(store)) as mgr:
+        info = mgr.restore(live, strict=False)
+    assert info is not None
+    out.update(
+        step=info.step,
+        source=info.source,
+        weight_exact=bool(torch.equal(full_of(live["model"]["w"]), weight(info.step))),
+        skipped=[s.step for s in info.skipped],
+    )
+
+
 SCENARIOS = {
     "save": save,
     "per_rank_entries": per_rank_entries,
@@ -396,6 +432,8 @@ SCENARIOS = {
     "restore_recording_reads": recording_reads(restore),
     "memory_save": memory_save,
     "memory_restore": memory_restore,
+    "nodes_save": nodes_save,
+    "nodes_restore": nodes_restore,
 }
 
 

@@ -74,6 +74,11 @@ class CollectiveSave:
         try:
             area = self._join(generation_id)
             tensors = self._write_tensors(area, generation_id, captured)
+            # A memory tier on several nodes: the files go to rank 0's node first
+            # (ckptvault.memory.nodes); a failure raises on every rank alike.
+            ship = getattr(self.store, "ship_to_coordinator", None)
+            if ship is not None:
+                ship(area, tensors.own_files)
             handed_over = True
             gathered = self._gather(captured, tensors)
             mismatches = self._check_replicas(gathered, step)

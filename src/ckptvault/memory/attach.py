@@ -6,7 +6,8 @@ from typing import Any
 
 from ckptvault.errors import UsageError
 from ckptvault.events import Deleted, Event, EventBus, Marked, Unmarked
-from ckptvault.memory.tier import MemoryTier, node_name, single_node, tier_directory
+from ckptvault.memory.nodes import NodeMemoryStore
+from ckptvault.memory.tier import MemoryTier, node_name, tier_directory
 from ckptvault.memory.writer import TieredWriter
 from ckptvault.retention.keeper import RetentionKeeper
 from ckptvault.retention.policy import Retention
@@ -21,11 +22,17 @@ def attach_memory_tier(
 ) -> tuple[TieredWriter, Store]:
     """The writer that saves into ``tier`` and every ``durable_every``-th time into
     ``run``'s store through ``writer``, and the tier's store (restore reads it first).
-    Every rank calls it (the ranks agree they share one node)."""
+    Every rank calls it; on several nodes each has its own directory
+    (:mod:`ckptvault.memory.nodes`)."""
     if not isinstance(tier, MemoryTier):
         raise UsageError(f"memory_tier must be a ckptvault.MemoryTier, got {type(tier)!r}")
-    single_node(run.coordinator.all_gather(node_name()))
-    store = open_store(str(tier_directory(tier, run.run_id)))
+    nodes = [str(node) for node in run.coordinator.all_gather(node_name())]
+    directory = tier_directory(tier, run.run_id)
+    store: Store = (
+        NodeMemoryStore(directory, nodes, run.coordinator)
+        if len(set(nodes)) > 1
+        else open_store(str(directory))
+    )
     memory_run = RunContext(store, run.run_id, run.trust, run.coordinator, run.events)
     memory = GenerationWriter(memory_run, writer.contract, writer.settings, writer.collective)
     # The keeper's marks and deletions concern the memory tier alone (see MemoryLedger).

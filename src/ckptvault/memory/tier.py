@@ -138,15 +138,3 @@ def _check_private(path: Path) -> None:
             f"the memory tier's directory {path} {problem}: anyone who can write there "
             "can plant generations. Remove it, or give MemoryTier(path=...) a private one"
         )
-
-
-def single_node(nodes: list[str]) -> None:
-    """Refuse a job whose ranks run on more than one node (``nodes``: every rank's):
-    copies across nodes (``peers``) are not built yet."""
-    distinct = sorted(set(nodes))
-    if len(distinct) > 1:
-        raise UsageError(
-            f"the memory tier's copies across nodes are not built yet; this job's ranks run "
-            f"on {len(distinct)} nodes ({', '.join(distinct[:4])}): run without memory_tier=, "
-            "or on one node"
-        )

@@ -21,11 +21,13 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptvault.errors import SaveFailedError, StorageFullError
 from ckptvault.events import MemorySkipped
 from ckptvault.format.layout import GenerationName
+from ckptvault.memory.nodes import NodeMemoryStore, complete_locally, copy_to_peers
 from ckptvault.replication.replicator import copy_generation, find_generation
 from ckptvault.storage.listing import GenerationInfo
 from ckptvault.trust.checks import TrustPolicy
@@ -90,9 +92,38 @@ class TieredWriter:
             self._direct.add(direct.info.generation_id)
             return direct
         self.durable.parent = self.memory.parent
+        if isinstance(self.memory.store, NodeMemoryStore):
+            self._to_peers(self.memory.store, written)
         if durable:
             self._copy(written)
         return written
+
+    def _to_peers(self, store: NodeMemoryStore, written: WrittenGeneration) -> None:
+        """Several nodes: copies on ``peers`` other nodes, and each node's memory kept
+        to ``keep`` (a failed copy is a warning: fewer copies, the save stands)."""
+        info = written.info
+        dirname = Path(info.path).name if self.coordinator.is_coordinator else None
+        errors, name = copy_to_peers(store, dirname, self.tier.peers)
+        if errors and self.coordinator.is_coordinator:
+            logger.warning(
+                "step %d is in memory on fewer nodes than peers=%d asks: %s",
+                info.step,
+                self.tier.peers,
+                "; ".join(errors)[:2000],
+            )
+        leading = store.leaders()[store.node] == store.coordinator.rank
+        if leading and not self.coordinator.is_coordinator:  # rank 0's: by announce()
+            if name is not None and not errors:
+                # A copy of what rank 0 just published: it counts as this keeper's own.
+                self.keeper.collector.known[name] = True
+            self.keeper.apply_now()
+
+    def before_restore(self) -> set[str]:
+        """Collective, before a restore: on several nodes, each fetches from its peers
+        the generations it lacks (:func:`complete_locally`); the ids it fetched."""
+        if isinstance(self.memory.store, NodeMemoryStore):
+            return complete_locally(self.memory.store)
+        return set()
 
     def announce(self, written: WrittenGeneration) -> None:
         """Publish events for the memory generation and its store copy, then keep the

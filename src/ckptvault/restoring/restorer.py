@@ -81,8 +81,8 @@ class RestoreInfo:
     # step the run was rolled back from (the previous floor, or the newest newer
     # generation that verified); None when nothing newer was gone back over.
     rolled_back_from: int | None = None
-    # Where the bytes came from: "memory" (this node's memory tier) or "store" (the
-    # store or one of its tiers).
+    # Where the bytes came from: "memory" (this node's memory tier), "peer" (a memory
+    # generation this node fetched from another's) or "store" (the store, its tiers).
     source: str = "store"
 
 
