@@ -119,7 +119,8 @@ class CheckpointManager:
         memory_tier: a :class:`~ckptvault.MemoryTier`: every save goes to a node-local
             directory on tmpfs, every ``durable_every``-th also to this store (a
             verified copy of the same generation); restore tries memory first
-            (``RestoreInfo.source``). One node for now (:mod:`ckptvault.memory`).
+            (``RestoreInfo.source``: "memory", "peer" or "store"); on several nodes
+            each keeps copies of others' (``peers``; :mod:`ckptvault.memory`).
     """
 
     def __init__(self, directory: StoreLocation, **options: Unpack[ManagerOptions]) -> None:

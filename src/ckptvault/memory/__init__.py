@@ -4,5 +4,6 @@
 A memory generation is an ordinary generation of an ordinary POSIX store that lives
 in memory (``/dev/shm``): the same two-level manifest, signed when the run signs,
 MAC'd when it encrypts, recorded in the ledger's published table, and verified byte
-for byte before anything is applied. See :class:`~ckptvault.memory.tier.MemoryTier`.
+for byte before anything is applied. See :class:`~ckptvault.memory.tier.MemoryTier`;
+a job on several nodes: :mod:`ckptvault.memory.nodes`.
 """

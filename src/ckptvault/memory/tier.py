@@ -37,8 +37,8 @@ class MemoryTier:
     """A memory tier for ``CheckpointManager(..., memory_tier=MemoryTier(...))``.
 
     ``path``: the node-local directory (on tmpfs); None for
-    ``/dev/shm/ckptvault-<uid>/<run id>/<node>``. ``peers``: copies of each rank's
-    files kept on other nodes (a job on one node has none to keep). ``keep``: newest
+    ``/dev/shm/ckptvault-<uid>/<run id>/<node>``. ``peers``: other nodes that keep a
+    copy of each generation besides rank 0's (a job on one node has none). ``keep``: newest
     generations kept in memory (and, as retention always keeps one, an older verified
     fallback). ``durable_every``: every that-many-th save also goes
     to the store (and its tiers); the others live in memory only."""
