@@ -359,6 +359,18 @@ def test_four_ranks_on_two_nodes_survive_the_loss_of_a_node(
     assert restore("lose-both") == [(10, "store", True)] * 4
 
 
+def test_ckptvault_status_shows_this_node_s_memory_tier(killed: dict):
+    memory = _copy_of(killed, "m5")
+    command = [sys.executable, "-m", "ckptvault", "status", str(killed["root"] / "store")]
+    command += ["--memory-path", str(memory), "--ledger", killed["trust"]["ledger"]]
+    piped = subprocess.run(command, capture_output=True, text=True)
+    [line] = [line for line in piped.stdout.splitlines() if line.startswith("memory")]
+    assert line.split()[:5] == ["memory", "(this", "node)", "step", "13,"], piped.stdout
+    as_json = subprocess.run([*command, "--json"], capture_output=True, text=True)
+    memory_report = json.loads(as_json.stdout)["memory"]
+    assert memory_report["step"] == 13 and memory_report["age_s"] < 3600
+
+
 def test_memory_tier_settings_are_checked():
     with pytest.raises(UsageError, match="durable_every"):
         cv.MemoryTier(durable_every=0)

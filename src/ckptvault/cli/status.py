@@ -52,15 +52,25 @@ def status(
             "between recent successful saves).",
         ),
     ] = None,
+    memory_path: Annotated[
+        str | None,
+        typer.Option(
+            "--memory-path",
+            help="The run's memory tier on this node, if not its default directory "
+            "(/dev/shm/ckptvault-<uid>/<run id>/<node>).",
+        ),
+    ] = None,
     s3_endpoint_url: S3EndpointUrl = None,
 ) -> None:
     """Show the store's health: last good checkpoint age, save latency, failure rate,
-    storage use, replication lag; warn at every alert threshold (exit status 1)."""
+    storage use, replication lag, this node's memory tier of the run; warn at every
+    alert threshold (exit status 1)."""
     if as_json and prometheus:
         raise UsageError("give --json or --prometheus, not both")
     path = catalog_file(ledger, catalog_path, required=False)
     store = open_store(directory, s3_endpoint_url)
     report = check_health(store, path, cadence_seconds)
+    _memory_tier(report, memory_path)
     if as_json:
         print_json(report.to_json())
     elif prometheus:
@@ -70,6 +80,33 @@ def status(
         _print(report)
     if report.warnings:
         raise typer.Exit(1)
+
+
+def _memory_tier(report: HealthReport, memory_path: str | None) -> None:
+    """The newest generation in this node's memory tier of the run (the default
+    directory of the run the catalog names, or ``memory_path``): step and age."""
+    from pathlib import Path
+
+    from ckptvault.format.layout import generation_id_time
+    from ckptvault.memory.tier import default_directory, existing_directory
+    from ckptvault.storage import open_store as open_tier
+
+    if memory_path is not None:
+        where: Path | None = Path(memory_path)
+    elif report.run_id is not None:
+        where = default_directory(report.run_id)
+    else:
+        return
+    found = existing_directory(where) if where is not None else None
+    if found is None:
+        return
+    report.memory_tier = str(found)
+    refs = open_tier(str(found)).list_generations()
+    if refs:
+        newest = max(refs, key=lambda ref: ref.name)
+        created = generation_id_time(newest.generation_id).timestamp()
+        report.memory_step = newest.step
+        report.memory_age_s = max(0.0, report.checked_at - created)
 
 
 def _age(seconds: float | None) -> str:
@@ -115,6 +152,10 @@ def _print(report: HealthReport) -> None:
         ),
         ("replication lag", _age(report.replication_lag_s)),
     ]
+    if report.memory_tier is not None:
+        memory = "none" if report.memory_step is None else f"step {report.memory_step}, "
+        memory += "" if report.memory_step is None else _ago(report.memory_age_s)
+        lines.append(("memory (this node)", memory))
     lines += [(f"storage {tier}", human_bytes(n)) for tier, n in report.storage_bytes.items()]
     if fs is not None:
         lines.append(
@@ -144,6 +185,8 @@ def _rows(report: HealthReport) -> list[_Row]:
          report.cadence_s, {}),
         ("ckptvault_replication_lag_seconds", "How long the replica has been behind.",
          report.replication_lag_s, {}),
+        ("ckptvault_memory_last_save_age_seconds", "Age of this node's newest memory save.",
+         report.memory_age_s, {}),
         ("ckptvault_generations", "Generations restore would consider.",
          report.generations, {"tier": "local"}),
         ("ckptvault_recent_save_success_ratio", "Successful share of the recent saves.",

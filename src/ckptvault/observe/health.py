@@ -111,6 +111,10 @@ class HealthReport:
     replication_lag_s: float | None = None
     last_save_failed: bool = False
     warnings: list[HealthWarning] = field(default_factory=list)
+    # This node's memory tier of the run, when ``status`` found one.
+    memory_tier: str | None = None
+    memory_step: int | None = None
+    memory_age_s: float | None = None
 
     @property
     def success_rate(self) -> float | None:
@@ -149,6 +153,11 @@ class HealthReport:
             "storage": {
                 "tiers": dict(self.storage_bytes),
                 "filesystem": None if self.filesystem is None else self.filesystem.to_json(),
+            },
+            "memory": {
+                "tier": self.memory_tier,
+                "step": self.memory_step,
+                "age_s": self.memory_age_s,
             },
             "replication_lag_s": lag,
             "replication_healthy": None if lag is None else lag < REPLICATION_HEALTHY_SECONDS,
