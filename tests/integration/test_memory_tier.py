@@ -371,6 +371,27 @@ def test_ckptvault_status_shows_this_node_s_memory_tier(killed: dict):
     assert memory_report["step"] == 13 and memory_report["age_s"] < 3600
 
 
+def test_the_supervisor_records_what_the_memory_tier_holds_at_each_restart(tmp_path: Path):
+    """A job that saves 3 steps into its memory tier and fails, then succeeds: the
+    supervisor's record of the failed attempt says step 3 is in memory here."""
+    memory, log = tmp_path / "memory", tmp_path / "attempts.jsonl"
+    job = (
+        "import os, sys, torch, ckptvault as cv\n"
+        "if os.environ['CKPTVAULT_ATTEMPT'] == '2': sys.exit(0)\n"
+        f"tier = cv.MemoryTier(path={str(memory)!r}, keep=1, durable_every=5)\n"
+        f"with cv.CheckpointManager({str(tmp_path / 'store')!r}, run_id='sup', memory_tier=tier,"
+        " catalog=False) as mgr:\n"
+        "    for step in (1, 2, 3): mgr.save(step, {'w': torch.ones(4)})\n"
+        "sys.exit(1)\n"
+    )
+    command = [sys.executable, "-m", "ckptvault", "supervise", "--backoff", "0,0.05"]
+    command += ["--no-catalog", "--log", str(log), "--memory-path", str(memory)]
+    result = subprocess.run([*command, "--", sys.executable, "-c", job], capture_output=True)
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    attempts = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [a.get("memory_step") for a in attempts if a["event"] == "attempt"] == [3, 3]
+
+
 def test_memory_tier_settings_are_checked():
     with pytest.raises(UsageError, match="durable_every"):
         cv.MemoryTier(durable_every=0)

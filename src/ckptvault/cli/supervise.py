@@ -120,6 +120,14 @@ CatalogFile = Annotated[
     typer.Option(help="Record every attempt in this catalog (default: the per-user one)."),
 ]
 NoCatalog = Annotated[bool, typer.Option("--no-catalog", help="Record attempts nowhere.")]
+MemoryPath = Annotated[
+    Path | None,
+    typer.Option(
+        "--memory-path",
+        help="The job's memory tier on this node: each attempt's record says the newest "
+        "step it holds (what a restart recovers from memory).",
+    ),
+]
 
 
 def supervise(
@@ -137,6 +145,7 @@ def supervise(
     expect_tokens: ExpectTokens = None,
     catalog: CatalogFile = None,
     no_catalog: NoCatalog = False,
+    memory_path: MemoryPath = None,
     s3_endpoint_url: S3EndpointUrl = None,
 ) -> int:
     """Run CMD; restart it after a failure (bounded, with backoff); check its DONE record.
@@ -162,7 +171,9 @@ def supervise(
     )
     if min_free_bytes is not None and store is None:
         raise UsageError("--min-free-bytes needs --store: the store whose free space to check")
-    supervisor = Supervisor(list(command or []), policy, stop_file=stop_file, log_path=log)
+    supervisor = Supervisor(
+        list(command or []), policy, stop_file=stop_file, log_path=log, memory_path=memory_path
+    )
     if not no_catalog:  # the catalog shows every attempt beside the job's own saves
         path = catalog or default_catalog_path(default_ledger_path())
         supervisor.record = attempt_recorder(path, supervisor.emit)

@@ -234,6 +234,9 @@ class Supervisor:
     supervise_id: str = field(default_factory=lambda: secrets.token_hex(8))
     # Also told every attempt and the exit (e.g. the catalog: ``catalog_attempts``).
     record: Callable[[dict[str, Any]], None] | None = None
+    # The job's memory tier on this node: each attempt's record says the newest step
+    # it holds, what a restart here recovers from memory (None: not watched).
+    memory_path: Path | None = None
 
     def run(self) -> int:
         """Supervise until success, a stop, give-up or cancellation; the exit status."""
@@ -355,8 +358,23 @@ class Supervisor:
                 "kind": decision.kind,
                 "delay_s": decision.delay_s,
                 "reason": decision.reason,
+                **self._memory(),
             }
         )
+
+    def _memory(self) -> dict[str, Any]:
+        """``{"memory_step": N}``: the newest generation of the memory tier watched
+        (None when it holds none); nothing when none is watched."""
+        if self.memory_path is None:
+            return {}
+        from ckptvault.format.layout import parse_generation_dirname
+
+        try:
+            names = [parse_generation_dirname(entry.name) for entry in os.scandir(self.memory_path)]
+        except OSError:
+            names = []
+        steps = [name.step for name in names if name is not None]
+        return {"memory_step": max(steps) if steps else None}
 
     def _exit(self, code: int, reason: str) -> int:
         self.emit(f"exit {code}: {reason}")
