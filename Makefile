@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(PY) -m bench.s3_save --size-gb 1 --reps 3
 	$(PY) -m bench.multirank_save --size-gb 1 --ranks 2 --reps 5
 	$(PY) -m bench.memory_tier --size-gb 1 --reps 3
+	$(PY) -m bench.memory_tier_ranks --size-gb 1 --reps 3
 	$(PY) -m bench.scale
 
 # How costs grow (about 10 minutes here): save and restore against tensor count
