@@ -300,7 +300,7 @@ def test_two_ranks_on_one_node_share_its_memory_tier(tmp_path: Path):
         assert (report["step"], report["source"], report["weight_exact"]) == (2, "store", True)
 
 
-@pytest.mark.parametrize("trust", ["plain", "signed+encrypted"])
+@pytest.mark.parametrize("trust", ["plain", "signed+encrypted", "plain, async saves"])
 def test_four_ranks_on_two_nodes_survive_the_loss_of_a_node(
     tmp_path: Path, trust: str, monkeypatch: pytest.MonkeyPatch
 ):
@@ -311,6 +311,9 @@ def test_four_ranks_on_two_nodes_survive_the_loss_of_a_node(
 
     store = tmp_path / "store"
     ledger, audit = tmp_path / "ledger.db", tmp_path / "audit.log"
+    if trust == "plain, async saves":
+        monkeypatch.setenv("TEST_ASYNC", "1")
+        trust = "plain"
     if trust != "plain":
         generate_keypair(tmp_path / "key.pem", tmp_path / "key.pub")
         monkeypatch.setenv("TEST_KEYSTORE", str(tmp_path / "keys"))

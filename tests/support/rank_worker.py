@@ -394,9 +394,11 @@ def node_tier(store: str) -> cv.MemoryTier:
 def nodes_save(store: str, out: dict[str, Any]) -> None:
     """Steps 1..13 into memory (every 5th into the store), then SIGKILL."""
     torch.manual_seed(100 + RANK)
-    mgr = manager(store, memory_tier=node_tier(store))
+    asynchronous = os.environ.get("TEST_ASYNC") == "1"  # saves staged, written behind
+    mgr = manager(store, memory_tier=node_tier(store), async_save=asynchronous)
     for step in range(1, 14):
-        mgr.save(step, state_of(step), blocking=True)
+        mgr.save(step, state_of(step))
+    mgr.wait()
     Path(sys.argv[3], f"rank{RANK}.json").write_text(json.dumps(out))
     os.kill(os.getpid(), signal.SIGKILL)  # every rank, at step 13
 
