@@ -400,3 +400,55 @@ def test_memory_tier_settings_are_checked():
         cv.MemoryTier(durable_every=0)
     with pytest.raises(UsageError, match="keep"):
         cv.MemoryTier(keep=0)
+
+
+def test_a_peer_that_cannot_write_its_copy_costs_a_copy_not_the_save(tmp_path: Path):
+    """Node B's first rank fails to write what it receives (a full tmpfs): the
+    transfer still ends together on every rank (no rank waits for the collective
+    timeout), the saves stand on node A, and B publishes nothing."""
+    from support.multirank import launch
+
+    store = tmp_path / "store"
+    codes, reports = launch("nodes_peer_cannot_write", store, 4, tmp_path / "out")
+    assert codes == [0] * 4, [r["log"][-2000:] for r in reports]
+    assert max(r["seconds"] for r in reports) < 15  # the collective timeout is 20 s
+    assert _steps(Path(f"{store}-memory-A")) == [1, 2]
+    node_b = Path(f"{store}-memory-B")
+    assert _steps(node_b) == [] and not any((node_b / ".staging").iterdir())
+
+
+def test_a_peer_publishes_only_a_copy_that_verifies(tmp_path: Path):
+    """A byte of step 2 on node A changes while rank 0 copies it to node B: B refuses
+    that copy before it is visible (a warning, the save stands) and keeps what it had."""
+    from support.multirank import launch
+
+    store = tmp_path / "store"
+    codes, reports = launch("nodes_copy_changed", store, 4, tmp_path / "out")
+    assert codes == [0] * 4, [r["log"][-2000:] for r in reports]
+    assert "does not verify" in reports[0]["log"]
+    assert _steps(Path(f"{store}-memory-A")) == [1, 2]
+    node_b = Path(f"{store}-memory-B")
+    assert _steps(node_b) == [1] and not any((node_b / ".staging").iterdir())
+
+
+def test_what_is_planted_in_a_node_s_memory_is_not_offered_and_blocks_no_one(tmp_path: Path):
+    """Node A's memory holds a FIFO inside its newest generation and 70 planted empty
+    generations (more than a node may announce): with node B lost, every rank still
+    restores the same verified step, without waiting on the FIFO or the timeout."""
+    from support.multirank import launch
+
+    store = tmp_path / "store"
+    codes, reports = launch("nodes_save_two", store, 4, tmp_path / "save")
+    assert codes == [0] * 4, [r["log"][-2000:] for r in reports]
+    node_a = Path(f"{store}-memory-A")
+    shutil.rmtree(f"{store}-memory-B")
+    [newest] = sorted(node_a.glob("step-000000000002.*"))
+    os.mkfifo(newest / "zz-fifo")
+    for n in range(70):
+        (
+            node_a / f"step-000000000000.20260101T00{n // 60:02d}{n % 60:02d}000000Z-0000aa{n:02x}"
+        ).mkdir()
+    codes, reports = launch("nodes_restore_two", store, 4, tmp_path / "restore", timeout=60)
+    assert codes == [0] * 4, [r["log"][-2000:] for r in reports]
+    assert len({r["step"] for r in reports}) == 1 and all(r["weight_exact"] for r in reports)
+    assert max(r["seconds"] for r in reports) < 15  # the collective timeout is 20 s

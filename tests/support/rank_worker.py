@@ -416,6 +416,94 @@ def nodes_restore(store: str, out: dict[str, Any]) -> None:
     )
 
 
+def small_node_tier(store: str) -> cv.MemoryTier:
+    """As :func:`node_tier`, with nothing durable (the memory tier alone)."""
+    tier = node_tier(store)
+    return cv.MemoryTier(path=tier.path, keep=1, durable_every=100, peers=1)
+
+
+def nodes_peer_cannot_write(store: str, out: dict[str, Any]) -> None:
+    """Steps 1 and 2 into memory; node B's first rank cannot write the copies it
+    receives (its tmpfs is full: ENOSPC): the saves stand, quickly."""
+    import errno
+    import time
+
+    from ckptvault.memory import writer
+    from ckptvault.storage.posix import files
+
+    if RANK == 2:
+        copying = []
+        to_peers, write = writer.copy_to_peers, files.PosixWritableFile.write
+
+        def copy_to_peers(*args: Any) -> Any:
+            copying.append(True)
+            try:
+                return to_peers(*args)
+            finally:
+                copying.pop()
+
+        def full(self: Any, data: Any) -> int:
+            if copying:
+                raise files.translate_os_error(OSError(errno.ENOSPC, "full"), self.where)
+            return write(self, data)
+
+        writer.copy_to_peers = copy_to_peers  # type: ignore[assignment]
+        files.PosixWritableFile.write = full  # type: ignore[method-assign]
+    started = time.monotonic()
+    with manager(store, memory_tier=small_node_tier(store)) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state_of(step), blocking=True)
+    out["seconds"] = time.monotonic() - started
+
+
+def nodes_save_two(store: str, out: dict[str, Any]) -> None:
+    """Steps 1 and 2 into memory on nodes A and B (nothing durable)."""
+    with manager(store, memory_tier=small_node_tier(store)) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state_of(step), blocking=True)
+
+
+def nodes_copy_changed(store: str, out: dict[str, Any]) -> None:
+    """As :func:`nodes_save_two`, but a byte of step 2 on node A changes while rank 0
+    copies it to B (someone who can write A's memory): B must not publish that copy."""
+    from ckptvault.memory import writer
+
+    if RANK == 0:
+        to_peers = writer.copy_to_peers
+
+        def changed_while_copied(memory: Any, dirname: Any, peers: int) -> Any:
+            if not str(dirname).startswith("step-000000000002."):
+                return to_peers(memory, dirname, peers)
+            [tensors] = sorted(Path(memory.location, dirname).glob("*.safetensors"))[:1]
+            tensors.chmod(0o644)
+            original = tensors.read_bytes()
+            tensors.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+            try:
+                return to_peers(memory, dirname, peers)
+            finally:
+                tensors.write_bytes(original)
+
+        writer.copy_to_peers = changed_while_copied  # type: ignore[assignment]
+    nodes_save_two(store, out)
+
+
+def nodes_restore_two(store: str, out: dict[str, Any]) -> None:
+    """A restore of what :func:`nodes_save_two` left, timed."""
+    import time
+
+    live = {"model": {"w": sharded(torch.zeros(ROWS, COLS)), "b": torch.zeros(3)}}
+    started = time.monotonic()
+    with manager(store, memory_tier=small_node_tier(store)) as mgr:
+        info = mgr.restore(live, strict=False)
+    assert info is not None
+    out.update(
+        step=info.step,
+        source=info.source,
+        seconds=time.monotonic() - started,
+        weight_exact=bool(torch.equal(full_of(live["model"]["w"]), weight(info.step))),
+    )
+
+
 SCENARIOS = {
     "save": save,
     "per_rank_entries": per_rank_entries,
@@ -436,6 +524,10 @@ SCENARIOS = {
     "memory_restore": memory_restore,
     "nodes_save": nodes_save,
     "nodes_restore": nodes_restore,
+    "nodes_peer_cannot_write": nodes_peer_cannot_write,
+    "nodes_save_two": nodes_save_two,
+    "nodes_copy_changed": nodes_copy_changed,
+    "nodes_restore_two": nodes_restore_two,
 }
 
 

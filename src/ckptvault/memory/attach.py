@@ -29,7 +29,7 @@ def attach_memory_tier(
     nodes = [str(node) for node in run.coordinator.all_gather(node_name())]
     directory = tier_directory(tier, run.run_id)
     store: Store = (
-        NodeMemoryStore(directory, nodes, run.coordinator)
+        NodeMemoryStore(directory, nodes, run.coordinator, run.trust.policy(run.run_id, None))
         if len(set(nodes)) > 1
         else open_store(str(directory))
     )

@@ -13,8 +13,15 @@ A save into memory runs as any collective save, with two steps added:
 Before a restore, the nodes' first ranks exchange what their directories hold (JSON
 over the coordinator) and a node missing a generation another holds fetches it from
 there (:func:`complete_locally`): then every node restores from its own directory,
-and a generation fetched from a peer is reported as ``source == "peer"``. Every
-byte of it is verified by the restore, as any generation's is.
+and a generation fetched from a peer is reported as ``source == "peer"``.
+
+A node never publishes a copy it has not verified: it receives into a private
+directory below its ``.staging``, publishes there, checks the whole generation as
+restore would (:func:`~ckptvault.trust.checks.verify_generation` with the run's
+policy: signature, run, file set, every digest, the run's key), and only then
+renames it into its memory directory. A copy that does not fit in the node's
+memory is refused before any byte crosses; what a node offers is only the plain
+files of its newest :data:`MAX_HELD` generations.
 """
 
 from __future__ import annotations
@@ -22,37 +29,58 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 from pathlib import Path
 from typing import IO, Any
 
-from ckptvault.errors import PeerMessageError, SaveFailedError
+from ckptvault.distributed import messages
+from ckptvault.errors import (
+    CheckpointError,
+    IntegrityError,
+    PeerMessageError,
+    SaveFailedError,
+    UnsafeEntryError,
+)
 from ckptvault.format.layout import (
     MANIFEST_NAME,
     SIGNATURE_NAME,
+    STAGING_DIR,
     GenerationName,
     is_generation_id,
     parse_generation_dirname,
 )
+from ckptvault.format.manifest import MAX_MANIFEST_BYTES
 from ckptvault.memory.transfer import Transfer, file_sizes, run_transfers
 from ckptvault.storage.base import GenerationRef
+from ckptvault.storage.posix.files import open_dir, opened, remove_tree
 from ckptvault.storage.posix.publish import PosixStagingArea
 from ckptvault.storage.posix.store import PosixStore
+from ckptvault.trust.checks import MAX_SIGNATURE_BYTES, TrustPolicy, verify_generation
 
 logger = logging.getLogger("ckptvault")
 
 MAX_FILES = 100_000  # per generation, in what a node says it holds
+MAX_HELD = 64  # generations a node says it holds: its newest
 MAX_NAME = 255
-METADATA = (MANIFEST_NAME, SIGNATURE_NAME)
+METADATA = {MANIFEST_NAME: MAX_MANIFEST_BYTES, SIGNATURE_NAME: MAX_SIGNATURE_BYTES}
+INCOMING = "peer-"  # below .staging: a copy being received, verified before it is moved
 
 
 class NodeMemoryStore(PosixStore):
     """One node's memory directory in a job on several nodes. ``nodes``: every
     rank's node, by rank (rank 0's is the coordinator's)."""
 
-    def __init__(self, root: str | os.PathLike[str], nodes: list[str], coordinator: Any) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        nodes: list[str],
+        coordinator: Any,
+        policy: TrustPolicy | None = None,
+    ) -> None:
         super().__init__(root)
         self.nodes, self.coordinator = nodes, coordinator
         self.node = nodes[coordinator.rank]
+        self.policy = policy  # what a copy from a peer must pass before it is published
 
     def leaders(self) -> dict[str, int]:
         """Each node's first rank."""
@@ -106,10 +134,14 @@ class NodeMemoryStore(PosixStore):
                 area.create_file,
             )
             error = None
-        except (OSError, RuntimeError, PeerMessageError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
+        except (OSError, RuntimeError, CheckpointError) as exc:
+            error = f"{type(exc).__name__}: {str(exc)[:2000]}"
         outcomes = coordinator.all_gather(error)
-        failed = [f"rank {r}: {e}" for r, e in enumerate(outcomes) if e]
+        failed = [
+            f"rank {r}: {e}"
+            for r, raw in enumerate(outcomes)
+            if (e := messages.outcome(raw, r, "shipping files"))
+        ]
         if failed:
             raise SaveFailedError(
                 f"shipping files to rank 0's node failed ({'; '.join(failed)[:2000]}). "
@@ -159,9 +191,9 @@ def complete_locally(store: NodeMemoryStore) -> set[str]:
         try:
             held = {
                 ref.name.dirname: _entries(store, ref.name.dirname)
-                for ref in store.list_generations()
+                for ref in store.list_generations()[:MAX_HELD]  # newest first
             }
-        except OSError as exc:
+        except (OSError, CheckpointError) as exc:
             logger.warning("listing the memory tier %s failed: %s", store.location, exc)
     gathered = coordinator.all_gather(held)
     holders: dict[str, int] = {}
@@ -194,50 +226,144 @@ def _send_generation(
     store: NodeMemoryStore, offer: dict[str, Any], source: int, targets: list[int]
 ) -> list[str]:
     """``source`` sends the generation ``offer`` names to every rank of ``targets``,
-    each of which publishes it in its node's directory; every rank learns the errors."""
+    each of which verifies it and publishes it in its node's directory; every rank
+    learns the errors. An offer every rank refuses alike costs no collective."""
     coordinator = store.coordinator
-    dirname, files = str(offer["dirname"]), dict(offer["files"])
+    dirname = str(offer.get("dirname"))[:MAX_NAME]
     name = parse_generation_dirname(dirname)
+    try:
+        if name is None:
+            raise PeerMessageError(f"rank {source} offered {dirname!r}, not a generation")
+        files = _file_list(offer, source)
+        for metadata, limit in METADATA.items():
+            if files.get(metadata, 0) > limit:
+                raise PeerMessageError(f"rank {source} gave {metadata} a size over {limit}")
+        if MANIFEST_NAME not in files:
+            raise PeerMessageError(f"rank {source} offered {dirname} without {MANIFEST_NAME}")
+    except PeerMessageError as exc:
+        return [f"{exc}; no rank received it"]
+    assert name is not None
+    # Each target first makes room for the copy (or says why not): only those that
+    # did take part in the transfers.
+    incoming: _Incoming | None = None
+    error = None
+    if coordinator.rank in targets:
+        try:
+            store.check_capacity(sum(files.values()), len(files))
+            incoming = _Incoming(store, name)
+        except (OSError, CheckpointError) as exc:
+            error = f"{type(exc).__name__}: {str(exc)[:2000]}"
+    ready = coordinator.all_gather(error)
+    refused = {r: e for r, raw in enumerate(ready) if (e := messages.outcome(raw, r, "a copy"))}
     plan = [
         Transfer(source, target, file, size)
         for target in targets
+        if target not in refused
         for file, size in sorted(files.items())
     ]
+    ref = GenerationRef(name, str(Path(store.location) / dirname))
     error = None
-    area = None
-    metadata: dict[str, bytearray] = {}
     try:
-        if name is None:
-            raise PeerMessageError(f"{dirname!r} is not a generation's name")
-        if coordinator.rank in targets:
-            area = store.begin_generation(name.generation_id)
         run_transfers(
             plan,
             coordinator.rank,
             coordinator.process_group,
-            lambda file: _open_plain(Path(store.location) / dirname / file),
-            lambda file: _sink(area, file, metadata),
+            lambda file: store.open_file(ref, file),
+            lambda file: incoming.sink(file) if incoming is not None else None,
         )
-        if area is not None:
-            manifest = bytes(metadata.get(MANIFEST_NAME, b""))
-            signature = metadata.get(SIGNATURE_NAME)
-            area.publish(name.step, manifest, bytes(signature) if signature is not None else None)
-            area = None
-    except (OSError, RuntimeError, PeerMessageError, SaveFailedError) as exc:
-        error = f"{type(exc).__name__}: {exc}"
-        if area is not None:
-            area.abort()
+        if incoming is not None:
+            incoming.publish(source)
+    except (OSError, RuntimeError, CheckpointError) as exc:
+        error = f"{type(exc).__name__}: {str(exc)[:2000]}"
+    finally:
+        if incoming is not None:
+            incoming.close()
     outcomes = coordinator.all_gather(error)
-    return [f"rank {rank}: {message}" for rank, message in enumerate(outcomes) if message]
+    failed = {r: e for r, raw in enumerate(outcomes) if (e := messages.outcome(raw, r, "a copy"))}
+    return [f"rank {rank}: {message}" for rank, message in sorted({**refused, **failed}.items())]
+
+
+class _Incoming:
+    """A copy from a peer, received into ``.staging/peer-<id>/`` (a store of its own),
+    published there, verified as restore would, then renamed into the node's
+    directory; removed whatever happens."""
+
+    def __init__(self, store: NodeMemoryStore, name: GenerationName) -> None:
+        self.store, self.name = store, name
+        self.dirname = INCOMING + name.generation_id
+        self.metadata: dict[str, bytearray] = {}
+        with opened(store.open_staging_dir()) as staging_fd:
+            remove_tree(staging_fd, self.dirname)  # a leftover of a crash
+            os.mkdir(self.dirname, 0o700, dir_fd=staging_fd)
+        self.scratch = PosixStore(Path(store.location, STAGING_DIR, self.dirname))
+        self.area: PosixStagingArea | None = None
+        try:
+            self.area = self.scratch.begin_generation(name.generation_id)
+        except BaseException:
+            self.close()
+            raise
+
+    def sink(self, file: str) -> Any:
+        if file in METADATA:
+            return _Buffer(self.metadata.setdefault(file, bytearray()))
+        assert self.area is not None
+        return self.area.create_file(file)
+
+    def publish(self, source: int) -> None:
+        """Verified, then visible in the node's directory; IntegrityError otherwise."""
+        assert self.area is not None
+        signature = self.metadata.get(SIGNATURE_NAME)
+        area, self.area = self.area, None
+        ref = area.publish(
+            self.name.step,
+            bytes(self.metadata.get(MANIFEST_NAME, b"")),
+            bytes(signature) if signature is not None else None,
+        )
+        report = verify_generation(self.scratch, ref, self.store.policy)
+        if not report.ok:
+            problems = "; ".join(f"{p.code}: {p.detail}" for p in report.problems[:3])
+            raise IntegrityError(
+                f"the copy of {self.name.dirname} received from rank {source} does not "
+                f"verify ({problems[:1500]}); it was not published in {self.store.location}. "
+                "The node keeps the copies it has; restore checks every copy anyway"
+            )
+        dirname = self.name.dirname
+        with (
+            opened(self.scratch.open_root()) as scratch_fd,
+            opened(self.store.open_root()) as root_fd,
+        ):
+            try:
+                os.close(open_dir(dirname, root_fd, f"{self.store.location}/{dirname}"))
+            except FileNotFoundError:
+                pass
+            else:
+                raise IntegrityError(
+                    f"{self.store.location}/{dirname} already exists; the copy from rank "
+                    f"{source} was not published over it"
+                )
+            os.rename(dirname, dirname, src_dir_fd=scratch_fd, dst_dir_fd=root_fd)
+            os.fsync(root_fd)
+
+    def close(self) -> None:
+        if self.area is not None:
+            self.area.abort()
+            self.area = None
+        with contextlib.suppress(OSError), opened(self.store.open_staging_dir()) as staging_fd:
+            remove_tree(staging_fd, self.dirname)
 
 
 def _entries(store: NodeMemoryStore, dirname: str) -> dict[str, int]:
-    """The plain files of a published generation of ``store``, with their sizes."""
+    """The plain files of a published generation of ``store``, with their sizes (a
+    link, a FIFO or a directory planted there is never offered)."""
     name = parse_generation_dirname(dirname)
     if name is None:
         return {}
     ref = GenerationRef(name, str(Path(store.location) / dirname))
-    return {file: info.size for file, info in store.list_entries(ref).items()}
+    return {
+        file: info.size
+        for file, info in store.list_entries(ref).items()
+        if info.unsafe is None and not file.startswith(".")
+    }
 
 
 def _held(entry: Any, rank: int) -> dict[str, dict[str, int]]:
@@ -266,7 +392,12 @@ def _file_list(entry: Any, rank: int) -> dict[str, int]:
 
 
 def _open_plain(path: Path) -> IO[bytes]:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    """A plain file, never through a link and never blocking on a FIFO."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnsafeEntryError(f"{path} is not a plain file; it is not sent")
+    os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")
 
 
@@ -283,11 +414,3 @@ class _Buffer:
 
     def abort(self) -> None:
         pass
-
-
-def _sink(area: Any, name: str, metadata: dict[str, bytearray]) -> Any:
-    if name in METADATA:
-        if len(metadata.get(name, b"")) > (64 << 20):
-            raise PeerMessageError(f"{name} is too large")
-        return _Buffer(metadata.setdefault(name, bytearray()))
-    return area.create_file(name)
