@@ -304,6 +304,10 @@ class CheckpointManager:
         )
         if info is not None and info.source == "memory" and info.generation_id in fetched:
             info = dataclasses.replace(info, source="peer")
+        if info is not None and info.source != "store" and isinstance(self._writer, TieredWriter):
+            # Its progress is in memory alone, and durable_every counts this manager's
+            # saves: a job restarting from memory must not stay there for ever.
+            self._writer.make_next_durable()
         if info is not None:
             self._writer.parent = info.generation_id
             if info.lineage is not None:  # a warm-started run keeps saying where it began

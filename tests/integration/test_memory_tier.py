@@ -452,3 +452,21 @@ def test_what_is_planted_in_a_node_s_memory_is_not_offered_and_blocks_no_one(tmp
     assert codes == [0] * 4, [r["log"][-2000:] for r in reports]
     assert len({r["step"] for r in reports}) == 1 and all(r["weight_exact"] for r in reports)
     assert max(r["seconds"] for r in reports) < 15  # the collective timeout is 20 s
+
+
+def test_a_job_that_restarts_from_memory_still_reaches_the_store(tmp_path: Path):
+    """Three attempts of four saves each, every one restored from memory, with
+    durable_every=5: counting saves per attempt, none would ever reach the store (a
+    crash loop would live in memory alone, lost with the node). The first save after
+    a restore from memory goes to the store."""
+    tier = cv.MemoryTier(path=tmp_path / "memory", keep=1, durable_every=5)
+    model = torch.nn.Linear(4, 4)
+    step = 0
+    for _attempt in range(3):
+        with cv.CheckpointManager(tmp_path / "store", run_id="loop", memory_tier=tier) as mgr:
+            info = mgr.restore({"model": model})
+            assert info is None or info.source == "memory"
+            for _ in range(4):
+                step += 1
+                mgr.save(step, {"model": model})
+    assert _steps(tmp_path / "store") == [5, 9]

@@ -62,6 +62,7 @@ class TieredWriter:
         self._direct: set[str] = set()  # generation ids written to the store directly
         self.durable_ids: set[str] = set()  # generation ids copied into the store
         self._forced: set[int] = set()  # steps whose save must reach the store
+        self._next_durable = False  # the next save reaches the store (after a restore)
 
     # The generation last saved or restored, and the contract: both writers' own.
     @property
@@ -82,8 +83,11 @@ class TieredWriter:
         """One save: into memory (unless it does not fit), and on every
         ``durable_every``-th into the store. None when nothing was written."""
         self.saves += 1
-        durable = self.saves % self.tier.durable_every == 0 or step in self._forced
+        durable = (
+            self.saves % self.tier.durable_every == 0 or step in self._forced or self._next_durable
+        )
         self._forced.discard(step)
+        self._next_durable = False
         written = self._write_memory(step, captured, metrics)
         if written is None:
             if not durable:
@@ -142,6 +146,14 @@ class TieredWriter:
     def make_durable(self, step: int) -> None:
         """The save of ``step`` (about to be submitted) goes to the store too."""
         self._forced.add(step)
+
+    def make_next_durable(self) -> None:
+        """The next save goes to the store too: after a restore from memory, whose
+        progress the store lacks (every rank restored the same way, so every rank
+        decides alike). Counting saves restarts with each manager: without this, a
+        job restarted more often than every ``durable_every`` saves would never
+        reach the store."""
+        self._next_durable = True
 
     def in_store(self, generation_id: str) -> bool:
         """Whether the store holds a copy of this memory generation (this manager's
