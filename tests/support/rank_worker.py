@@ -59,8 +59,9 @@ def manager(store: str, **options: Any) -> cv.CheckpointManager:
     signing = os.environ.get("TEST_SIGNING_KEY")  # a signed run, when set
     if signing:
         options.update(signing_key=signing, trusted_keys=[os.environ["TEST_TRUSTED_KEY"]])
-    if os.environ.get("TEST_LEDGER"):
-        options.update(ledger=os.environ["TEST_LEDGER"], audit_log=os.environ["TEST_AUDIT_LOG"])
+    if os.environ.get("TEST_AUDIT_LOG"):  # a ledger and audit log of the test's own
+        options.setdefault("ledger", os.environ["TEST_LEDGER"])
+        options.setdefault("audit_log", os.environ["TEST_AUDIT_LOG"])
     return cv.CheckpointManager(store, run_id="job", collective_timeout_s=20, **options)
 
 
