@@ -322,10 +322,15 @@ def test_four_ranks_on_two_nodes_survive_the_loss_of_a_node(
         monkeypatch.setenv("TEST_LEDGER", str(ledger))
         monkeypatch.setenv("TEST_AUDIT_LOG", str(audit))
     node_a, node_b = Path(f"{store}-memory-A"), Path(f"{store}-memory-B")
+    leftover = node_b / ".staging" / "20260101T000000000000Z-0badc0de"  # a crash's
+    leftover.mkdir(parents=True)
+    node_b.chmod(0o700)
+    (leftover / "r00002-000.safetensors").write_bytes(b"half a file")
     codes, reports = launch("nodes_save", store, 4, tmp_path / "save")
     assert codes == [-9] * 4, [r["log"][-2000:] for r in reports]
     assert _steps(store) == [5, 10]
     assert _steps(node_a) == _steps(node_b) == [12, 13]  # rank 0's node, and its peer
+    assert not leftover.exists()  # node B's first rank swept its staging
     saved_a, saved_b = _copy_of({"memory": node_a, "root": tmp_path}, "a0"), None
     saved_b = _copy_of({"memory": node_b, "root": tmp_path}, "b0")
 

@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptvault.errors import SaveFailedError, StorageFullError
+from ckptvault.errors import CheckpointError, SaveFailedError, StorageFullError
 from ckptvault.events import MemorySkipped
 from ckptvault.format.layout import GenerationName
 from ckptvault.memory.nodes import NodeMemoryStore, complete_locally, copy_to_peers
@@ -181,9 +181,11 @@ class TieredWriter:
     def _write_memory(
         self, step: int, captured: CapturedState, metrics: dict[str, int | float] | None
     ) -> WrittenGeneration | None:
-        if self.coordinator.is_coordinator and not self._locked:
+        if not self._locked and self._keeps_node():
             self.memory.store.acquire_writer()
             self._locked = True
+            if not self.coordinator.is_coordinator:  # rank 0's save sweeps its own node
+                self._sweep()
         try:
             return self.memory.write(step, captured, metrics)
         except (StorageFullError, SaveFailedError) as exc:
@@ -205,6 +207,29 @@ class TieredWriter:
                     )
                 )
             return None
+
+    def _keeps_node(self) -> bool:
+        """Whether this rank keeps its node's directory: rank 0, and on several nodes
+        the first rank of every other node (it holds that directory's writer lock)."""
+        store = self.memory.store
+        if self.coordinator.is_coordinator:
+            return True
+        return isinstance(store, NodeMemoryStore) and store.leaders()[store.node] == (
+            self.coordinator.rank
+        )
+
+    def _sweep(self) -> None:
+        """Remove what a crash left in this node's staging (a partial copy from a peer,
+        files shipped only halfway): memory is scarce."""
+        try:
+            removed = self.memory.store.remove_stale_staging()
+        except (OSError, CheckpointError) as exc:
+            logger.warning("could not clear %s's staging: %s", self.memory.store.location, exc)
+            return
+        if removed:
+            logger.info(
+                "removed %d staging leftover(s) from %s", len(removed), self.memory.store.location
+            )
 
     def _copy(self, written: WrittenGeneration) -> None:
         """The memory generation into the store, verified, by the coordinator; every
