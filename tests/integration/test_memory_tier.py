@@ -400,6 +400,16 @@ def test_the_supervisor_records_what_the_memory_tier_holds_at_each_restart(tmp_p
     assert [a.get("memory_step") for a in attempts if a["event"] == "attempt"] == [3, 3]
 
 
+def test_two_machines_under_one_node_name_are_refused(tmp_path: Path):
+    from support.multirank import launch
+
+    codes, reports = launch("one_name_two_machines", tmp_path / "store", 4, tmp_path / "run")
+    assert codes == [0] * 4, [r["log"][-2000:] for r in reports]
+    for report in reports:  # every rank alike, before anything is saved
+        assert "two machines use one node name" in report["error"]
+    assert not list(Path(f"{tmp_path / 'store'}-memory-0").glob(".node-check-*"))
+
+
 def test_memory_tier_settings_are_checked():
     with pytest.raises(UsageError, match="durable_every"):
         cv.MemoryTier(durable_every=0)

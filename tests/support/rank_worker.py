@@ -505,6 +505,18 @@ def nodes_restore_two(store: str, out: dict[str, Any]) -> None:
     )
 
 
+def one_name_two_machines(store: str, out: dict[str, Any]) -> None:
+    """Every rank says it runs on node X, but ranks 2-3 have a directory of their own:
+    two machines under one name."""
+    os.environ["CKPTVAULT_NODE"] = "X"
+    tier = cv.MemoryTier(path=f"{store}-memory-{RANK // 2}", keep=1)
+    try:
+        with manager(store, memory_tier=tier):
+            pass
+    except cv.errors.UsageError as exc:
+        out["error"] = str(exc)
+
+
 SCENARIOS = {
     "save": save,
     "per_rank_entries": per_rank_entries,
@@ -524,6 +536,7 @@ SCENARIOS = {
     "memory_save": memory_save,
     "memory_restore": memory_restore,
     "nodes_save": nodes_save,
+    "one_name_two_machines": one_name_two_machines,
     "nodes_restore": nodes_restore,
     "nodes_peer_cannot_write": nodes_peer_cannot_write,
     "nodes_save_two": nodes_save_two,

@@ -7,7 +7,12 @@ from typing import Any
 from ckptvault.errors import UsageError
 from ckptvault.events import Deleted, Event, EventBus, Marked, Unmarked
 from ckptvault.memory.nodes import NodeMemoryStore
-from ckptvault.memory.tier import MemoryTier, node_name, tier_directory
+from ckptvault.memory.tier import (
+    MemoryTier,
+    check_shared_directories,
+    node_name,
+    tier_directory,
+)
 from ckptvault.memory.writer import TieredWriter
 from ckptvault.retention.keeper import RetentionKeeper
 from ckptvault.retention.policy import Retention
@@ -28,6 +33,8 @@ def attach_memory_tier(
         raise UsageError(f"memory_tier must be a ckptvault.MemoryTier, got {type(tier)!r}")
     nodes = [str(node) for node in run.coordinator.all_gather(node_name())]
     directory = tier_directory(tier, run.run_id)
+    if run.coordinator.world_size > 1:
+        check_shared_directories(directory, nodes, run.coordinator)
     store: Store = (
         NodeMemoryStore(directory, nodes, run.coordinator, run.trust.policy(run.run_id, None))
         if len(set(nodes)) > 1

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import socket
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ckptvault.errors import UsageError
 
@@ -137,4 +139,36 @@ def _check_private(path: Path) -> None:
         raise UsageError(
             f"the memory tier's directory {path} {problem}: anyone who can write there "
             "can plant generations. Remove it, or give MemoryTier(path=...) a private one"
+        )
+
+
+def check_shared_directories(directory: Path, nodes: list[str], coordinator: Any) -> None:
+    """Collective: the ranks that name one node must share ``directory`` (two hosts
+    under one name, e.g. both ``localhost``, would each keep half of every
+    generation). Each rank leaves a marker there and looks for its node-mates';
+    every rank raises the same ``UsageError`` when any is missing."""
+    rank = coordinator.rank
+    token = secrets.token_hex(8)
+    marker = directory / f".node-check-{rank}-{token}"
+    fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    os.close(fd)
+    try:
+        tokens = [str(t) for t in coordinator.all_gather(token)]
+        unseen = [
+            other
+            for other, (name, its) in enumerate(zip(nodes, tokens, strict=True))
+            if name == nodes[rank] and not (directory / f".node-check-{other}-{its}").exists()
+        ]
+        verdicts = coordinator.all_gather(unseen)
+    finally:
+        coordinator.barrier()
+        marker.unlink(missing_ok=True)
+    split = [(r, v) for r, v in enumerate(verdicts) if v]
+    if split:
+        rank_seen, missing = split[0]
+        raise UsageError(
+            f"ranks {sorted({rank_seen, *missing})} say they run on node "
+            f"{nodes[rank_seen]!r} but do not share its memory tier's directory: two machines "
+            f"use one node name (set {NODE_ENV} to a name of each machine's own), or "
+            "MemoryTier(path=...) differs between ranks of one node"
         )
