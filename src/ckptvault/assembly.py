@@ -137,12 +137,7 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
         ),
         collective=CollectiveSave,
     )
-    saver: GenerationWriter | TieredWriter = writer
-    memory_tiers: list[Store] = []
-    memory_tier = options.get("memory_tier")
-    if memory_tier is not None:
-        saver, memory_store = attach_memory_tier(run, writer, memory_tier)
-        memory_tiers.append(memory_store)
+    saver, memory_tiers = _memory_tier(options, run, writer)
     scheduler = SaveScheduler(
         saver.write, saver.announce, config.max_in_flight, config.if_busy, saver.announce_failure
     )
@@ -199,6 +194,17 @@ def _spare_validated(
     if retention is not None:
         path = resolve_catalog_path(options.get("catalog"), options.get("ledger"))
         retention.collector.validated = lambda: validated_generations(path, run_id)
+
+
+def _memory_tier(
+    options: ManagerOptions, run: RunContext, writer: GenerationWriter
+) -> tuple[GenerationWriter | TieredWriter, list[Store]]:
+    """The writer saves go through, and the memory tier restore reads first (if any)."""
+    tier = options.get("memory_tier")
+    if tier is None:
+        return writer, []
+    tiered, store = attach_memory_tier(run, writer, tier)
+    return tiered, [store]
 
 
 def _metrics(

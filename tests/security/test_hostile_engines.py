@@ -41,7 +41,7 @@ def test_a_forged_deepspeed_generation_is_refused_before_anything_is_applied(tmp
         assert outcome["engine untouched"] and outcome["meta untouched"], (attack, outcome)
     # The messages say where and what.
     assert (
-        "state['engine']['optimizer']: not a counter" in report["counter named optimizer"]["error"]
+        "state['deepspeed']['optimizer']: not a counter" in report["counter named optimizer"]["error"]
     )
     assert "['param_groups'][0]['lr']: the checkpoint holds str" in report["lr a string"]["error"]
     assert report["unedited"] == {"error": "ok", "meta": {"tokens": 7}}

@@ -144,12 +144,12 @@ def group_edit(edit: Callable[[Any], None]) -> Edit:
 
 DEEPSPEED_ATTACKS: dict[str, Edit] = {
     # Each key of the counters became an attribute of the engine: engine.optimizer = 0.
-    "counter named optimizer": lambda s: put(s["engine"], "optimizer", 0),
-    "counter a string": lambda s: put(s["engine"], "global_steps", "abc"),
-    "counter huge": lambda s: put(s["engine"], "global_steps", 10**30),
-    "counter a float": lambda s: put(s["engine"], "global_steps", 1.5),
-    "counters not a dict": lambda s: s.__setitem__("engine", 5),
-    "loss scaler a list": lambda s: put(s["engine"], "loss_scaler", [1]),
+    "counter named optimizer": lambda s: put(s["deepspeed"], "optimizer", 0),
+    "counter a string": lambda s: put(s["deepspeed"], "global_steps", "abc"),
+    "counter huge": lambda s: put(s["deepspeed"], "global_steps", 10**30),
+    "counter a float": lambda s: put(s["deepspeed"], "global_steps", 1.5),
+    "counters not a dict": lambda s: s.__setitem__("deepspeed", 5),
+    "loss scaler a list": lambda s: put(s["deepspeed"], "loss_scaler", [1]),
     "steps strings": optimizer_edit(lambda o: put(o, "steps", ["x"])),
     "steps lists": optimizer_edit(lambda o: put(o, "steps", [[1]])),
     "steps negative": optimizer_edit(lambda o: put(o, "steps", [-1e308])),

@@ -372,16 +372,22 @@ def memory_save(store: str, out: dict[str, Any]) -> None:
             mgr.save(step, state_of(step), blocking=True)
 
 
-def memory_restore(store: str, out: dict[str, Any]) -> None:
+def restore_with_tier(store: str, tier: cv.MemoryTier, out: dict[str, Any]) -> None:
+    """Restore the model with ``tier``: which step, from where, exact, what skipped."""
     live = {"model": {"w": sharded(torch.zeros(ROWS, COLS)), "b": torch.zeros(3)}}
-    with manager(store, memory_tier=memory_tier(store)) as mgr:
+    with manager(store, memory_tier=tier) as mgr:
         info = mgr.restore(live, strict=False)
     assert info is not None
     out.update(
         step=info.step,
         source=info.source,
         weight_exact=bool(torch.equal(full_of(live["model"]["w"]), weight(info.step))),
+        skipped=[s.step for s in info.skipped],
     )
+
+
+def memory_restore(store: str, out: dict[str, Any]) -> None:
+    restore_with_tier(store, memory_tier(store), out)
 
 
 def node_tier(store: str) -> cv.MemoryTier:
@@ -405,16 +411,7 @@ def nodes_save(store: str, out: dict[str, Any]) -> None:
 
 
 def nodes_restore(store: str, out: dict[str, Any]) -> None:
-    live = {"model": {"w": sharded(torch.zeros(ROWS, COLS)), "b": torch.zeros(3)}}
-    with manager(store, memory_tier=node_tier(store)) as mgr:
-        info = mgr.restore(live, strict=False)
-    assert info is not None
-    out.update(
-        step=info.step,
-        source=info.source,
-        weight_exact=bool(torch.equal(full_of(live["model"]["w"]), weight(info.step))),
-        skipped=[s.step for s in info.skipped],
-    )
+    restore_with_tier(store, node_tier(store), out)
 
 
 def small_node_tier(store: str) -> cv.MemoryTier:

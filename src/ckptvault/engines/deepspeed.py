@@ -31,22 +31,22 @@ few, is refused while the restore plans, before anything is applied
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from ckptvault.engines.deepspeed_checks import (
+    COUNTERS,
+    SCALER,
+    counter_problems,
+    exact,
+    is_count,
+)
 from ckptvault.errors import StateMismatchError, UsageError
-from ckptvault.state.checked import Checked, layout_problems, skeleton
+from ckptvault.state.checked import Checked, layout_problems, problems_by_part, skeleton
 
 __all__ = ["DeepSpeedState", "is_deepspeed_engine"]
-
-# The engine's counters a resumed run continues from (lr schedules and gradient
-# accumulation boundaries follow them).
-_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
-# A dynamic loss scaler's state (fp16), when the optimizer has one.
-_SCALER = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
 def is_deepspeed_engine(model: Any) -> bool:
@@ -58,7 +58,7 @@ def is_deepspeed_engine(model: Any) -> bool:
 class DeepSpeedState:
     """A ZeRO engine's training state (see the module docstring).
 
-    :meth:`capture` returns ``{"model": ..., "optimizer": ..., "engine": ...}`` to
+    :meth:`capture` returns ``{"model": ..., "optimizer": ..., "deepspeed": ...}`` (the engine's counters) to
     save; :meth:`template` the same layout, zero, for a restore to fill in place;
     :meth:`apply` loads what the restore wrote. Every rank calls each, in the same
     order: gathering and setting parameters are collectives."""
@@ -103,7 +103,11 @@ class DeepSpeedState:
             }
         for name, tensor in self.extras:  # in their own dtype: no fp32 copy exists
             weights[name] = self._chunk(self._rank0(tensor), self._shape(tensor), name, None)
-        return {"model": weights, "optimizer": self._optimizer(moments), "engine": self._counters()}
+        return {
+            "model": weights,
+            "optimizer": self._optimizer(moments),
+            "deepspeed": self._counters(),
+        }
 
     def template(self) -> dict[str, Checked]:
         """The layout :meth:`capture` returns, zero-filled, for a restore to fill. An
@@ -124,7 +128,7 @@ class DeepSpeedState:
         self._template = {
             "model": weights,
             "optimizer": self._optimizer(moments),
-            "engine": self._counters(),
+            "deepspeed": self._counters(),
         }
         self._layout = skeleton(self._template)
         return {
@@ -149,27 +153,19 @@ class DeepSpeedState:
         be loaded into this engine, each "entry: what is wrong"; none when it can."""
         if not self._template:
             raise UsageError("DeepSpeedState.problems before template: make the template first")
-        return [
-            f"{part}{problem}"
-            for part in self._template
-            for problem in (
-                self._part_problems(part, state[part])
-                if part in state
-                else [": missing from the checkpoint"]
-            )
-        ]
+        return problems_by_part(self._template, state, self._part_problems)
 
     def _part_problems(self, part: str, saved: Any) -> list[str]:
         """The problems of ``saved`` as the template's ``part`` (paths relative to it)."""
         template = self._layout[part]
         if part == "model":
-            return _exact(template, saved, "")
-        if part == "engine":
-            return _counter_problems(saved)
-        problems = _exact(template, saved, "", keys_only=True)
+            return exact(template, saved, "")
+        if part == "deepspeed":
+            return counter_problems(saved)
+        problems = exact(template, saved, "", keys_only=True)
         if problems:
             return problems
-        problems = _exact(template["state"], saved["state"], "['state']")
+        problems = exact(template["state"], saved["state"], "['state']")
         return problems + self._step_and_group_problems(saved["steps"], saved["param_groups"])
 
     def _step_and_group_problems(self, steps: Any, groups: Any) -> list[str]:
@@ -189,7 +185,7 @@ class DeepSpeedState:
                 if key != "params" and key in group:  # the hyperparameters the group has
                     where = f"['param_groups'][{index}][{key!r}]"
                     problems += layout_problems(group[key], value, where, complete=True)
-        if not isinstance(steps, list) or not steps or not all(_count(s, float) for s in steps):
+        if not isinstance(steps, list) or not steps or not all(is_count(s, float) for s in steps):
             problems.append("['steps']: not a list of step counts (numbers from 0 to 2**53)")
         elif len(set(steps)) > 1 and len(steps) != len(flat):
             problems.append(
@@ -235,8 +231,8 @@ class DeepSpeedState:
         for name, tensor in self.extras:
             self._set_module_weight(tensor, state["model"][name].full_tensor())
         self._set_steps_and_groups(optimizer)
-        counters = state["engine"]
-        for key in _COUNTERS:
+        counters = state["deepspeed"]
+        for key in COUNTERS:
             setattr(self.engine, key, counters[key])
         scaler = getattr(self.engine.optimizer, "loss_scaler", None)
         if scaler is not None and hasattr(scaler, "cur_iter"):  # dynamic (fp16); else none
@@ -310,11 +306,11 @@ class DeepSpeedState:
         return {"state": moments, "steps": steps, "param_groups": groups}
 
     def _counters(self) -> dict[str, Any]:
-        counters: dict[str, Any] = {key: int(getattr(self.engine, key, 0)) for key in _COUNTERS}
+        counters: dict[str, Any] = {key: int(getattr(self.engine, key, 0)) for key in COUNTERS}
         scaler = getattr(self.engine.optimizer, "loss_scaler", None)
         if scaler is not None and hasattr(scaler, "cur_iter"):  # dynamic (fp16)
             counters["loss_scaler"] = {
-                key: getattr(scaler, key) for key in _SCALER if hasattr(scaler, key)
+                key: getattr(scaler, key) for key in SCALER if hasattr(scaler, key)
             }
         return counters
 
@@ -428,76 +424,6 @@ class DeepSpeedState:
                 state["step"] = (
                     torch.full_like(old, step) if isinstance(old, torch.Tensor) else step
                 )
-
-
-# The largest counter a generation may set: DeepSpeed and torch keep them in int64.
-_MAX_COUNT = 2**63 - 1
-
-
-def _count(value: Any, kind: type = int) -> bool:
-    """Whether ``value`` is a count: an ``int`` (``kind`` float: or a whole float, as
-    a torch optimizer's step is), from 0 to the largest int64 (float: 2**53)."""
-    if type(value) is int:
-        return 0 <= value <= (_MAX_COUNT if kind is int else 2**53)
-    return kind is float and type(value) is float and value.is_integer() and 0 <= value <= 2**53
-
-
-def _exact(
-    template: Mapping[str, Any], saved: Any, where: str, keys_only: bool = False
-) -> list[str]:
-    """``saved`` has ``template``'s layout (:func:`layout_problems`) and no key of its
-    own (a template is filled whole: every key of it, none besides); ``keys_only``:
-    its top-level keys alone."""
-    if not isinstance(saved, Mapping):
-        return [f"{where}: the checkpoint holds {type(saved).__name__}, the engine a dict"]
-    extra = [
-        f"{where}[{key!r}]: not in this engine's state" for key in saved if key not in template
-    ]
-    if keys_only:
-        missing = [
-            f"{where}[{key!r}]: missing from the checkpoint" for key in template if key not in saved
-        ]
-        return extra + missing
-    problems = extra + layout_problems(template, saved, where, complete=True)
-    for key, item in template.items():
-        if isinstance(item, Mapping) and isinstance(saved.get(key), Mapping):
-            problems += [
-                f"{where}[{key!r}][{inner!r}]: not in this engine's state"
-                for inner in saved[key]
-                if inner not in item
-            ]
-    return problems
-
-
-def _counter_problems(saved: Any) -> list[str]:
-    """The engine's counters: each of :data:`_COUNTERS` a count, and a dynamic loss
-    scaler's numbers; nothing else (each key becomes an attribute of the engine)."""
-    if not isinstance(saved, Mapping):
-        return [f": the checkpoint holds {type(saved).__name__}, the engine a dict of counters"]
-    problems = [
-        f"[{key!r}]: not a counter of a DeepSpeed engine"
-        for key in saved
-        if key not in (*_COUNTERS, "loss_scaler")
-    ]
-    problems += [
-        f"[{key!r}]: {'missing' if key not in saved else repr(saved[key])[:40]}, not a count "
-        "from 0 to 2**63 - 1"
-        for key in _COUNTERS
-        if not _count(saved.get(key))
-    ]
-    scaler = saved.get("loss_scaler", {})
-    if not isinstance(scaler, Mapping):
-        return [*problems, "['loss_scaler']: not a dict of the loss scaler's state"]
-    for key, value in scaler.items():
-        where = f"['loss_scaler'][{key!r}]"
-        if key not in _SCALER:
-            problems.append(f"{where}: not part of a DeepSpeed loss scaler's state")
-        elif key == "cur_scale":
-            number = type(value) in (int, float) and math.isfinite(value) and value > 0
-            problems += [] if number else [f"{where}: {value!r:.40}, not a finite scale > 0"]
-        elif not (type(value) is int and -_MAX_COUNT <= value <= _MAX_COUNT):
-            problems.append(f"{where}: {value!r:.40}, not an int64")
-    return problems
 
 
 def _module_extras(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

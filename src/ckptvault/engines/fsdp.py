@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ckptvault.errors import StateMismatchError, UsageError
-from ckptvault.state.checked import Checked, layout_problems, skeleton
+from ckptvault.state.checked import Checked, layout_problems, problems_by_part, skeleton
 
 __all__ = ["ShardedState", "fsdp_version", "optimizer_problems"]
 
@@ -101,15 +101,7 @@ class ShardedState:
     def problems(self, state: Mapping[str, Any]) -> list[str]:
         """Why ``state`` (the layout of :meth:`capture`) cannot be loaded by DCP's
         setters, each "entry: what is wrong"; none when it can."""
-        return [
-            f"{part}{problem}"
-            for part in self._layout
-            for problem in (
-                self._part_problems(part, state[part])
-                if part in state
-                else [": missing from the checkpoint"]
-            )
-        ]
+        return problems_by_part(self._layout, state, self._part_problems)
 
     def _part_problems(self, part: str, saved: Any) -> list[str]:
         """The problems of ``saved`` as the captured ``part`` (paths relative to it):

@@ -99,12 +99,7 @@ class EngineEntries:
             )
         state = DeepSpeedState(models[0])
         self._pending = [state]
-        captured = state.template() if restoring else state.capture()
-        return {
-            "model": captured["model"],
-            "optimizer": captured["optimizer"],
-            "deepspeed": captured["engine"],
-        }
+        return dict(state.template() if restoring else state.capture())
 
 
 def inner(optimizer: Any) -> Any:

@@ -157,14 +157,12 @@ class CkptvaultTrainer(Trainer):
         scaler = getattr(self.accelerator, "scaler", None)
         optimizer, scheduler = self.optimizer, self.lr_scheduler
         assert optimizer is not None and scheduler is not None  # built before any step
-        if self.is_deepspeed_enabled:  # every rank's chunk of ZeRO's state
-            captured = DeepSpeedState(self.model_wrapped).capture()
-            weights = {"model": captured["model"], "optimizer": captured["optimizer"]}
-            weights["deepspeed"] = captured["engine"]
-        elif self.is_fsdp_enabled:  # every rank's shards, by parameter name
-            weights = self._sharded_state().capture()
-        else:
-            weights = {"model": self.model, "optimizer": optimizer.state_dict()}
+        engine = self._engine_state()
+        weights = (
+            dict(engine.capture())
+            if engine is not None
+            else {"model": self.model, "optimizer": optimizer.state_dict()}
+        )
         return {
             **weights,
             "scheduler": scheduler.state_dict(),
@@ -291,18 +289,12 @@ class CkptvaultTrainer(Trainer):
         if resume is None:
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             return
-        sharded: ShardedState | DeepSpeedState | None = None
-        weights: dict[str, Any]
-        if self.is_deepspeed_enabled:
-            sharded = DeepSpeedState(self.model_wrapped)
-            template = sharded.template()
-            weights = {"model": template["model"], "optimizer": template["optimizer"]}
-            weights["deepspeed"] = template["engine"]
-        elif self.is_fsdp_enabled:
-            sharded = self._sharded_state()
-            weights = dict(sharded.template())
-        else:
-            weights = {"model": self.model if model is None else model, "optimizer": {}}
+        sharded = self._engine_state()
+        weights: dict[str, Any] = (
+            dict(sharded.template())
+            if sharded is not None
+            else {"model": self.model if model is None else model, "optimizer": {}}
+        )
         holder: dict[str, Any] = {
             **weights,
             "scheduler": {},
@@ -346,9 +338,15 @@ class CkptvaultTrainer(Trainer):
         resume.rng = RNGState().state_dict()  # just set: the saved states, read back
         logger.info("resuming at step %d from generation %s", info.step, info.generation_id)
 
-    def _sharded_state(self) -> ShardedState:
-        optimizer = self.optimizer
-        return ShardedState(self.model_wrapped, getattr(optimizer, "optimizer", optimizer))
+    def _engine_state(self) -> ShardedState | DeepSpeedState | None:
+        """Under DeepSpeed or FSDP, the engine's state as every rank saves its part
+        (entries ``model``, ``optimizer`` and, for DeepSpeed, ``deepspeed``)."""
+        if self.is_deepspeed_enabled:  # every rank's chunk of ZeRO's state
+            return DeepSpeedState(self.model_wrapped)
+        if self.is_fsdp_enabled:  # every rank's shards, by parameter name
+            optimizer = self.optimizer
+            return ShardedState(self.model_wrapped, getattr(optimizer, "optimizer", optimizer))
+        return None
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         resume = self._resuming(checkpoint)

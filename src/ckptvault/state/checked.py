@@ -16,7 +16,7 @@ inside it that is missing or does not fit, refuse the restore too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -104,3 +104,18 @@ def _scalar(value: Any) -> str | None:
 def _wrong(where: str, saved: Any, expected: str) -> str:
     shown = f"a list of {len(saved)}" if isinstance(saved, (list, tuple)) else type(saved).__name__
     return f"{where}: the checkpoint holds {shown}, the live state {expected}"
+
+
+def problems_by_part(
+    parts: Iterable[str], state: Mapping[str, Any], check: Callable[[str, Any], list[str]]
+) -> list[str]:
+    """Every problem of ``state``'s entries ``parts``, each "part: what is wrong"
+    (``check(part, saved)`` gives a part's, its paths relative to the part); a part
+    ``state`` lacks is missing from the checkpoint."""
+    return [
+        f"{part}{problem}"
+        for part in parts
+        for problem in (
+            check(part, state[part]) if part in state else [": missing from the checkpoint"]
+        )
+    ]
