@@ -264,6 +264,13 @@ def main() -> None:
     finally:
         Path(out_dir, f"rank{RANK}.json").write_text(json.dumps(out))
         dist.destroy_process_group()
+    if scenario == "async_roundtrip":
+        # torch 2.13 aborts about one exit in twenty after dcp.async_save ("terminate
+        # called without an active exception" in its C++ teardown), with its own
+        # FileSystemWriter as well as ckptvault's: measured 1 in 23 and 1 in 12 runs.
+        # The report is written; skip the interpreter's teardown.
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
