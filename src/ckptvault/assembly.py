@@ -42,6 +42,7 @@ from ckptvault.run_context import RunContext
 from ckptvault.saving.generation_writer import GenerationWriter, WriteSettings
 from ckptvault.saving.preemption import DEFAULT_DEADLINE_S, PreemptionWatch
 from ckptvault.saving.scheduler import SaveScheduler
+from ckptvault.saving.writer_process import WriterProcess
 from ckptvault.state.contract import build_contract, code_revision, encode_contract_fields
 from ckptvault.storage import S3Options, StoreLocation, open_store
 from ckptvault.storage.base import Store
@@ -63,6 +64,7 @@ class ManagerOptions(TypedDict, total=False):
     catalog: CatalogOption
     max_fallback: int | None
     async_save: bool
+    async_mode: str
     max_in_flight: int
     if_busy: str
     threads: int | None
@@ -139,7 +141,12 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
     )
     saver, memory_tiers = _memory_tier(options, run, writer)
     scheduler = SaveScheduler(
-        saver.write, saver.announce, config.max_in_flight, config.if_busy, saver.announce_failure
+        saver.write,
+        saver.announce,
+        config.max_in_flight,
+        config.if_busy,
+        saver.announce_failure,
+        _writer_process(config, saver),
     )
     validator = Validator(run, config.threads)
     restorer = Restorer(
@@ -205,6 +212,26 @@ def _memory_tier(
         return writer, []
     tiered, store = attach_memory_tier(run, writer, tier)
     return tiered, [store]
+
+
+def _writer_process(
+    config: ManagerConfig, saver: GenerationWriter | TieredWriter
+) -> WriterProcess | None:
+    """The writer process of ``async_mode="process"`` (started on first use)."""
+    if config.async_mode != "process":
+        return None
+    if isinstance(saver, TieredWriter):
+        raise UsageError(
+            "async_mode='process' does not yet write a memory tier; use async_mode='thread' "
+            "with memory_tier=..."
+        )
+    if saver.coordinator.world_size > 1:
+        raise UsageError(
+            f"async_mode='process' saves one process's state; this job has "
+            f"{saver.coordinator.world_size} ranks, whose saves are collective. Use "
+            "async_mode='thread'"
+        )
+    return WriterProcess(saver)
 
 
 def _metrics(
@@ -295,6 +322,7 @@ def _config(options: ManagerOptions, location: str, trust_options: dict[str, Any
         run_id=resolve_run_id(options.get("run_id"), location, trust_options),
         contract=dict(contract) if contract is not None else None,
         async_save=options.get("async_save", False),
+        async_mode=options.get("async_mode", "thread"),
         max_in_flight=options.get("max_in_flight", 1),
         if_busy=options.get("if_busy", "wait"),
         threads=options.get("threads") or default_threads(),

@@ -49,11 +49,15 @@ def resolve_run_id(run_id: str | None, store_location: str, trust: Mapping[str, 
     return name
 
 
+ASYNC_MODES = ("thread", "process")
+
+
 @dataclass(frozen=True)
 class ManagerConfig:
     run_id: str
     contract: Mapping[str, Any] | None = None
     async_save: bool = False
+    async_mode: str = "thread"
     max_in_flight: int = 1
     if_busy: str = "wait"
     threads: int = 1
@@ -77,6 +81,11 @@ class ManagerConfig:
             raise UsageError(
                 f"max_in_flight must be >= 1 and if_busy 'wait' or 'skip', got "
                 f"{self.max_in_flight}, {self.if_busy!r}"
+            )
+        if self.async_mode not in ASYNC_MODES:
+            raise UsageError(
+                f"async_mode={self.async_mode!r}: give 'thread' (write in a background thread "
+                "of this process) or 'process' (in a writer process of its own)"
             )
         if self.threads < 1:
             raise UsageError(f"threads must be >= 1, got {self.threads}")

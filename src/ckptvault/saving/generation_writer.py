@@ -109,6 +109,9 @@ class GenerationWriter:
         self._plan_cache_key = secrets.token_hex(8)
         self._direct = DirectWriter()  # one process: no DCP planning, the layout kept
         self._indexes = IndexWriter()  # format 3: the per-rank indexes, before the root
+        # False in a writer process: the training process holds the writer lock and
+        # removes staging leftovers before each save it sends (saving.writer_process).
+        self.clean_staging = True
 
     def write(
         self,
@@ -128,7 +131,8 @@ class GenerationWriter:
                 )
             return self.collective(self).write(step, captured, metrics)
         started = time.perf_counter()
-        self.store.remove_stale_staging()
+        if self.clean_staging:
+            self.store.remove_stale_staging()
         tensor_bytes = sum(t.numel() * t.element_size() for t in captured.tensors.values())
         # Manifest, signature, state file and one tensor file per writer thread at most.
         metadata = MANIFEST_ALLOWANCE + METADATA_PER_TENSOR * len(captured.tensors)

@@ -24,6 +24,8 @@ import torch
 from ckptvault.io.staging import StagingPool
 from ckptvault.saving.generation_writer import WrittenGeneration
 from ckptvault.saving.handles import SaveHandle, SaveStats
+from ckptvault.saving.shared_staging import SharedStagingPool, refuse_dtensors
+from ckptvault.saving.writer_process import WriterProcess
 from ckptvault.state.capture import CapturedState
 from ckptvault.storage.listing import GenerationInfo
 
@@ -43,8 +45,13 @@ class SaveScheduler:
         max_in_flight: int,
         if_busy: str,
         announce_failure: FailureFunction | None = None,
+        process: WriterProcess | None = None,
     ) -> None:
+        """``process``: asynchronous saves go to this writer process, staged in shared
+        memory (``async_mode="process"``); synchronous ones are written here."""
         self._write = write
+        self._process = process
+        self._shared = SharedStagingPool(max_in_flight) if process is not None else None
         self._announce = announce
         self._announce_failure = announce_failure
         self.max_in_flight = max_in_flight
@@ -76,21 +83,38 @@ class SaveScheduler:
         if not self._make_room(step):
             return SaveHandle(step, None, time.perf_counter() - started, skipped=True)
         copying = time.perf_counter()
-        tensors = self._staging.next_slot().stage(captured.tensors)
-        staged = CapturedState(captured.tree, tensors, captured.rank_tree)
+        write, staged = self._stage(captured)
         copied = time.perf_counter()
-        self.stats.staging_allocations = self._staging.allocations
         stall = time.perf_counter() - started
         self.stats.last_stall_seconds = stall
         timing = (stall, copied - copying)
-        future = self._executor().submit(self._run, step, staged, metrics, started, timing)
+        future = self._executor().submit(self._run, step, staged, metrics, started, timing, write)
         handle = SaveHandle(step, future, stall)
         self._in_flight.append(handle)
         return handle
 
+    def _stage(self, captured: CapturedState) -> tuple[WriteFunction, CapturedState]:
+        """Copy the state's tensors into the next staging slot; the function that
+        writes the staged copy (here, or in the writer process) and the copy."""
+        if self._process is None or self._shared is None:
+            tensors = self._staging.next_slot().stage(captured.tensors)
+            self.stats.staging_allocations = self._staging.allocations
+            return self._write, CapturedState(captured.tree, tensors, captured.rank_tree)
+        refuse_dtensors(captured.tensors)
+        process, slot = self._process, self._shared.next_slot().stage(captured.tensors)
+        self.stats.staging_allocations = self._shared.allocations
+        tree_only = CapturedState(captured.tree, {}, captured.rank_tree)
+        return (lambda step, c, metrics: process.write(step, slot, c, metrics)), tree_only
+
     def prepare(self, tensors: dict[str, torch.Tensor], wait: bool = False) -> None:
         """Allocate and fault in the staging buffers for ``tensors`` in the background
-        (``wait``: before returning)."""
+        (``wait``: before returning). The writer process (if any) starts now too, and
+        its shared-memory slots are made and faulted in before this returns."""
+        if self._process is not None and self._shared is not None:
+            self._process.start()
+            self._shared.prepare(tensors)
+            self.stats.staging_allocations = self._shared.allocations
+            return
         self._staging.prepare(tensors)
         if wait:
             self._staging.finish_preparing()
@@ -103,12 +127,14 @@ class SaveScheduler:
         metrics: Metrics,
         started: float,
         staged: tuple[float, float] | None = None,
+        write: WriteFunction | None = None,
     ) -> GenerationInfo | None:
         """One save, inline or on the worker thread, counted in ``stats`` and told to
-        the subscribers; ``staged``: an asynchronous save's (stall, copy) seconds.
-        None: the writer skipped it."""
+        the subscribers; ``staged``: an asynchronous save's (stall, copy) seconds;
+        ``write``: what writes it (default: the writer, here). None: the writer
+        skipped it."""
         try:
-            written = self._write(step, captured, metrics)
+            written = (write or self._write)(step, captured, metrics)
             if written is None:  # the writer skipped it (a memory tier without room)
                 self.stats.saves_skipped += 1
                 return None
@@ -189,6 +215,9 @@ class SaveScheduler:
                 assert self._pool_finalizer is not None
                 self._pool_finalizer.detach()
                 self._pool.shutdown(wait=True)
+            if self._process is not None and self._shared is not None:
+                self._process.close()
+                self._shared.close()
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:

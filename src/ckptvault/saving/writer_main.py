@@ -1,0 +1,194 @@
+"""The writer process (``async_mode="process"``): hashes, writes and publishes.
+
+Started by :class:`~ckptvault.saving.writer_process.WriterProcess` as
+``python -m ckptvault.saving.writer_main FD`` with one end of a socket pair. It
+receives its settings, builds the same :class:`GenerationWriter` the training
+process would (same store, run, contract, signing key, key store, ledger), says
+``ready``, then serves one save at a time: it maps the staging slot the message
+names (a file of its parent's under ``/dev/shm``), writes, signs and publishes the
+generation exactly as the thread mode does, and answers with the result or the
+error. Events (ledger, catalog, audit, metrics, replication, retention) are the
+training process's: it announces what this process reports.
+
+It ignores SIGINT and runs in its own session, so a Ctrl-C or a preemption signal
+sent to the job's process group does not cut a save short; the training process
+decides. When the training process is gone (its socket closes, or its pid is no
+longer this process's parent) it removes its parent's staging files and exits at
+once: a save whose requester died is never published; its staging is a leftover
+that the next writer removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from ckptvault.coordinator import SingleProcess
+from ckptvault.errors import CheckpointError, FormatError, UsageError
+from ckptvault.events import EventBus
+from ckptvault.run_context import RunContext
+from ckptvault.saving.generation_writer import GenerationWriter, WriteSettings
+from ckptvault.saving.shared_staging import PREFIX, SHM_DIR, Entry, map_file, stale_files, views
+from ckptvault.saving.writer_wire import PeerGone, receive, send
+from ckptvault.state.capture import CapturedState
+from ckptvault.storage import open_store
+from ckptvault.trust.context import TrustContext
+from ckptvault.trust.keystores import open_keystore
+from ckptvault.trust.ledger import Ledger
+from ckptvault.trust.signing import load_private_key
+
+
+def build_writer(config: dict[str, Any]) -> GenerationWriter:
+    """The training process's writer, rebuilt from its settings (single process:
+    the coordinator's own collectives stay in the training process)."""
+    pem = config.get("signing_key_pem")
+    trust = TrustContext(
+        signer=load_private_key(pem.encode()) if pem else None,
+        keystore=open_keystore(config["keystore"]) if config.get("keystore") else None,
+        ledger=Ledger(config["ledger"]) if config.get("ledger") else None,
+    )
+    store = open_store(config["location"], must_exist=False)
+    run = RunContext(store, config["run_id"], trust, SingleProcess(), EventBus())
+    writer = GenerationWriter(run, config["contract"], WriteSettings(**config["settings"]))
+    writer.format_version = int(config["format_version"])
+    writer.clean_staging = False  # the training process holds the lock and cleans
+    return writer
+
+
+class Slots:
+    """The staging files mapped so far, by path (only the parent's, only under
+    /dev/shm); a path no longer named is unmapped."""
+
+    def __init__(self, parent_pid: int) -> None:
+        self.prefix = str(SHM_DIR / f"{PREFIX}{parent_pid}-")
+        self._mapped: dict[str, torch.Tensor] = {}
+
+    def tensors(self, slot: dict[str, Any]) -> dict[str, torch.Tensor]:
+        path, size = slot.get("path"), slot.get("size")
+        if not (
+            isinstance(path, str)
+            and path.startswith(self.prefix)
+            and "/" not in path[len(self.prefix) :]
+        ):
+            raise FormatError(
+                f"staging slot {str(path)[:200]!r} is not one of this writer's parent's"
+            )
+        if not isinstance(size, int) or os.stat(path).st_size != size:
+            raise FormatError(f"staging slot {path}: its size is not {size!r}")
+        for stale in [p for p in self._mapped if p != path and not os.path.exists(p)]:
+            del self._mapped[stale]
+        if path not in self._mapped:
+            self._mapped[path] = map_file(path, size)
+        entries = [_entry(raw, size) for raw in slot.get("tensors", [])]
+        return views(self._mapped[path], entries)
+
+
+def _entry(raw: Any, size: int) -> Entry:
+    try:
+        name, dtype, shape, offset, nbytes = raw
+        entry = Entry(str(name), str(dtype), tuple(int(d) for d in shape), int(offset), int(nbytes))
+    except (TypeError, ValueError) as exc:
+        raise FormatError(f"staging slot entry {str(raw)[:200]!r} is malformed") from exc
+    if entry.offset < 0 or entry.nbytes < 0 or entry.offset + entry.nbytes > size:
+        raise FormatError(f"staging slot entry {entry.name!r} lies outside its slot")
+    return entry
+
+
+def save(writer: GenerationWriter, slots: Slots, message: dict[str, Any]) -> dict[str, Any]:
+    """One save; the reply the training process turns into its result."""
+    captured = CapturedState(
+        message["tree"], slots.tensors(message["slot"]), message.get("rank_tree")
+    )
+    writer.parent = message.get("parent")
+    written = writer.write(int(message["step"]), captured, message.get("metrics"))
+    info = written.info
+    return {
+        "ok": {
+            "step": info.step,
+            "generation_id": info.generation_id,
+            "path": info.path,
+            "bytes": info.bytes,
+            "created_at": info.created_at,
+            "seconds": written.seconds,
+            "reused_plan": written.reused_plan,
+            "kek_id": written.kek_id,
+            "stages": written.stages,
+        }
+    }
+
+
+def describe(exc: BaseException) -> dict[str, Any]:
+    """An error as the training process rebuilds it (its type's name, its message,
+    an OSError's errno)."""
+    message = str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        message = exc.strerror + (f": {exc.filename}" if exc.filename else "")
+    return {
+        "type": type(exc).__name__,
+        "checkpoint_error": isinstance(exc, CheckpointError),
+        "errno": exc.errno if isinstance(exc, OSError) else None,
+        "message": message[:20000],
+    }
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit at once, without publishing, when the training process is gone."""
+    while True:
+        time.sleep(0.2)
+        if os.getppid() != parent_pid:
+            _abandon(parent_pid)
+
+
+def _abandon(parent_pid: int) -> None:
+    for path in stale_files(parent_pid):
+        with contextlib.suppress(OSError):
+            path.unlink()
+    os._exit(3)
+
+
+def serve(sock: socket.socket, parent_pid: int) -> None:
+    config = receive(sock, "the writer process's settings")
+    try:
+        writer = build_writer(config)
+    except BaseException as exc:
+        send(sock, {"op": "failed", "error": describe(exc)})
+        return
+    send(sock, {"op": "ready", "pid": os.getpid()})
+    slots = Slots(parent_pid)
+    while True:
+        try:
+            message = receive(sock, "a save request")
+        except PeerGone:
+            _abandon(parent_pid)
+        if message.get("op") == "stop":
+            writer.close()
+            return
+        try:
+            reply = save(writer, slots, message)
+        except BaseException as exc:  # every failure goes back; none ends the process
+            reply = {"error": describe(exc)}
+        send(sock, reply)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or not argv[0].isdigit():
+        raise UsageError("usage: python -m ckptvault.saving.writer_main FD (started by ckptvault)")
+    parent_pid = os.getppid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: _abandon(parent_pid))
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    sock = socket.socket(fileno=int(argv[0]))
+    serve(sock, parent_pid)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
