@@ -128,7 +128,8 @@ class CollectiveSave:
         message: dict[str, Any] = {}
         if self.coordinator.is_coordinator:
             try:
-                self.store.remove_stale_staging()
+                if self.writer.clean_staging:  # a writer process's trainer cleans instead
+                    self.store.remove_stale_staging()
                 world = self.coordinator.world_size
                 tensor_bytes = sum(t.numel() * t.element_size() for t in captured.tensors.values())
                 metadata = MANIFEST_ALLOWANCE + METADATA_PER_TENSOR * len(captured.tensors)
