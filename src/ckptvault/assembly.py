@@ -146,7 +146,7 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
         config.max_in_flight,
         config.if_busy,
         saver.announce_failure,
-        _writer_process(config, saver),
+        _writer_process(config, saver, options.get("collective_timeout_s", 600.0)),
     )
     validator = Validator(run, config.threads)
     restorer = Restorer(
@@ -215,7 +215,7 @@ def _memory_tier(
 
 
 def _writer_process(
-    config: ManagerConfig, saver: GenerationWriter | TieredWriter
+    config: ManagerConfig, saver: GenerationWriter | TieredWriter, timeout: float
 ) -> WriterProcess | None:
     """The writer process of ``async_mode="process"`` (started on first use)."""
     if config.async_mode != "process":
@@ -225,13 +225,7 @@ def _writer_process(
             "async_mode='process' does not yet write a memory tier; use async_mode='thread' "
             "with memory_tier=..."
         )
-    if saver.coordinator.world_size > 1:
-        raise UsageError(
-            f"async_mode='process' saves one process's state; this job has "
-            f"{saver.coordinator.world_size} ranks, whose saves are collective. Use "
-            "async_mode='thread'"
-        )
-    return WriterProcess(saver)
+    return WriterProcess(saver, timeout)
 
 
 def _metrics(

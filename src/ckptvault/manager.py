@@ -82,9 +82,10 @@ class CheckpointManager:
         async_mode: where asynchronous saves are written: ``"thread"`` (default: a
             background thread of this process) or ``"process"`` (a long-lived writer
             process, staged through shared memory under ``/dev/shm``; this process's
-            interpreter stays free for training). ``"process"`` takes one process's
-            plain tensors on a file-system store; it refuses many ranks, DTensors, S3
-            and a memory tier with a ``UsageError``.
+            interpreter stays free for training; in a job of several ranks the
+            writers save together in a gloo group of their own). ``"process"``
+            writes to file-system stores and takes Shard/Replicate DTensors; it
+            refuses S3 and a memory tier with a ``UsageError``.
         max_in_flight: background saves allowed at once (each holds one staged copy).
         if_busy: when ``max_in_flight`` saves are running, ``"wait"`` for the oldest,
             or ``"skip"`` the new save with a warning (counted in ``stats``).

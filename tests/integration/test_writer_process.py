@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import ckptvault as cv
-from ckptvault.coordinator import SingleProcess
 from ckptvault.errors import SaveFailedError, StorageFullError, UsageError
 from ckptvault.trust.keystores import LocalKeyStore
 from ckptvault.trust.signing import generate_keypair
 from support.common import mounted_tmpfs
+from support.multirank import launch
 
 SHM = Path("/dev/shm")
 
@@ -193,12 +193,6 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-class TwoRanks(SingleProcess):
-    """A job of two ranks, as the manager sees one (only its size matters here)."""
-
-    world_size = 2
-
-
 def test_what_the_writer_process_cannot_serve_is_refused_up_front(tmp_path):
     with pytest.raises(UsageError, match="give 'thread'"):
         cv.CheckpointManager(tmp_path / "a", run_id="r", async_mode="fork")
@@ -209,7 +203,32 @@ def test_what_the_writer_process_cannot_serve_is_refused_up_front(tmp_path):
             async_mode="process",
             memory_tier=cv.MemoryTier(path=tmp_path / "mem"),
         )
-    with pytest.raises(UsageError, match="2 ranks, whose saves are collective"):
-        cv.CheckpointManager(
-            tmp_path / "c", run_id="r", async_mode="process", coordinator=TwoRanks()
-        )
+
+
+# -- many ranks: the writers save collectively in a group of their own ---------------------
+
+
+def ok(codes: list[int], reports: list[dict]) -> list[dict]:
+    assert codes == [0] * len(codes), [r.get("log", "")[-3000:] for r in reports]
+    return reports
+
+
+def test_two_ranks_of_sharded_state_save_through_writer_processes_and_restore(tmp_path):
+    store = tmp_path / "store"
+    saved = ok(*launch("save_process", store, 2, tmp_path / "save"))
+    restored = ok(*launch("restore", store, 2, tmp_path / "restore"))
+    for before, after in zip(saved, restored, strict=True):
+        assert after["step"] == 2 and after["weight_exact"]  # a DTensor, sharded by rows
+        assert after["bias"] == [2.0, 2.0, 2.0] and after["meta"] == {"tokens_seen": 2000}
+        assert after["draw"] == before["after_save_draw"]  # each rank's own RNG
+
+
+def test_a_rank_whose_writer_dies_fails_the_save_on_every_rank_then_all_start_anew(tmp_path):
+    store = tmp_path / "store"
+    reports = ok(*launch("process_writer_killed", store, 2, tmp_path / "out"))
+    for report in reports:
+        assert report["step2"] != "published", report
+        assert report["new_writer"] and report["steps"] == [3, 1]
+    assert "died (killed by signal 9)" in reports[1]["step2"][1]
+    restored = ok(*launch("restore", store, 2, tmp_path / "restore"))
+    assert all(r["step"] == 3 and r["weight_exact"] for r in restored)

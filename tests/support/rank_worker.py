@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import ckptvault as cv
+from ckptvault.errors import CheckpointError
 
 RANK = int(os.environ.get("RANK", "0"))
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -514,11 +515,52 @@ def one_name_two_machines(store: str, out: dict[str, Any]) -> None:
         out["error"] = str(exc)
 
 
+def process_writer_killed(store: str, out: dict[str, Any]) -> None:
+    """async_mode="process": rank 1's writer process is SIGKILLed while the writers
+    save step 2 together; every rank's step 2 fails, step 3 goes through new writers."""
+    big = {"model": {"w": sharded(torch.randn(ROWS * 4096, 1024)), "b": torch.zeros(3)}}
+    with manager(store, async_save=True, async_mode="process") as mgr:
+        mgr.save(1, state_of(1)).result()
+        writers = [child_writer()]
+        handle = mgr.save(2, big)
+        if RANK == 1:
+            staging = Path(store, ".staging")
+            while not any(staging.iterdir()):  # the writers began step 2
+                pass
+            os.kill(writers[0], signal.SIGKILL)
+        try:
+            handle.result()
+            out["step2"] = "published"
+        except CheckpointError as exc:
+            out["step2"] = [type(exc).__name__, str(exc)[:500]]
+        mgr.save(3, state_of(3)).result()
+        writers.append(child_writer())
+        out["new_writer"] = writers[1] != writers[0]
+        out["steps"] = [g.step for g in mgr.generations()]
+
+
+def child_writer() -> int:
+    """This rank's writer process (as ps would find it)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit():
+                continue
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            mine = int(stat[1]) == os.getpid() and stat[0] != "Z"
+            if mine and b"ckptvault.saving.writer_main" in (entry / "cmdline").read_bytes():
+                return int(entry.name)
+        except OSError:
+            continue
+    raise AssertionError("no writer process")
+
+
 SCENARIOS = {
     "save": save,
     "per_rank_entries": per_rank_entries,
     "preempt_one_rank": preempt_one_rank,
     "save_async": lambda store, out: save(store, out, async_save=True),
+    "save_process": lambda store, out: save(store, out, async_save=True, async_mode="process"),
+    "process_writer_killed": process_writer_killed,
     "restore": restore,
     "restore_older_step": restore_older_step,
     "fail_in_write": fail_in_write,

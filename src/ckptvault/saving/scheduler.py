@@ -24,7 +24,7 @@ import torch
 from ckptvault.io.staging import StagingPool
 from ckptvault.saving.generation_writer import WrittenGeneration
 from ckptvault.saving.handles import SaveHandle, SaveStats
-from ckptvault.saving.shared_staging import SharedStagingPool, refuse_dtensors
+from ckptvault.saving.shared_staging import SharedStagingPool
 from ckptvault.saving.writer_process import WriterProcess
 from ckptvault.state.capture import CapturedState
 from ckptvault.storage.listing import GenerationInfo
@@ -100,7 +100,6 @@ class SaveScheduler:
             tensors = self._staging.next_slot().stage(captured.tensors)
             self.stats.staging_allocations = self._staging.allocations
             return self._write, CapturedState(captured.tree, tensors, captured.rank_tree)
-        refuse_dtensors(captured.tensors)
         process, slot = self._process, self._shared.next_slot().stage(captured.tensors)
         self.stats.staging_allocations = self._shared.allocations
         tree_only = CapturedState(captured.tree, {}, captured.rank_tree)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ckptvault.errors import StorageFullError, UsageError
 from ckptvault.io.dcp_metadata import dtype_from_name
@@ -44,12 +44,40 @@ PREFIX = "ckptvault-stage-"
 class Entry:
     name: str
     dtype: str  # torch's name without "torch.", e.g. "float32"
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # a DTensor's: its local shard's
     offset: int
     nbytes: int
 
     def to_json(self) -> list[Any]:
         return [self.name, self.dtype, list(self.shape), self.offset, self.nbytes]
+
+
+def dtensor_spec(tensor: DTensor) -> dict[str, Any]:
+    """What the writer process needs to see a staged shard as the DTensor it is part
+    of: the mesh (its shape, ranks and names), the placements, the global shape and
+    stride. Shard and Replicate placements only (a Partial sum is not a state)."""
+    placements: list[list[Any]] = []
+    for placement in tensor.placements:
+        if isinstance(placement, Shard):
+            placements.append(["shard", placement.dim])
+        elif isinstance(placement, Replicate):
+            placements.append(["replicate"])
+        else:
+            raise UsageError(
+                f"async_mode='process' saves Shard and Replicate DTensors; one is {placement} "
+                "(a pending reduction). Use async_mode='thread'"
+            )
+    mesh = tensor.device_mesh
+    return {
+        "mesh": {
+            "shape": list(mesh.mesh.shape),
+            "ranks": mesh.mesh.flatten().tolist(),
+            "names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+        },
+        "placements": placements,
+        "shape": list(tensor.shape),
+        "stride": list(tensor.stride()),
+    }
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -94,6 +122,7 @@ class SharedSlot:
         self.allocations = 0
 
     def _ensure(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """A file laid out for ``tensors`` (plain tensors: DTensors' local shards)."""
         key = tuple((n, tuple(t.shape), t.dtype) for n, t in tensors.items())
         if key == self._key and self._buffer is not None:
             return
@@ -112,13 +141,15 @@ class SharedSlot:
         self.allocations += 1
 
     def stage(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """Copy ``tensors`` (plain tensors: a DTensor is refused by the caller) into
-        this slot; returns its layout as JSON for the writer process."""
-        self._ensure(tensors)
+        """Copy ``tensors`` (a DTensor: its local shard) into this slot; returns its
+        layout as JSON for the writer process (DTensors' specs under "dtensors")."""
+        local = {name: _local(t) for name, t in tensors.items()}
+        specs = {name: dtensor_spec(t) for name, t in tensors.items() if isinstance(t, DTensor)}
+        self._ensure(local)
         assert self._buffer is not None
         cuda_used = False
         with torch.no_grad():
-            for entry, (name, tensor) in zip(self.entries, tensors.items(), strict=True):
+            for entry, (name, tensor) in zip(self.entries, local.items(), strict=True):
                 target = views(self._buffer, [entry])[name]
                 source = tensor.detach()
                 cuda_used |= source.device.type == "cuda"
@@ -129,6 +160,7 @@ class SharedSlot:
             "path": self.path,
             "size": self.size,
             "tensors": [e.to_json() for e in self.entries],
+            "dtensors": specs,
         }
 
     def release(self) -> None:
@@ -161,9 +193,9 @@ class SharedStagingPool:
 
     def prepare(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Allocate and fault in every slot for ``tensors``' layout now."""
-        refuse_dtensors(tensors)
+        local = {name: _local(t) for name, t in tensors.items()}
         for slot in self.slots:
-            slot._ensure(tensors)
+            slot._ensure(local)
             assert slot._buffer is not None
             slot._buffer.zero_()  # faults every page in
 
@@ -175,13 +207,8 @@ class SharedStagingPool:
         self._finalizer()
 
 
-def refuse_dtensors(tensors: Mapping[str, torch.Tensor]) -> None:
-    sharded = [name for name, t in tensors.items() if isinstance(t, DTensor)]
-    if sharded:
-        raise UsageError(
-            f"async_mode='process' saves plain tensors; {sharded[0]!r} is a DTensor (FSDP2 or "
-            "tensor parallel state). Use async_mode='thread' for sharded state"
-        )
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def stale_files(pid: int, directory: Path = SHM_DIR) -> list[Path]:

@@ -21,17 +21,23 @@ that the next writer removes.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import sys
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ckptvault.coordinator import SingleProcess
+from ckptvault.coordinator import Coordinator, SingleProcess
+from ckptvault.distributed.save import CollectiveSave
 from ckptvault.errors import CheckpointError, FormatError, UsageError
 from ckptvault.events import EventBus
 from ckptvault.run_context import RunContext
@@ -46,9 +52,11 @@ from ckptvault.trust.ledger import Ledger
 from ckptvault.trust.signing import load_private_key
 
 
-def build_writer(config: dict[str, Any]) -> GenerationWriter:
-    """The training process's writer, rebuilt from its settings (single process:
-    the coordinator's own collectives stay in the training process)."""
+def build_writer(
+    config: dict[str, Any], coordinator: Coordinator | None = None
+) -> GenerationWriter:
+    """The training process's writer, rebuilt from its settings; ``coordinator``: the
+    writer processes' own group in a job of several ranks (see :func:`join`)."""
     pem = config.get("signing_key_pem")
     trust = TrustContext(
         signer=load_private_key(pem.encode()) if pem else None,
@@ -56,20 +64,53 @@ def build_writer(config: dict[str, Any]) -> GenerationWriter:
         ledger=Ledger(config["ledger"]) if config.get("ledger") else None,
     )
     store = open_store(config["location"], must_exist=False)
-    run = RunContext(store, config["run_id"], trust, SingleProcess(), EventBus())
-    writer = GenerationWriter(run, config["contract"], WriteSettings(**config["settings"]))
+    run = RunContext(store, config["run_id"], trust, coordinator or SingleProcess(), EventBus())
+    writer = GenerationWriter(
+        run, config["contract"], WriteSettings(**config["settings"]), collective=CollectiveSave
+    )
     writer.format_version = int(config["format_version"])
     writer.clean_staging = False  # the training process holds the lock and cleans
     return writer
 
 
+def join(message: dict[str, Any]) -> Coordinator:
+    """Join the writer processes' process group (gloo, over the TCP store rank 0's
+    trainer hosts), the same ranks as the training job's; the coordinator of the
+    collective saves run here."""
+    from ckptvault.distributed.coordinator import TorchDistributed
+
+    host, port, prefix = message["host"], message["port"], message["prefix"]
+    rank, world, timeout = message["rank"], message["world"], message["timeout"]
+    if not (
+        isinstance(host, str)
+        and isinstance(port, int)
+        and isinstance(prefix, str)
+        and isinstance(rank, int)
+        and isinstance(world, int)
+        and 0 <= rank < world
+        and isinstance(timeout, (int, float))
+        and timeout > 0
+    ):
+        raise FormatError(f"a malformed request to join the writers' group: {str(message)[:300]}")
+    wait = timedelta(seconds=float(timeout))
+    client = dist.TCPStore(host, port, is_master=False, timeout=wait)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore(prefix, client), rank=rank, world_size=world, timeout=wait
+    )
+    return TorchDistributed(float(timeout))
+
+
 class Slots:
     """The staging files mapped so far, by path (only the parent's, only under
-    /dev/shm); a path no longer named is unmapped."""
+    /dev/shm); a path no longer named is unmapped. DTensors are rebuilt on meshes
+    of the writers' group, made once per mesh (making one is collective: every
+    writer meets the same meshes in the same order, its job's state being saved by
+    every rank alike)."""
 
     def __init__(self, parent_pid: int) -> None:
         self.prefix = str(SHM_DIR / f"{PREFIX}{parent_pid}-")
         self._mapped: dict[str, torch.Tensor] = {}
+        self._meshes: dict[str, DeviceMesh] = {}
 
     def tensors(self, slot: dict[str, Any]) -> dict[str, torch.Tensor]:
         path, size = slot.get("path"), slot.get("size")
@@ -88,7 +129,37 @@ class Slots:
         if path not in self._mapped:
             self._mapped[path] = map_file(path, size)
         entries = [_entry(raw, size) for raw in slot.get("tensors", [])]
-        return views(self._mapped[path], entries)
+        tensors = views(self._mapped[path], entries)
+        for name, spec in dict(slot.get("dtensors") or {}).items():
+            if name not in tensors:
+                raise FormatError(f"staging slot: DTensor {str(name)[:200]!r} is not staged")
+            tensors[name] = self._dtensor(tensors[name], spec)
+        return tensors
+
+    def _dtensor(self, local: torch.Tensor, spec: dict[str, Any]) -> DTensor:
+        try:
+            mesh_spec = spec["mesh"]
+            key = json.dumps(mesh_spec, sort_keys=True)
+            if key not in self._meshes:
+                names = mesh_spec["names"]
+                self._meshes[key] = DeviceMesh(
+                    "cpu",
+                    torch.tensor(mesh_spec["ranks"]).reshape(mesh_spec["shape"]),
+                    mesh_dim_names=tuple(names) if names else None,
+                )
+            placements = [
+                Shard(int(p[1])) if p[0] == "shard" else Replicate() for p in spec["placements"]
+            ]
+            return DTensor.from_local(
+                local,
+                self._meshes[key],
+                placements,
+                run_check=False,
+                shape=torch.Size(spec["shape"]),
+                stride=tuple(spec["stride"]),
+            )
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
+            raise FormatError(f"staging slot: a malformed DTensor spec ({exc})") from exc
 
 
 def _entry(raw: Any, size: int) -> Entry:
@@ -157,7 +228,11 @@ def _abandon(parent_pid: int) -> None:
 def serve(sock: socket.socket, parent_pid: int) -> None:
     config = receive(sock, "the writer process's settings")
     try:
-        writer = build_writer(config)
+        coordinator = None
+        if config.get("world", 1) > 1:  # a job of several ranks: join the writers first
+            send(sock, {"op": "started", "pid": os.getpid()})
+            coordinator = join(receive(sock, "a request to join the writers' group"))
+        writer = build_writer(config, coordinator)
     except BaseException as exc:
         send(sock, {"op": "failed", "error": describe(exc)})
         return
@@ -170,6 +245,8 @@ def serve(sock: socket.socket, parent_pid: int) -> None:
             _abandon(parent_pid)
         if message.get("op") == "stop":
             writer.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
             return
         try:
             reply = save(writer, slots, message)

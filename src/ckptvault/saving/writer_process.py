@@ -26,11 +26,14 @@ save starts a new writer process.
 from __future__ import annotations
 
 import dataclasses
+import os
+import secrets
 import select
 import socket
 import subprocess
 import sys
 import threading
+from datetime import timedelta
 from typing import Any
 
 from cryptography.hazmat.primitives import serialization
@@ -67,6 +70,7 @@ def writer_settings(writer: GenerationWriter) -> dict[str, Any]:
         else None
     )
     return {
+        "world": writer.coordinator.world_size,
         "location": writer.store.location,
         "run_id": writer.run_id,
         "contract": writer.contract,
@@ -81,9 +85,12 @@ def writer_settings(writer: GenerationWriter) -> dict[str, Any]:
 class WriterProcess:
     """One writer process at a time, started on first use and after a death."""
 
-    def __init__(self, writer: GenerationWriter) -> None:
+    def __init__(self, writer: GenerationWriter, collective_timeout_s: float = 600.0) -> None:
         self.writer = writer
+        self.coordinator = writer.coordinator
+        self.timeout_s = collective_timeout_s
         self._settings = writer_settings(writer)  # refuses what it cannot serve, now
+        self._rendezvous_store: Any = None  # rank 0's TCP store for the writers' group
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._ready = False
@@ -120,9 +127,15 @@ class WriterProcess:
         metrics: dict[str, int | float] | None,
     ) -> WrittenGeneration:
         """Save ``captured``, whose tensors are staged in ``slot``, through the writer
-        process; returns what it published or raises what it raised."""
-        self.writer.store.remove_stale_staging()  # we hold the lock; it does not
-        self.start()
+        process; returns what it published or raises what it raised. In a job of
+        several ranks every rank calls it for the same save (it is collective)."""
+        if self.coordinator.world_size > 1:
+            self._ensure_group(step)
+        else:
+            self.start()
+            self._await("ready", step)
+        if self.coordinator.is_coordinator:
+            self.writer.store.remove_stale_staging()  # we hold the lock; it does not
         message = {
             "op": "save",
             "step": step,
@@ -132,7 +145,6 @@ class WriterProcess:
             "parent": self.writer.parent,
             "slot": slot,
         }
-        self._await_ready(step)
         assert self._sock is not None
         try:
             send(self._sock, message)
@@ -140,6 +152,8 @@ class WriterProcess:
             raise self._died(step) from None
         reply = self._reply(step)
         if "error" in reply:
+            if self.coordinator.world_size > 1:
+                self._ready = False  # its group may be broken: the next save makes a new one
             raise rebuilt(reply["error"])
         written = written_from(reply.get("ok"))
         self.writer.parent = written.info.generation_id
@@ -161,18 +175,83 @@ class WriterProcess:
 
     # -- waiting ---------------------------------------------------------------------
 
-    def _await_ready(self, step: int) -> None:
+    def _await(self, op: str, step: int) -> None:
+        """Wait for the process to say ``op`` ("started": it runs; "ready": it
+        serves saves)."""
         if self._ready:
             return
         reply = self._reply(step, START_TIMEOUT_S)
-        if reply.get("op") != "ready":
+        if reply.get("op") != op:
             error = reply.get("error") or {}
             raise SaveFailedError(
                 f"the writer process could not start: {error.get('type')}: "
                 f"{error.get('message')}. Nothing was saved; fix that, or use "
                 "async_mode='thread'"
             )
-        self._ready = True
+        self._ready = op == "ready"
+
+    # -- many ranks: the writers' own process group ---------------------------------------
+
+    def _ensure_group(self, step: int) -> None:
+        """Every rank's writer runs in one group, or every rank starts a new one.
+
+        The writer processes save collectively, in a gloo group of their own with
+        the job's ranks. When any rank's writer is not serving (first save, or one
+        died and broke the group), every rank replaces its writer and they form a
+        new group: a group cannot take a new member in place of a dead one."""
+        healthy = self._ready and self._proc is not None and self._proc.poll() is None
+        if all(flag is True for flag in self.coordinator.all_gather(healthy)):
+            return
+        self._kill()
+        self.start()
+        self._await("started", step)
+        offer = self._rendezvous() if self.coordinator.is_coordinator else None
+        place = self.coordinator.broadcast(offer)
+        if not (
+            isinstance(place, dict)
+            and isinstance(place.get("host"), str)
+            and isinstance(place.get("port"), int)
+            and isinstance(place.get("prefix"), str)
+        ):
+            raise SaveFailedError(
+                f"rank 0 sent a malformed writers' rendezvous: {str(place)[:200]}"
+            )
+        assert self._sock is not None
+        send(
+            self._sock,
+            {
+                **place,
+                "rank": self.coordinator.rank,
+                "world": self.coordinator.world_size,
+                "timeout": self.timeout_s,
+            },
+        )
+        self._await("ready", step)
+
+    def _rendezvous(self) -> dict[str, Any]:
+        """Rank 0: where the writers meet (a TCP store this process hosts, made once,
+        a fresh key prefix per group)."""
+        import torch.distributed as dist
+
+        if self._rendezvous_store is None:
+            self._rendezvous_store = dist.TCPStore(
+                "0.0.0.0",
+                0,
+                None,
+                True,
+                timedelta(seconds=self.timeout_s),
+                wait_for_workers=False,
+            )
+        host = os.environ.get("MASTER_ADDR") or socket.gethostname()
+        port = int(self._rendezvous_store.port)
+        return {"host": host, "port": port, "prefix": f"ckptvault-writers/{secrets.token_hex(8)}"}
+
+    def _kill(self) -> None:
+        with self._lock:
+            if self._proc is not None and self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait()
+            self._discard()
 
     def _reply(self, step: int, timeout: float | None = None) -> dict[str, Any]:
         """The process's next message; a death while waiting is a failed save."""
