@@ -24,7 +24,8 @@ WORKER = Path(__file__).resolve().parents[1] / "support" / "poison_worker.py"
 SAVE_KINDS = [
     "broadcast",  # phase 1: the generation id
     "all_gather",  # phase 2: every rank joined the staging area
-    "gather",  # DCP: local plans to rank 0
+    "gather",  # DCP: local plans (and their digests) to rank 0
+    "broadcast",  # rank 0: plan afresh (a first save), or reuse the kept plan
     "scatter",  # DCP: each rank's part of the global plan
     "gather",  # DCP: write results to rank 0
     "broadcast",  # DCP: the verdict

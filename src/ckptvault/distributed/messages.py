@@ -13,6 +13,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from ckptvault.distributed.wire import MAX_ERROR_CHARS, Field
+from ckptvault.format.layout import index_file_name
 from ckptvault.trust.problems import MAX_DETAIL, MAX_PROBLEMS
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ def manifest_digest(raw: Any, rank: int) -> str:
 
 def rank_part(raw: Any, rank: int, world: int) -> dict[str, Any]:
     """A rank's part of a save (phase 4): its own state tree, the tensor files it
-    wrote (its own names only: they are adopted into the attempt) and, unless
+    wrote and its index (its own names only: they are adopted into the attempt) and, unless
     replicas go unchecked, the digest of each replicated slot."""
     field = Field(rank, "its part of the save")
     if not isinstance(raw, dict) or set(raw) not in (
@@ -98,7 +99,8 @@ def rank_part(raw: Any, rank: int, world: int) -> dict[str, Any]:
         raise field.refuse("its state tree must be an object")
     files = field.sequence(raw["files"], "files")
     for name in files:
-        field.tensor_file(name, rank, world, None)
+        if name != index_file_name(rank):  # its own index (format 3), or a tensor file
+            field.tensor_file(name, rank, world, None)
     digests = raw.get("digests", {})
     if not isinstance(digests, dict) or not all(
         len(slot) <= _MAX_SLOT and isinstance(digest, str) and _HEX64_RE.match(digest)

@@ -26,6 +26,7 @@ so each rank writes items it built itself, never items another rank described.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import Counter
 from typing import Any
 
@@ -56,6 +57,7 @@ _KINDS = {"tensor": WriteItemType.TENSOR, "shard": WriteItemType.SHARD}
 # for hours (past every collective's timeout) from a message of a few megabytes.
 MAX_LOCAL_CHUNKS = 8
 _NAMES = {kind: name for name, kind in _KINDS.items()}
+_HEX64_RE = re.compile(r"^[0-9a-f]{64}\Z")
 
 
 def plan_to_json(plan: SavePlan) -> dict[str, Any]:
@@ -212,3 +214,19 @@ def assigned_plan(local: SavePlan, raw: Any) -> SavePlan:
         items.append(dataclasses.replace(item, index=dataclasses.replace(item.index, index=hint)))
         last = position
     return dataclasses.replace(local, items=items)
+
+
+def announcement(raw: Any, rank: int) -> tuple[str, bool, Any]:
+    """What rank ``rank`` sent before planning: its local plan's digest, whether it
+    holds rank 0's assignment for a plan of that digest
+    (:mod:`~ckptvault.distributed.plan_cache`) and, unless it does, its plan
+    message (checked by :func:`plan_from_json` when rank 0 plans); PeerMessageError
+    otherwise."""
+    field = Field(rank, "its plan")
+    message = field.mapping(raw, ("digest", "held", "plan"), "the announcement")
+    digest, held, plan = message["digest"], message["held"], message["plan"]
+    if not isinstance(digest, str) or not _HEX64_RE.match(digest) or type(held) is not bool:
+        raise field.refuse("a digest of 64 hex digits and whether it holds its assignment")
+    if (plan is None) != held:
+        raise field.refuse("a plan exactly when it holds no assignment")
+    return digest, held, plan

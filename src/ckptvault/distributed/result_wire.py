@@ -21,6 +21,8 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -30,13 +32,15 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ckptvault.distributed.wire import Field
 from ckptvault.errors import FormatError
-from ckptvault.format.index import MAX_ENTRY_NAME_CHARS
+from ckptvault.format.index import MAX_ENTRY_NAME_CHARS, IndexRecord
+from ckptvault.format.layout import index_file_name
 from ckptvault.format.records import MAX_WRAPPED_KEY_CHARS, FileRecord
 from ckptvault.format.tensorfile import DTYPES, MAX_TENSOR_BYTES, MAX_TENSOR_RANK
 from ckptvault.io.dcp_metadata import StoredChunk, dtype_name
 from ckptvault.io.writer import WrittenChunk, chunk_name
 
 MAX_KEK_ID_CHARS = 1024
+_HEX64_RE = re.compile(r"^[0-9a-f]{64}\Z")
 
 
 def results_to_json(results: list[WriteResult]) -> dict[str, Any]:
@@ -148,3 +152,52 @@ def _chunk(
         raise field.refuse(f"a chunk of {fqn[:100]!r} under another name or length")
     start = field.count(start, "a start", 0, records[file].size - nbytes)
     return item, StoredChunk(file=file, name=name, start=start, length=nbytes)
+
+
+# -- a reused plan: what each file holds is known; its size and digest are new -------
+
+
+def short_results_to_json(results: list[WriteResult]) -> dict[str, Any]:
+    """This rank's write results when rank 0 reused the plan: each file's size and
+    digest (and wrapped key), no chunk: their places are what rank 0 validated when
+    it made the plan, and the rank's index lists them (checked by rank 0)::
+
+        {"files": {file: [size, blake3]}, "keys": {file: [KEK id, wrapped key]}}
+    """
+    full = results_to_json(results)
+    files = {name: [record["size"], record["blake3"]] for name, record in full["files"].items()}
+    return {"files": files, "keys": full["keys"]}
+
+
+def short_results_from_json(
+    raw: Any, rank: int, expected: Mapping[str, int], encrypted: bool
+) -> tuple[dict[str, FileRecord], dict[str, tuple[str, bytes]]]:
+    """Rank ``rank``'s file records (no chunk digests: its index holds them) and
+    wrapped keys, from a message naming exactly the files ``expected`` (name ->
+    size) with those sizes; PeerMessageError otherwise."""
+    field = Field(rank, "write results")
+    message = field.mapping(raw, ("files", "keys"), "the results")
+    files = field.mapping(message["files"], tuple(expected), "files")
+    records = {}
+    for name, entry in files.items():
+        size, digest = field.sequence(entry, "a file record", 2)
+        if size != expected[name] or type(size) is not int:
+            raise field.refuse(f"file {name!r} of another size than the plan made it")
+        if not isinstance(digest, str) or not _HEX64_RE.match(digest):
+            raise field.refuse(f"file {name!r}: a digest that is not 64 hex digits")
+        records[name] = FileRecord(size=size, blake3=digest, chunks=())
+    return records, _keys(message["keys"], field, records if encrypted else {})
+
+
+def index_record(raw: Any, rank: int, writes_files: bool) -> IndexRecord | None:
+    """The size and digest rank ``rank`` announces of the index it wrote: one when it
+    wrote a file (rank 0 writes its own later: None), none otherwise."""
+    field = Field(rank, "write results")
+    if raw is None and not (writes_files and rank != 0):
+        return None
+    if rank == 0 or not writes_files:
+        raise field.refuse("an index record from a rank that writes no index now")
+    try:
+        return IndexRecord.parse(index_file_name(rank), raw, f"rank {rank}'s write results")
+    except FormatError as exc:
+        raise field.refuse(str(exc)) from exc

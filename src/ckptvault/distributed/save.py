@@ -34,10 +34,18 @@ from typing import TYPE_CHECKING, Any
 
 from ckptvault.distributed import messages
 from ckptvault.distributed.dcp_save import write_tensors_together
+from ckptvault.distributed.plan_cache import SavePlanCache
+from ckptvault.distributed.rank_index import SaveIndexes, verify_rank_indexes, write_rank_index
 from ckptvault.distributed.replicas import Disagreement, disagreements, replica_digests
 from ckptvault.distributed.wire import MAX_ERROR_CHARS
 from ckptvault.errors import CheckpointError, PeerMessageError, SaveFailedError
-from ckptvault.format.layout import new_generation_id
+from ckptvault.format.index import IndexRecord
+from ckptvault.format.layout import (
+    encrypted_state_file_name,
+    index_file_name,
+    new_generation_id,
+)
+from ckptvault.format.manifest import INDEXED_SINCE_FORMAT
 from ckptvault.io.writer import VaultStorageWriter, files_per_rank
 from ckptvault.saving.generation_writer import (
     MANIFEST_ALLOWANCE,
@@ -63,17 +71,40 @@ class CollectiveSave:
         self.writer = writer
         self.coordinator = writer.coordinator
         self.store = writer.store
+        # The plan of this writer's saves, kept while the structure is unchanged:
+        # what a save staged in it counts once every rank knows the save succeeded.
+        self.plans = SavePlanCache()
 
     def write(
         self, step: int, captured: CapturedState, metrics: dict[str, int | float] | None
     ) -> WrittenGeneration:
         started = time.perf_counter()
+        try:
+            written = self._write(step, captured, metrics, started)
+        except BaseException:
+            self.plans.forget()  # on every rank alike: the next save plans afresh
+            raise
+        self.plans.commit()
+        return written
+
+    def _write(
+        self,
+        step: int,
+        captured: CapturedState,
+        metrics: dict[str, int | float] | None,
+        started: float,
+    ) -> WrittenGeneration:
         generation_id = self._begin(captured)
         area: StagingArea | None = None
         handed_over = False  # this rank's files are in rank 0's hands: it may publish them
+        indexes = (
+            SaveIndexes(self.writer.run_id, generation_id)
+            if self.writer.format_version >= INDEXED_SINCE_FORMAT
+            else None
+        )
         try:
             area = self._join(generation_id)
-            tensors = self._write_tensors(area, generation_id, captured)
+            tensors = self._write_tensors(area, generation_id, captured, indexes)
             # A memory tier on several nodes: the files go to rank 0's node first
             # (ckptvault.memory.nodes); a failure raises on every rank alike.
             ship = getattr(self.store, "ship_to_coordinator", None)
@@ -84,7 +115,7 @@ class CollectiveSave:
             mismatches = self._check_replicas(gathered, step)
             state = {"global": captured.tree, "ranks": gathered}
             publishing = time.perf_counter()
-            outcome = self._publish(area, step, generation_id, state, tensors, metrics)
+            outcome = self._publish(area, step, generation_id, state, tensors, metrics, indexes)
         except BaseException as exc:
             if area is not None:
                 self._give_up(area, handed_over and not isinstance(exc, SaveFailedError))
@@ -169,10 +200,15 @@ class CollectiveSave:
         return area
 
     def _write_tensors(
-        self, area: StagingArea, generation_id: str, captured: CapturedState
+        self,
+        area: StagingArea,
+        generation_id: str,
+        captured: CapturedState,
+        indexes: SaveIndexes | None,
     ) -> VaultStorageWriter:
         """Phase 3: DCP's planner, collectively over ckptvault's own JSON collectives
-        (never DCP's pickled ones); a failure anywhere raises on every rank."""
+        (never DCP's pickled ones), the plan reused while no rank's changed; every rank
+        but 0 writes its index. A failure anywhere raises on every rank."""
         settings = self.writer.settings
         return write_tensors_together(
             captured.tensors,
@@ -181,6 +217,8 @@ class CollectiveSave:
             files_per_rank(settings.threads, self.coordinator.world_size),
             self.writer.encryption(generation_id),
             self.coordinator,
+            self.plans,
+            indexes,
         )
 
     def _gather(self, captured: CapturedState, tensors: VaultStorageWriter) -> list[Any]:
@@ -224,13 +262,14 @@ class CollectiveSave:
         gathered: dict[str, Any],
         tensors: VaultStorageWriter,
         metrics: dict[str, int | float] | None,
+        indexes: SaveIndexes | None,
     ) -> dict[str, Any]:
         """Phase 5: the coordinator publishes; every rank learns the outcome."""
         outcome: dict[str, Any] = {}
         if self.coordinator.is_coordinator:
             try:
                 outcome = self._build_and_publish(
-                    area, step, generation_id, gathered, tensors, metrics
+                    area, step, generation_id, gathered, tensors, metrics, indexes
                 )
             except (CheckpointError, OSError) as exc:
                 outcome = {"error": f"{type(exc).__name__}: {exc}"}
@@ -250,14 +289,21 @@ class CollectiveSave:
         gathered: dict[str, Any],
         tensors: VaultStorageWriter,
         metrics: dict[str, int | float] | None,
+        indexes: SaveIndexes | None,
     ) -> dict[str, Any]:
         """The coordinator's part of phase 5: the other ranks' files adopted, the
-        composite state written, the manifest built, signed and published."""
+        composite state written, (format 3) its own index written and every other
+        rank's checked, the manifest built, signed and published."""
         ranks = gathered["ranks"]
         area.adopt([name for entry in ranks[1:] for name in entry["files"]])
         composite = compose(gathered["global"], [entry["tree"] for entry in ranks])
         state = self.writer.write_state(area, generation_id, CapturedState(composite), tensors)
-        manifest = self.writer.build_manifest(step, generation_id, state, tensors, area, metrics)
+        listed = None
+        if indexes is not None:
+            listed = (self._indexes(area, indexes, tensors), indexes.table)
+        manifest = self.writer.build_manifest(
+            step, generation_id, state, tensors, area, metrics, indexes=listed
+        )
         manifest_bytes = manifest.to_bytes()
         ref = area.publish(step, manifest_bytes, self.writer.trust.sign_manifest(manifest_bytes))
         return {
@@ -266,6 +312,37 @@ class CollectiveSave:
             "created_at": manifest.created_at,
             "kek_id": manifest.encryption.kek_id if manifest.encryption else None,
         }
+
+    def _indexes(
+        self, area: StagingArea, indexes: SaveIndexes, tensors: VaultStorageWriter
+    ) -> dict[str, IndexRecord]:
+        """Every index the root lists: rank 0's, written here (it covers rank 0's state
+        file, when encrypted, as well as its tensor files), and each other rank's as it
+        announced it, once read back and found to be exactly what that rank must hold
+        (:func:`~ckptvault.distributed.rank_index.verify_rank_indexes`)."""
+        writer = self.writer
+        own = dict(indexes.own_records)
+        state_file = encrypted_state_file_name(0)
+        if state_file in tensors.file_records:
+            own[state_file] = tensors.file_records[state_file]
+        listed: dict[str, IndexRecord] = {}
+        if own:
+            name, record = write_rank_index(
+                area, writer.run_id, indexes.generation_id, 0, own, indexes.own_chunks
+            )
+            listed[name] = record
+        others = {rank: plan for rank, plan in indexes.expectations.items() if rank != 0}
+        verify_rank_indexes(
+            area,
+            indexes.announced,
+            others,
+            tensors.file_records,
+            writer.run_id,
+            indexes.generation_id,
+            writer.settings.chunk_size,
+        )
+        listed.update({index_file_name(rank): r for rank, r in indexes.announced.items()})
+        return listed
 
     # -- helpers -------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ generations are untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -21,6 +22,7 @@ from ckptvault._version import __version__
 from ckptvault.errors import KeyUnavailableError, UsageError
 from ckptvault.events import Published, ReplicasDisagree, SaveFailed
 from ckptvault.format.container import CIPHER
+from ckptvault.format.index import IndexRecord
 from ckptvault.format.layout import (
     encrypted_state_file_name,
     generation_created_at,
@@ -28,6 +30,7 @@ from ckptvault.format.layout import (
 )
 from ckptvault.format.manifest import FORMAT_VERSION, Manifest
 from ckptvault.format.records import EncryptionSection
+from ckptvault.format.tensor_table import TensorTable
 from ckptvault.io.dcp_io import write_tensors
 from ckptvault.io.direct_write import DirectWriter
 from ckptvault.io.planners import forget_cached_plans
@@ -98,6 +101,7 @@ class GenerationWriter:
         collective: Callable[[GenerationWriter], CollectiveWrite] | None = None,
     ) -> None:
         self.collective = collective
+        self._collective: CollectiveWrite | None = None  # built at the first collective save
         self.store = run.store
         self.run_id = run.run_id
         self.trust = run.trust
@@ -129,7 +133,10 @@ class GenerationWriter:
                     "writer was built without a collective save: build it through "
                     "CheckpointManager"
                 )
-            return self.collective(self).write(step, captured, metrics)
+            # One for the writer's life: it keeps the plan between saves.
+            if self._collective is None:
+                self._collective = self.collective(self)
+            return self._collective.write(step, captured, metrics)
         started = time.perf_counter()
         if self.clean_staging:
             self.store.remove_stale_staging()
@@ -278,10 +285,13 @@ class GenerationWriter:
         tensors: VaultStorageWriter,
         staging: StagingArea,
         metrics: dict[str, int | float] | None = None,
+        indexes: tuple[dict[str, IndexRecord], TensorTable | None] | None = None,
     ) -> Manifest:
         """The manifest, its indexes written into ``staging`` first (format 3: the
         root covers them); an encrypted one sealed with a MAC under a fresh key that
-        only the run's KEK unwraps (``ckptvault.trust.manifest_auth``)."""
+        only the run's KEK unwraps (``ckptvault.trust.manifest_auth``). ``indexes``:
+        the indexes written already (by the ranks of a collective save) and the
+        root's tensor table, rather than indexes written here."""
         encryption = self.encryption(generation_id)
         section, mac_key = None, None
         if encryption is not None:
@@ -310,7 +320,10 @@ class GenerationWriter:
                 else None
             ),
         )
-        manifest = self._indexes.write(staging, manifest)
+        if indexes is None:
+            manifest = self._indexes.write(staging, manifest)
+        else:
+            manifest = dataclasses.replace(manifest, indexes=indexes[0], tensor_table=indexes[1])
         return manifest if mac_key is None else seal_manifest(manifest, mac_key)
 
 

@@ -97,6 +97,12 @@ class StagingArea(Protocol):
         """Files other ranks wrote into this attempt (a multi-rank save): publish
         covers them too (an object store's Object Lock), and abort removes them."""
 
+    def read_staged(self, name: str, limit: int) -> bytes:
+        """The bytes of file ``name`` of this attempt (written by any rank and
+        committed), at most ``limit``: the coordinator reads back what other ranks
+        announced before it publishes. OSError (EFBIG past ``limit``) or
+        UnsafeEntryError for what is not a plain file."""
+
 
 def write_new_file(area: StagingArea, name: str, data: bytes) -> None:
     """Write ``data`` as the new file ``name`` of ``area`` and commit it (durable on

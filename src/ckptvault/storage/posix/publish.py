@@ -28,6 +28,7 @@ from ckptvault.storage.posix.files import (
     PosixWritableFile,
     open_dir,
     opened,
+    read_small_file,
     remove_tree,
     translate_os_error,
 )
@@ -46,6 +47,7 @@ class PosixStagingRoot(PosixRoot, Protocol):
 
     @property
     def publish_rule(self) -> PosixPublishRule: ...
+
 
 class PosixStagingArea:
     """``.staging/<generation id>/``, held open by descriptor while it is written."""
@@ -74,6 +76,10 @@ class PosixStagingArea:
 
     def adopt(self, names: list[str]) -> None:
         """Nothing to do: the other ranks' files are in this directory already."""
+
+    def read_staged(self, name: str, limit: int) -> bytes:
+        self._check_open()
+        return read_small_file(self.fd, name, limit)
 
     def release(self) -> None:
         self._close()  # the directory descriptors; the files stay

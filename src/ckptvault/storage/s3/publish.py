@@ -21,6 +21,7 @@ rests on the backend honouring ``If-None-Match``; each store probes it once
 
 from __future__ import annotations
 
+import errno
 import logging
 import secrets
 import threading
@@ -162,7 +163,6 @@ class ObjectRetention:
             pass
 
 
-
 class _Staging(Protocol):
     """What a staging area needs of an S3 store (:class:`~ckptvault.storage.s3.store.S3Store`,
     which imports this module): its client, keys, options, pools, lease, Object Lock
@@ -253,6 +253,13 @@ class S3StagingArea:
     def adopt(self, names: list[str]) -> None:
         for name in names:
             self.note_written(self.store.layout.data_key(self.generation_id, name))
+
+    def read_staged(self, name: str, limit: int) -> bytes:
+        key = self.store.layout.data_key(self.generation_id, name)
+        data, _response = self.store.client.get_bytes(key, Range=f"bytes=0-{limit}")
+        if len(data) > limit:  # one byte past the limit was asked for, to tell
+            raise OSError(errno.EFBIG, f"{name} is larger than {limit} bytes")
+        return data
 
     def publish(self, step: int, manifest: bytes, signature: bytes | None = None) -> GenerationRef:
         with self._mutex:
