@@ -232,3 +232,17 @@ def test_a_rank_whose_writer_dies_fails_the_save_on_every_rank_then_all_start_an
     assert "died (killed by signal 9)" in reports[1]["step2"][1]
     restored = ok(*launch("restore", store, 2, tmp_path / "restore"))
     assert all(r["step"] == 3 and r["weight_exact"] for r in restored)
+
+
+def test_the_readme_block_runs_as_written(tmp_path, monkeypatch):
+    text = (Path(__file__).parents[2] / "README.md").read_text()
+    section = text[text.index("#### A writer process") :]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {"cv": cv}
+    exec(block, scope)  # the README's own example
+    with scope["mgr"] as mgr:
+        mgr.save(1, {"w": torch.arange(4.0)})
+        mgr.wait()
+        target = {"w": torch.zeros(4)}
+        assert mgr.restore(target).step == 1 and target["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
