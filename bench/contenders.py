@@ -19,11 +19,13 @@ from bench.measure import fsync_path
 # -- the state ---------------------------------------------------------------------------
 
 
-def build(size_gb: float, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """A model + AdamW whose state totals about ``size_gb`` GB (fp32 weights, 2 moments)."""
+def build(
+    size_gb: float, seed: int = 0, width: int = 4096
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model + AdamW whose state totals about ``size_gb`` GB (fp32 weights, 2 moments),
+    in layers of ``width`` x ``width`` (at least one)."""
     torch.manual_seed(seed)
     params = int(size_gb * 1e9 / 12)
-    width = 4096
     layers = max(1, params // (width * width))
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -34,10 +36,10 @@ def build(size_gb: float, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.O
     return model, opt
 
 
-def fresh_like(size_gb: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def fresh_like(size_gb: float, width: int = 4096) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Objects of the same layout as :func:`build`'s, to restore into (no moments yet,
     as in a freshly started job)."""
-    model, _ = build(size_gb, seed=1)
+    model, _ = build(size_gb, seed=1, width=width)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
