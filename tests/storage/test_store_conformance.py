@@ -669,6 +669,29 @@ def test_finished_staging_area_writes_nowhere(
         second.release_writer()
 
 
+def test_the_beginning_rank_reads_back_what_a_joined_rank_committed(backend_store: Store):
+    """A collective save's rank 0 reads back the index another rank wrote into the
+    attempt (``read_staged``), never more than the limit it gives, and publishes it."""
+    backend_store.acquire_writer()
+    generation_id = new_generation_id()
+    area = backend_store.begin_generation(generation_id)
+    joined = backend_store.join_generation(generation_id)
+    try:
+        index = payload(3000, seed=7)
+        write_file(joined, "r00001-index.json", index)
+        joined.release()
+        area.adopt(["r00001-index.json"])
+        assert area.read_staged("r00001-index.json", len(index)) == index
+        with pytest.raises(OSError) as raised:
+            area.read_staged("r00001-index.json", len(index) - 1)
+        assert raised.value.errno == errno.EFBIG
+        ref = area.publish(1, MANIFEST)
+    except BaseException:
+        area.abort()
+        raise
+    assert backend_store.read_bytes(ref, "r00001-index.json", MiB) == index
+
+
 # -- 9: the single-writer lock ------------------------------------------------------
 
 
