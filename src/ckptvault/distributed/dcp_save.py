@@ -41,44 +41,23 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ckptvault.coordinator import Coordinator
-from ckptvault.distributed.plan_cache import CentralPlan, RankPlan, SavePlanCache, plan_digest
-from ckptvault.distributed.plan_wire import (
-    announcement,
-    assigned_plan,
-    assignment,
-    check_agreement,
-    plan_from_json,
-    plan_to_json,
-)
-from ckptvault.distributed.rank_index import (
-    SaveIndexes,
-    expectation,
-    index_chunks,
-    write_rank_index,
-)
-from ckptvault.distributed.result_wire import (
-    index_record,
-    results_from_json,
-    results_to_json,
-    short_results_from_json,
-    short_results_to_json,
-)
+from ckptvault.distributed.central_save import CentralSave
+from ckptvault.distributed.plan_cache import RankPlan, SavePlanCache, plan_digest
+from ckptvault.distributed.plan_wire import assigned_plan, plan_to_json
+from ckptvault.distributed.rank_index import SaveIndexes, index_chunks, write_rank_index
+from ckptvault.distributed.result_wire import results_to_json, short_results_to_json
 from ckptvault.distributed.wire import Field, error_message, error_of
 from ckptvault.errors import PeerMessageError, SaveFailedError
-from ckptvault.format.layout import file_holder
-from ckptvault.format.tensor_table import build_tensor_table
 from ckptvault.io.planners import TensorOnlySavePlanner
 from ckptvault.io.writer import VaultStorageWriter
 from ckptvault.storage.base import StagingArea
 from ckptvault.trust.envelope import FileEncryption
 
 T = TypeVar("T")
-_MAX_NAMED = 4  # failed ranks named in a verdict; the rest are counted
 _STEPS = ("reuse", "plan", "resend")  # rank 0's decisions after the plans' digests
 
 
@@ -114,7 +93,8 @@ def write_tensors_together(
 
 
 class _SaveSteps:
-    """One collective save through DCP's planner (see the module docstring)."""
+    """One collective save through DCP's planner (see the module docstring); rank 0's
+    steps are :class:`~ckptvault.distributed.central_save.CentralSave`'s."""
 
     def __init__(
         self,
@@ -126,35 +106,35 @@ class _SaveSteps:
     ):
         self.writer = writer
         self.coordinator = coordinator
-        self.encrypted = encrypted
         # Without indexes written by the ranks (formats 1-2) nothing is kept: rank 0
         # needs every chunk for the manifest itself.
         self.cache = cache if indexes is not None else None
         self.indexes = indexes
         self.planner = TensorOnlySavePlanner()
-        self.world = coordinator.world_size
         self.failure: BaseException | None = None  # this rank's own, raised as the cause
-        self.refusal: str | None = None  # rank 0: why the save fails, once it does
-        self.reused: CentralPlan | None = None  # rank 0: the kept plan, when reused
-        self.digests: list[str] = []  # rank 0: every rank's announced plan digest
-        self.plans: list[Any] | None = None  # rank 0: every rank's plan, as received
-        self.central: list[SavePlan] = []  # rank 0: the global plan
-        self.metadata: Metadata | None = None  # rank 0: DCP's global metadata
+        self.central = (
+            CentralSave(
+                writer, self.planner, coordinator.world_size, encrypted, self.cache, indexes
+            )
+            if coordinator.is_coordinator
+            else None
+        )
 
     def run(self, tensors: dict[str, torch.Tensor]) -> None:
+        central = self.central  # rank 0 only
         local = self._attempt(lambda: self._local_plan(tensors))
         announced = self._gather(self._announcement(local), "its plan")
-        decision = self._decide(announced) if self.coordinator.is_coordinator else {}
+        decision = central.decide(announced) if central else {}
         step = self._decision(self.coordinator.broadcast(decision))
         assert local is not None  # a rank without a plan made the decision an error
         plan, message, digest = local
         if step == "reuse":
             received = self._kept_assignment(digest)
         else:
+            plans = central.plans if central else None
             if step == "resend":  # a rank's plan changed: rank 0 needs every one
-                self.plans = self._gather(message, "its plan")
-            assignments = self._global_step(self.plans) if self.coordinator.is_coordinator else None
-            received = self._scatter(assignments)
+                plans = self._gather(message, "its plan")
+            received = self._scatter(central.global_step(plans) if central else None)
             if received is not None and self.cache is not None:
                 self.cache.stage_rank(RankPlan(digest, received))
         results = None
@@ -162,8 +142,7 @@ class _SaveSteps:
             results = self._attempt(lambda: self._write(plan, received, step == "reuse"))
         sent = results if results is not None else error_message(self._failure())
         written = self._gather(sent, "its write results")
-        verdict = self._finish(written) if self.coordinator.is_coordinator else {}
-        verdict = self.coordinator.broadcast(verdict)
+        verdict = self.coordinator.broadcast(central.finish(written) if central else {})
         error = error_of(verdict, Field(0, "a save verdict"))
         if error is not None:
             raise SaveFailedError(error) from self.failure
@@ -273,7 +252,8 @@ class _SaveSteps:
         try:
             return self.coordinator.gather(message)
         except PeerMessageError as exc:  # rank 0 alone: the verdict tells the others
-            self.refusal = self.refusal or f"rank 0 refused what a rank sent as {what}: {exc}"
+            assert self.central is not None
+            self.central.refuse(f"rank 0 refused what a rank sent as {what}: {exc}")
             return None
 
     def _scatter(self, assignments: list[Any] | None) -> Any:
@@ -288,155 +268,3 @@ class _SaveSteps:
             self.failure = self.failure or SaveFailedError(refused)
             return None
         return received
-
-    # -- rank 0 --------------------------------------------------------------------------
-
-    def _decide(self, gathered: list[Any] | None) -> dict[str, Any]:
-        """Reuse the kept plan (every rank's digest unchanged, every rank holding its
-        assignment), plan afresh (every rank sent its plan), or have every rank resend
-        its plan; or the same error for every rank."""
-        if gathered is not None and self.refusal is None:
-            self._refuse_failed(gathered, "planning")
-        if gathered is None or self.refusal is not None:
-            return {"error": self._verdict_text()}
-        try:
-            announced = [announcement(raw, rank) for rank, raw in enumerate(gathered)]
-        except PeerMessageError as exc:
-            self.refusal = str(exc)
-            return {"error": self._verdict_text()}
-        self.digests = [digest for digest, _held, _plan in announced]
-        if self.cache is not None:
-            held = [held for _digest, held, _plan in announced]
-            self.reused = self.cache.reusable(self.world, self.digests, held)
-        if self.reused is not None:
-            return {"step": "reuse"}
-        self.plans = [plan for _digest, _held, plan in announced]
-        return {"step": "plan" if all(plan is not None for plan in self.plans) else "resend"}
-
-    def _global_step(self, gathered: list[Any] | None) -> list[Any]:
-        """Each rank's assignment, or the same error for every rank."""
-        if gathered is not None and self.refusal is None:
-            self._refuse_failed(gathered, "planning")
-        if gathered is not None and self.refusal is None:
-            try:
-                plans = [self._plan_of(raw, rank) for rank, raw in enumerate(gathered)]
-                check_agreement(plans)
-                central, self.metadata = self.planner.create_global_plan(plans)
-                self.central = self.writer.prepare_global_plan(central)
-                return [
-                    assignment(plans[rank], self.central[rank], rank) for rank in range(self.world)
-                ]
-            except Exception as exc:  # a refused plan, or DCP's own checks (ValueError ...)
-                self.refusal = f"planning failed: {type(exc).__name__}: {exc}"
-        return [{"error": self._verdict_text()}] * self.world
-
-    def _plan_of(self, raw: Any, rank: int) -> SavePlan:
-        """Rank ``rank``'s plan, which must have the digest it announced: the digest
-        rank 0 keeps is the one it computed itself."""
-        plan = plan_from_json(raw, rank)
-        if plan_digest(raw) != self.digests[rank]:
-            raise Field(rank, "a save plan").refuse("a plan of another digest than it announced")
-        return plan
-
-    def _finish(self, gathered: list[Any] | None) -> dict[str, Any]:
-        if gathered is not None and self.refusal is None:
-            self._refuse_failed(gathered, "writing")
-        if gathered is not None and self.refusal is None:
-            try:
-                sent = [
-                    Field(rank, "write results").mapping(raw, ("written", "index"), "the results")
-                    for rank, raw in enumerate(gathered)
-                ]
-                if self.reused is not None:
-                    self._collect_known(sent, self.reused)
-                else:
-                    self._collect(sent)
-                return {"ok": True}
-            except Exception as exc:
-                self.refusal = f"collecting write results failed: {type(exc).__name__}: {exc}"
-        return {"error": self._verdict_text()}
-
-    def _collect(self, sent: list[dict[str, Any]]) -> None:
-        """A fresh plan: every rank's chunks checked against it, DCP's metadata, and
-        (format 3) the tensor table and what each rank's index must hold."""
-        results = [
-            results_from_json(
-                message["written"], rank, self.central[rank], self.world, self.encrypted
-            )
-            for rank, message in enumerate(sent)
-        ]
-        assert self.metadata is not None
-        self.writer.finish(metadata=self.metadata, results=results)
-        indexes = self.indexes
-        if indexes is None:  # formats 1-2: rank 0's manifest lists every chunk
-            for rank, message in enumerate(sent):
-                index_record(message["index"], rank, writes_files=False)
-            return
-        for rank, (message, written) in enumerate(zip(sent, results, strict=True)):
-            files = {
-                result.storage_data.location.file: result.storage_data.file_record.size
-                for result in written
-                if result.storage_data.file_record is not None
-            }
-            record = index_record(message["index"], rank, writes_files=bool(files))
-            if record is not None:
-                indexes.announced[rank] = record
-            if files:
-                chunks = index_chunks(self.central[rank].items, written)
-                indexes.expectations[rank] = expectation(rank, files, chunks)
-        assert self.writer.dcp_json is not None  # finish() made it
-        indexes.table = build_tensor_table(
-            self.writer.dcp_json["tensors"], lambda name: file_holder(name) or 0
-        )
-        if self.cache is not None:
-            self.cache.stage_central(
-                CentralPlan(
-                    self.world,
-                    tuple(self.digests),
-                    indexes.table,
-                    self.writer.dcp_json.get("version"),
-                    dict(indexes.expectations),
-                )
-            )
-
-    def _collect_known(self, sent: list[dict[str, Any]], central: CentralPlan) -> None:
-        """A reused plan: each rank's files must be the ones the plan made (names and
-        sizes); their digests and keys are this save's, the rest is kept."""
-        indexes = self.indexes
-        assert indexes is not None  # a plan is kept only with rank-written indexes
-        for rank, message in enumerate(sent):
-            plan = central.expectations.get(rank)
-            files = plan.files if plan is not None else {}
-            records, keys = short_results_from_json(message["written"], rank, files, self.encrypted)
-            self.writer.file_records.update(records)
-            self.writer.wrapped_keys.update(keys)
-            record = index_record(message["index"], rank, writes_files=bool(files))
-            if record is not None:
-                indexes.announced[rank] = record
-        indexes.expectations = dict(central.expectations)
-        indexes.table = central.table
-        self.writer.dcp_json = {"version": central.dcp_version, "tensors": {}}
-
-    def _refuse_failed(self, gathered: list[Any], what: str) -> None:
-        """Name the ranks whose message is an error (PeerMessageError: a malformed one)."""
-        try:
-            failed = [
-                (rank, error)
-                for rank, message in enumerate(gathered)
-                if (error := error_of(message, Field(rank, f"its {what}"))) is not None
-            ]
-        except PeerMessageError as exc:
-            self.refusal = str(exc)
-            return
-        if failed:
-            named = "; ".join(f"rank {rank}: {error}" for rank, error in failed[:_MAX_NAMED])
-            more = f"; and {len(failed) - _MAX_NAMED} more" if len(failed) > _MAX_NAMED else ""
-            ranks = ", ".join(str(rank) for rank, _error in failed[:_MAX_NAMED])
-            self.refusal = f"{what} failed on rank {ranks} ({named}{more})"
-
-    def _verdict_text(self) -> str:
-        assert self.refusal is not None
-        return (
-            f"saving tensors among {self.world} ranks: {self.refusal}. Nothing was "
-            "published; the next save starts over"
-        )[:1900]

@@ -200,6 +200,38 @@ def verify_rank_indexes(
             pass
 
 
+def root_indexes(
+    area: StagingArea,
+    indexes: SaveIndexes,
+    own: Mapping[str, FileRecord],
+    records: Mapping[str, FileRecord],
+    chunk_size: int,
+) -> dict[str, IndexRecord]:
+    """Rank 0's part of a format-3 publish: every index the root lists. Rank 0's own,
+    written here over ``own`` (its tensor files and, encrypted, its state file, each
+    with its chunk digests), and every other rank's as it announced it, once read
+    back and found to be exactly what that rank must hold (:func:`verify_rank_indexes`;
+    ``records``: every file's record as its rank reported it)."""
+    listed: dict[str, IndexRecord] = {}
+    if own:
+        name, record = write_rank_index(
+            area, indexes.run_id, indexes.generation_id, 0, own, indexes.own_chunks
+        )
+        listed[name] = record
+    others = {rank: plan for rank, plan in indexes.expectations.items() if rank != 0}
+    verify_rank_indexes(
+        area,
+        indexes.announced,
+        others,
+        records,
+        indexes.run_id,
+        indexes.generation_id,
+        chunk_size,
+    )
+    listed.update({index_file_name(rank): r for rank, r in indexes.announced.items()})
+    return listed
+
+
 def _tail(run_id: str, generation_id: str, holder: int) -> bytes:
     """What follows an index's ``files`` member up to its ``tensors`` member's value:
     the members in between, as :func:`~ckptvault.format.index.encode_index` joins them."""

@@ -35,16 +35,12 @@ from typing import TYPE_CHECKING, Any
 from ckptvault.distributed import messages
 from ckptvault.distributed.dcp_save import write_tensors_together
 from ckptvault.distributed.plan_cache import SavePlanCache
-from ckptvault.distributed.rank_index import SaveIndexes, verify_rank_indexes, write_rank_index
+from ckptvault.distributed.rank_index import SaveIndexes, root_indexes
 from ckptvault.distributed.replicas import Disagreement, disagreements, replica_digests
 from ckptvault.distributed.wire import MAX_ERROR_CHARS
 from ckptvault.errors import CheckpointError, PeerMessageError, SaveFailedError
 from ckptvault.format.index import IndexRecord
-from ckptvault.format.layout import (
-    encrypted_state_file_name,
-    index_file_name,
-    new_generation_id,
-)
+from ckptvault.format.layout import encrypted_state_file_name, new_generation_id
 from ckptvault.format.manifest import INDEXED_SINCE_FORMAT
 from ckptvault.io.writer import VaultStorageWriter, files_per_rank
 from ckptvault.saving.generation_writer import (
@@ -316,33 +312,15 @@ class CollectiveSave:
     def _indexes(
         self, area: StagingArea, indexes: SaveIndexes, tensors: VaultStorageWriter
     ) -> dict[str, IndexRecord]:
-        """Every index the root lists: rank 0's, written here (it covers rank 0's state
-        file, when encrypted, as well as its tensor files), and each other rank's as it
-        announced it, once read back and found to be exactly what that rank must hold
-        (:func:`~ckptvault.distributed.rank_index.verify_rank_indexes`)."""
-        writer = self.writer
+        """Every index the root lists: rank 0's, over its tensor files and (encrypted)
+        its state file, and every other rank's once checked."""
         own = dict(indexes.own_records)
         state_file = encrypted_state_file_name(0)
         if state_file in tensors.file_records:
             own[state_file] = tensors.file_records[state_file]
-        listed: dict[str, IndexRecord] = {}
-        if own:
-            name, record = write_rank_index(
-                area, writer.run_id, indexes.generation_id, 0, own, indexes.own_chunks
-            )
-            listed[name] = record
-        others = {rank: plan for rank, plan in indexes.expectations.items() if rank != 0}
-        verify_rank_indexes(
-            area,
-            indexes.announced,
-            others,
-            tensors.file_records,
-            writer.run_id,
-            indexes.generation_id,
-            writer.settings.chunk_size,
+        return root_indexes(
+            area, indexes, own, tensors.file_records, self.writer.settings.chunk_size
         )
-        listed.update({index_file_name(rank): r for rank, r in indexes.announced.items()})
-        return listed
 
     # -- helpers -------------------------------------------------------------------------
 
