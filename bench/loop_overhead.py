@@ -82,8 +82,8 @@ def contenders(wanted: Sequence[str] | None) -> list[str]:
 class Runner:
     """Runs one spec in a fresh ``python -m bench.loop_worker`` process."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    def __init__(self, root: Path, threads: int = 0) -> None:
+        self.root, self.threads = root, threads
         self.state_home = Path(tempfile.mkdtemp(prefix="ckptvault-loop-state-"))
         self.exit_aborts: list[str] = []  # runs that aborted after writing their result
 
@@ -94,7 +94,8 @@ class Runner:
         directory.mkdir(parents=True)
         result = self.root / f"{contender}.result.json"
         result.unlink(missing_ok=True)
-        spec = Spec(contender, state_mb, saves, every, str(directory), str(result), calibrate_s)
+        spec = Spec(contender, state_mb, saves, every, str(directory), str(result), calibrate_s,
+                    self.threads)  # fmt: skip
         spec_path = self.root / f"{contender}.spec.json"
         spec_path.write_text(json.dumps(asdict(spec)))
         # The catalog and ledger of ckptvault's runs go to a directory of this bench's.
@@ -138,6 +139,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-out/loop_overhead.json"))
     parser.add_argument("--steps-per-save", default="",
                         help="steps between saves at each cadence (default: from a calibration run)")  # fmt: skip
+    parser.add_argument("--torch-threads", type=int, default=0,
+                        help="the loop's intra-op threads (default: torch's, every core)")  # fmt: skip
     parser.add_argument("--quick", action="store_true",
                         help="a check that it runs: 20 MB, cadences 0.5 and 2 s, 2 saves, 1 rep")  # fmt: skip
     args = parser.parse_args()
@@ -149,7 +152,7 @@ def main() -> None:
         raise SystemExit("--saves needs one count >= 1 per cadence, and cadences > 0")
     names = contenders([c for c in args.contenders.split(",") if c])
     args.dir.mkdir(parents=True, exist_ok=True)
-    runner = Runner(args.dir)
+    runner = Runner(args.dir, args.torch_threads)
     try:
         if args.steps_per_save:
             steps = [int(k) for k in args.steps_per_save.split(",")]
@@ -279,9 +282,11 @@ def report(
     machine = (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
                f"Python {platform.python_version()}")  # fmt: skip
     summaries = {cadence: summarize(runs) for cadence, runs in results.items()}
+    threads = next((r["threads"] for runs in results.values() for m in runs.values() for r in m
+                    if "threads" in r), "?")  # fmt: skip
     lines = [
-        f"State: {nbytes / 1e6:.0f} MB (MLP + AdamW, CPU), step {step_s * 1e3:.1f} ms, "
-        f"{args.reps} interleaved runs per contender; {machine}.",
+        f"State: {nbytes / 1e6:.0f} MB (MLP + AdamW, CPU), step {step_s * 1e3:.1f} ms on "
+        f"{threads} torch thread(s), {args.reps} interleaved runs per contender; {machine}.",
         "",
     ]
     for cadence, every, _ in plans:

@@ -52,6 +52,7 @@ class Spec:
     directory: str  # where this run's checkpoints go
     result: str  # where the result JSON goes
     calibrate_s: float = 0.0  # > 0: no saves; time steps for about this long
+    threads: int = 0  # torch's intra-op threads for the loop (0: torch's default, every core)
 
 
 def build(state_mb: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -253,6 +254,8 @@ def timed_loop(spec: Spec, trainer: Trainer, saver: Saver) -> dict[str, Any]:
 
 
 def run(spec: Spec) -> dict[str, Any]:
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
     model, opt = build(spec.state_mb)
     trainer = Trainer(model, opt)
     for _ in range(3):  # the moments exist, the allocator is warm
