@@ -38,7 +38,9 @@ RESTORE_KINDS = [
     "all_gather",  # the manifest bytes every rank checked
     "all_gather",  # verdict: this rank's view of the state
     "all_gather",  # verdict: every rank can read
-    "all_gather",  # verdict: tensors read (DCP's steps, each rank alone)
+    "all_gather",  # verdict: load plan made (DCP's steps, each rank alone)
+    "all_gather",  # the blocks each rank reads (who reads which shared one)
+    "all_gather",  # verdict: tensors read (blocks shared as raw bytes, checked)
     "all_gather",  # verdict: state decoded
     "broadcast",  # rank 0: the choice is done
     "all_gather",  # verdict: every rank's state matched, apply
@@ -67,8 +69,8 @@ def test_every_collective_of_a_save_and_a_restore_is_counted(poisoned):
     rank1 = reports[1]
     # Rank 1 encoded one message per collective in which it sends: all were poisoned.
     assert rank1["save_sent"] == sum(k in SENDS for k in SAVE_KINDS) == 4
-    assert rank1["restore_sent"] == sum(k in SENDS for k in RESTORE_KINDS) == 7
-    assert len(rank1["saves"]) == 4 and len(rank1["restores"]) == 7
+    assert rank1["restore_sent"] == sum(k in SENDS for k in RESTORE_KINDS) == 9
+    assert len(rank1["saves"]) == 4 and len(rank1["restores"]) == 9
 
 
 def test_nothing_is_unpickled_and_no_object_collective_runs(poisoned):
@@ -118,4 +120,6 @@ def test_the_dcp_plugins_choice_refuses_a_pickled_or_forged_verdict(tmp_path: Pa
         for choice in report["choices"]:
             assert choice["marker"] is False
             assert choice["error"] is not None and choice["error"][0] == "PeerMessageError"
-            assert "rank 1 sent" in choice["error"][1] or "not valid UTF-8 JSON" in choice["error"][1]
+            assert (
+                "rank 1 sent" in choice["error"][1] or "not valid UTF-8 JSON" in choice["error"][1]
+            )

@@ -9,7 +9,10 @@ that:
   raise after the timeout instead of hanging: gloo enforces the group's timeout.
 
 Values travel as JSON in uint8 tensors: a length first, then the bytes, parsed with
-the bounded loader (size, nesting depth) into plain JSON values. Nothing is pickled
+the bounded loader (size, nesting depth) into plain JSON values. Tensor data travels
+as raw bytes point to point (:meth:`TorchDistributed.send_tensor`), of a size both
+ranks agreed on beforehand, and is checked against digests by its receiver (a
+read-once restore: :mod:`ckptvault.distributed.read_once`). Nothing is pickled
 and no ``*_object`` collective runs; a rank cannot make another run code, only send
 it JSON that is parsed and validated like anything else. A message that is refused
 raises :class:`~ckptvault.errors.PeerMessageError`: in a broadcast or an all-gather
@@ -172,6 +175,30 @@ class TorchDistributed:
         mine = torch.zeros(size + _FRAME, dtype=torch.uint8)
         self._collective(what, lambda: dist.scatter(mine, frames, src=0, group=self.group))
         return _checked(_decode(_unframed(mine, size, 0, what), 0, what), 0)
+
+    def send_tensor(self, tensor: torch.Tensor, destinations: list[int]) -> None:
+        """Send the raw bytes of ``tensor`` (a contiguous CPU tensor) to each rank of
+        ``destinations`` at once; returns when every one has taken them.
+
+        Point to point on this group, never pickled: each destination calls
+        :meth:`receive_tensor` with a buffer of the same size, in the same order of
+        transfers as this rank (the caller's schedule keeps the ranks in step). The
+        receiver decides what the bytes mean: they are data, checked against digests,
+        never code or structure."""
+        what = "a tensor transfer"
+
+        def send() -> None:
+            works = [dist.isend(tensor, dst, group=self.group) for dst in destinations]
+            for work in works:
+                if work is not None:  # None: this rank is not in the group (never here)
+                    work.wait()
+
+        self._collective(what, send)
+
+    def receive_tensor(self, tensor: torch.Tensor, source: int) -> None:
+        """Fill ``tensor`` (contiguous, CPU) with the bytes rank ``source`` sends with
+        :meth:`send_tensor`: exactly its size, so a sender cannot make it take more."""
+        self._collective("a tensor transfer", lambda: dist.recv(tensor, source, group=self.group))
 
     def _collective(self, what: str, call: Any) -> None:
         try:

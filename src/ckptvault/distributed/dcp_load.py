@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.planner import LoadPlanner
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from ckptvault.errors import UsageError
 from ckptvault.io.planners import TensorOnlyLoadPlanner
@@ -49,11 +49,19 @@ def load_local(
     """Fill ``destinations`` (this rank's private buffers) from ``reader``'s
     generation, through DCP's planner, without a collective. Raises what the planner
     or reader raised (typed ckptvault errors for bytes that do not verify)."""
+    plan, planner = plan_local(destinations, reader, is_coordinator)
+    reader.read_data(plan, planner).wait()
+
+
+def plan_local(
+    destinations: dict[str, torch.Tensor], reader: VaultStorageReader, is_coordinator: bool
+) -> tuple[LoadPlan, LoadPlanner]:
+    """DCP's steps before ``read_data`` on this rank alone: the plan that fills
+    ``destinations``, and the planner that resolves its items. Reads no tensor byte."""
     planner = TensorOnlyLoadPlanner()
     check_local_only(planner, reader)
     metadata = reader.read_metadata()
     planner.set_up_planner(destinations, metadata, is_coordinator)
     reader.set_up_storage_reader(metadata, is_coordinator)
     plan = reader.prepare_local_plan(planner.create_local_plan())
-    plan = planner.finish_plan(plan)
-    reader.read_data(plan, planner).wait()
+    return planner.finish_plan(plan), planner

@@ -14,7 +14,11 @@ ranks fall back together and all restore the same generation:
    are pickled and carry nothing for these planners: :mod:`~ckptvault.distributed.dcp_load`),
    into private buffers shaped like the rank's live tensors (a DTensor's buffer is
    its local shard): the planner maps saved chunks onto them, so a generation saved
-   by N ranks loads onto M; every byte read is checked against its chunk digest first;
+   by N ranks loads onto M; every byte read is checked against its chunk digest first.
+   A digest chunk several ranks need (replicated state) is read by one of them and
+   sent to the others, which check it against the same digest
+   (:mod:`~ckptvault.distributed.read_once`); each file's header is checked by one
+   rank (:func:`formats_checked_here`);
 3. the state decoded for this rank (:func:`~ckptvault.io.load.decode_for_rank`).
 
 When the coordinator is done it broadcasts the outcome: the generation taken, or the
@@ -29,18 +33,28 @@ from typing import Any
 
 import torch
 from blake3 import blake3
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from ckptvault import errors
 from ckptvault.coordinator import Coordinator
-from ckptvault.distributed import messages
-from ckptvault.distributed.dcp_load import load_local
+from ckptvault.distributed import messages, read_once
+from ckptvault.distributed.dcp_load import plan_local
 from ckptvault.distributed.messages import MAX_REFUSAL_CHARS
+from ckptvault.distributed.read_once import (
+    BlockExchange,
+    Runs,
+    TensorPeers,
+    decode_needs,
+    encode_needs,
+    needed_blocks,
+    schedule,
+)
 from ckptvault.distributed.shard_buffers import hinted, regions, shard_buffers
 from ckptvault.distributed.shard_buffers import (  # the restorer imports it from here
     optimizer_param_hints as optimizer_param_hints,
 )
 from ckptvault.errors import CheckpointError, FormatError, PeerMessageError
-from ckptvault.format.layout import GenerationName, parse_generation_dirname
+from ckptvault.format.layout import GenerationName, file_holder, parse_generation_dirname
 from ckptvault.format.manifest import Manifest
 from ckptvault.io.dcp_metadata import metadata_from_json
 from ckptvault.io.load import (
@@ -56,7 +70,7 @@ from ckptvault.io.ranged_reader import RangedStorageReader
 from ckptvault.state.ranks import tensor_references, tree_for_rank
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.trust.checks import TrustPolicy, extend_checked
-from ckptvault.trust.indexes import indexes_for_regions
+from ckptvault.trust.indexes import indexes_for_files, indexes_for_regions
 from ckptvault.trust.keystore import KeyStore
 from ckptvault.trust.problems import (
     MANIFEST_INVALID,
@@ -264,9 +278,11 @@ class CollectiveLoader:
         try:
             live = {**hinted(keys, self.param_hints), **self.live}
             data_keys = prepared.data_keys
-            if manifest.indexed:  # the indexes holding what this rank reads, and no other
+            if manifest.indexed:  # the indexes holding what this rank reads, and its share
+                mine = formats_checked_here(manifest, self.coordinator)
                 wanted = indexes_for_regions(manifest, regions(keys, live, manifest))
-                manifest = extend_checked(store, prepared.checked, wanted).manifest
+                wanted |= indexes_for_files(manifest, mine)
+                manifest = extend_checked(store, prepared.checked, wanted, mine).manifest
                 data_keys = unwrap_data_keys(ref, manifest, self.keystore, data_keys)
             metadata, locations = metadata_from_json(manifest.dcp, where)
             destinations = shard_buffers(metadata, keys, live, manifest, where)
@@ -287,8 +303,32 @@ class CollectiveLoader:
         assert reader is not None
         # DCP's steps on this rank alone (no pickled collective: dcp_load), then the
         # ranks' verdicts combined like every other stage's.
-        self._stage(ref, lambda: _load_local(ref, destinations, reader, self.coordinator))
+        coordinator = self.coordinator
+        plan, planner, needs = self._stage(
+            ref, lambda: _plan(ref, destinations, reader, coordinator)
+        )
+        reader.source = self._exchange(store, ref, manifest, needs)
+        self._stage(ref, lambda: _read_planned(ref, reader, plan, planner))
         return destinations
+
+    def _exchange(
+        self, store: Store, ref: GenerationRef, manifest: Manifest, needs: Runs | None
+    ) -> BlockExchange | None:
+        """Who reads which shared block (:mod:`~ckptvault.distributed.read_once`):
+        None when any rank reads alone."""
+        coordinator = self.coordinator
+        gathered = coordinator.all_gather(encode_needs(needs))
+        every = [decode_needs(raw, rank, manifest) for rank, raw in enumerate(gathered)]
+        if not isinstance(coordinator, TensorPeers) or any(n is None for n in every):
+            return None
+        sizes = {name: record.size for name, record in manifest.files.items()}
+        transfers = schedule([n for n in every if n is not None], sizes, manifest.chunk_size)
+        size = manifest.chunk_size
+
+        def read(name: str, index: int, length: int) -> bytes:
+            return store.read_range(ref, name, index * size, length)
+
+        return BlockExchange(transfers, coordinator, read)
 
 
 def _raise(error: BaseException | None) -> None:
@@ -296,21 +336,57 @@ def _raise(error: BaseException | None) -> None:
         raise error
 
 
-def _load_local(
+def _plan(
     ref: GenerationRef,
     destinations: dict[str, torch.Tensor],
     reader: RangedStorageReader,
     coordinator: Coordinator,
-) -> None:
-    """This rank's reads; any failure a rejection of the candidate (DCP's planner
-    raises ValueError and the like for a plan that cannot be made)."""
+) -> tuple[LoadPlan, LoadPlanner, Runs | None]:
+    """This rank's load plan, and the blocks it reads (None: it reads alone)."""
     try:
-        load_local(destinations, reader, coordinator.is_coordinator)
+        plan, planner = plan_local(destinations, reader, coordinator.is_coordinator)
+        sharing = read_once.enabled() and isinstance(coordinator, TensorPeers)
+        needs = needed_blocks(reader.byte_ranges(plan), reader.manifest) if sharing else None
+    except (CheckpointError, OSError):
+        raise  # _stage makes a rejection of it, with its reason code
+    except Exception as exc:  # DCP's planner raises ValueError and the like
+        problem = Problem(UNREADABLE, f"{type(exc).__name__}: {exc}")
+        raise GenerationRejected(ref, [problem]) from exc
+    return plan, planner, needs
+
+
+def _read_planned(
+    ref: GenerationRef, reader: RangedStorageReader, plan: LoadPlan, planner: LoadPlanner
+) -> None:
+    """This rank's reads; any failure a rejection of the candidate. With an exchange,
+    this rank takes part in every transfer left even when its own read failed (the
+    others are waiting for them), and only then reports the failure."""
+    exchange = reader.source if isinstance(reader.source, BlockExchange) else None
+    failed = True
+    try:
+        reader.read_data(plan, planner).wait()
+        failed = False
     except (CheckpointError, OSError):
         raise  # _stage makes a rejection of it, with its reason code
     except Exception as exc:
         problem = Problem(UNREADABLE, f"{type(exc).__name__}: {exc}")
         raise GenerationRejected(ref, [problem]) from exc
+    finally:
+        if exchange is not None:
+            exchange.finish(failed)
+
+
+def formats_checked_here(manifest: Manifest, coordinator: Coordinator) -> list[str]:
+    """The files whose format this rank checks (rule 6 of the restore checks: the
+    header, bounded and digest-verified, agrees with the manifest): those of the
+    ranks ``rank``, ``rank + world``, ... saved, one checker per file. Every rank
+    reading the head of every file it reads cost each rank a digest chunk per file
+    (ranks x files x 4 MiB, more than the checkpoint at scale). The verdicts are
+    combined like every other check's, so a bad header still rejects the candidate
+    on every rank; and a rank never needs another's check to trust bytes it uses:
+    it verifies every one against the digests of the manifest it checked itself."""
+    rank, world = coordinator.rank, coordinator.world_size
+    return [name for name in manifest.files if (file_holder(name) or 0) % world == rank]
 
 
 def _find(

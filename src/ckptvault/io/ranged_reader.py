@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
@@ -28,42 +29,71 @@ from torch.futures import Future
 from ckptvault.errors import FormatError
 from ckptvault.io.dcp_metadata import StoredChunk, dtype_from_name, tensor_metadata
 from ckptvault.io.reader import VaultStorageReader
-from ckptvault.io.verified_ranges import VerifiedRanges
+from ckptvault.io.verified_ranges import BlockSource, VerifiedRanges
 
 
 class RangedStorageReader(VaultStorageReader):
-    """:class:`VaultStorageReader` whose ``read_data`` reads only what the plan needs."""
+    """:class:`VaultStorageReader` whose ``read_data`` reads only what the plan needs.
+
+    ``source``: where digest chunks come from before the store (chunks another rank
+    read and sent; :mod:`ckptvault.distributed.read_once`); every one is verified
+    against its digest all the same."""
+
+    def __init__(self, *args: Any, source: BlockSource | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.source = source
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        ranges = VerifiedRanges(self.store, self.ref, self.manifest, self.data_keys)
-        for item in plan.items:
-            if item.type == LoadItemType.BYTE_IO:
-                raise FormatError(f"{item.storage_index.fqn!r} is a pickled object; refused")
+        ranges = VerifiedRanges(self.store, self.ref, self.manifest, self.data_keys, self.source)
         # In file order: each verified block is read (and hashed) once, not per tensor.
-        for item in sorted(plan.items, key=self._position):
+        for item in self.ordered(plan):
             self._read_item(ranges, item, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
+    def ordered(self, plan: LoadPlan) -> list[ReadItem]:
+        """The plan's items in the order ``read_data`` reads them: by file and offset."""
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                raise FormatError(f"{item.storage_index.fqn!r} is a pickled object; refused")
+        return sorted(plan.items, key=self._position)
+
+    def byte_ranges(self, plan: LoadPlan) -> list[tuple[str, int, int]]:
+        """(file, start, end) of the bytes each item reads, in reading order: offsets
+        in the tensor file as it holds them (the plaintext of an encrypted one)."""
+        ranges = []
+        for item in self.ordered(plan):
+            location, dtype, _sizes, first, last = self._span_of(item)
+            itemsize = dtype.itemsize
+            if last >= first:
+                start = location.start + first * itemsize
+                ranges.append((location.file, start, location.start + (last + 1) * itemsize))
+        return ranges
+
     def _position(self, item: ReadItem) -> tuple[str, int]:
         location: StoredChunk = self.locations[item.storage_index]
         return location.file, location.start
 
-    def _read_item(self, ranges: VerifiedRanges, item: ReadItem, planner: LoadPlanner) -> None:
+    def _span_of(self, item: ReadItem) -> tuple[StoredChunk, torch.dtype, list[int], int, int]:
+        """Where ``item``'s chunk is stored, its dtype and sizes, and the first and last
+        element (row-major, in the chunk) of the whole rows that hold its sub-box."""
         location: StoredChunk = self.locations[item.storage_index]
         info = tensor_metadata(self.metadata, item.storage_index.fqn)
         dtype = dtype_from_name(
             str(info.properties.dtype).removeprefix("torch."), item.storage_index.fqn
         )
-        chunk = _chunk_of(info.chunks, item)
-        sizes = list(chunk.sizes)
+        sizes = list(_chunk_of(info.chunks, item).sizes)
         first, last = _span(sizes, list(item.storage_offsets), list(item.lengths))
-        itemsize = dtype.itemsize
-        if (last + 1) * itemsize > location.length:
+        if (last + 1) * dtype.itemsize > location.length:
             raise FormatError(
                 f"{item.storage_index.fqn!r}: the load plan reaches past its stored chunk"
             )
+        return location, dtype, sizes, first, last
+
+    def _read_item(self, ranges: VerifiedRanges, item: ReadItem, planner: LoadPlanner) -> None:
+        location, dtype, sizes, first, last = self._span_of(item)
+        itemsize = dtype.itemsize
         staging = torch.empty((last + 1 - first) * itemsize, dtype=torch.uint8)
         if staging.numel():
             ranges.read_range(

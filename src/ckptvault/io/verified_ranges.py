@@ -6,7 +6,8 @@ each) with their tensor header tied to the manifest.
 Two readers use it: consolidation and export (:mod:`ckptvault.ops.consolidate`,
 whole tensors one at a time, memory about the largest tensor) and a multi-rank
 restore (:mod:`ckptvault.io.ranged_reader`: each rank reads only the byte ranges of
-the chunks its shards need, rounded out to digest chunks). The generation must have
+the chunks its shards need, rounded out to digest chunks; a digest chunk another rank
+read and sent it comes from a :class:`BlockSource` and is checked here alike). The generation must have
 passed the restore checks first (:func:`ckptvault.io.load.prepare_load`): the
 manifest then ties every chunk to bytes its files hold.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import errno
 import math
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from blake3 import blake3
@@ -49,6 +50,17 @@ from ckptvault.trust.envelope import binding, segment_ad
 CACHED_FILES = 4  # files whose last verified block is kept
 
 
+class BlockSource(Protocol):
+    """Where a digest chunk's stored bytes come from when not from the store itself
+    (a multi-rank restore: the one rank that read a shared chunk sends it to the
+    others, :mod:`ckptvault.distributed.read_once`)."""
+
+    def fetch(self, name: str, index: int, length: int) -> tuple[bytes, str] | None:
+        """Chunk ``index`` of file ``name`` (``length`` bytes) and where it came from
+        (for errors: "" for this process's own store read), or None: read it from
+        the store. The bytes are checked against the chunk digest like the store's."""
+
+
 class VerifiedRanges:
     """Whole tensors of one generation that passed the restore checks, read one at
     a time. Every stored byte is matched against its chunk digest before it is
@@ -59,9 +71,15 @@ class VerifiedRanges:
     """
 
     def __init__(
-        self, store: Store, ref: GenerationRef, manifest: Manifest, data_keys: dict[str, bytes]
+        self,
+        store: Store,
+        ref: GenerationRef,
+        manifest: Manifest,
+        data_keys: dict[str, bytes],
+        source: BlockSource | None = None,
     ) -> None:
         self.store, self.ref, self.manifest, self.data_keys = store, ref, manifest, data_keys
+        self.source = source
         self._encrypted = set(manifest.encryption.wrapped_keys) if manifest.encryption else set()
         self.entries: dict[str, Any] = manifest.dcp["tensors"]
         # The last verified block of a few files: tensors read in turn from several
@@ -152,12 +170,20 @@ class VerifiedRanges:
         length = min(size, record.size - index * size)
         if index >= len(record.chunks) or length <= 0:
             raise IntegrityError(f"{where}: byte {index * size} lies beyond the recorded size")
-        data = self.store.read_range(self.ref, name, index * size, length)
+        fetched = self.source.fetch(name, index, length) if self.source is not None else None
+        data, origin = fetched or (self.store.read_range(self.ref, name, index * size, length), "")
+        # Bytes another rank sent are checked here exactly like the store's: the digest
+        # comes from the manifest this rank verified itself, never from the sender.
         if len(data) != length or blake3(data).hexdigest() != record.chunks[index]:
+            cause = (
+                f"sent by {origin}, do not match the manifest digest: that rank's copy of "
+                "the file, or the rank itself, is bad"
+                if origin
+                else "do not match the manifest digest: the file changed after it was written"
+            )
             raise IntegrityError(
                 f"{where}: bytes {index * size}..{index * size + length} (chunk {index + 1} of "
-                f"{len(record.chunks)}) do not match the manifest digest: the file changed "
-                "after it was written; nothing of it was used"
+                f"{len(record.chunks)}) {cause}; nothing of it was used"
             )
         self._blocks[name] = (index, memoryview(data))
         while len(self._blocks) > CACHED_FILES:

@@ -204,16 +204,25 @@ def check_trusted(
 
 
 def extend_checked(
-    store: Store, checked: CheckedGeneration, wanted: Collection[str] | None = None
+    store: Store,
+    checked: CheckedGeneration,
+    wanted: Collection[str] | None = None,
+    formats: Collection[str] | None = None,
 ) -> CheckedGeneration:
     """``checked`` with more of its indexes loaded (``wanted``; default: all still
-    pending) and rule 6 applied to the files they cover that it has not checked yet;
+    pending) and rule 6 applied to the files they cover that it has not checked yet
+    (only those among ``formats``, when given: a rank of a collective restore checks
+    its share of the files, and every rank's verdict decides for all);
     GenerationRejected when an index or a file fails. Formats 1-2 have no indexes:
     the first call checks every file."""
     ref = checked.ref
     manifest = _load_indexes(store, ref, checked.manifest, wanted)
     due = [
-        n for n in sorted(manifest.files) if manifest.covers(n) and n not in checked.formats_checked
+        n
+        for n in sorted(manifest.files)
+        if manifest.covers(n)
+        and n not in checked.formats_checked
+        and (formats is None or n in formats)
     ]
     if not due and checked.formats_checked:
         return dataclasses.replace(checked, manifest=manifest)
