@@ -81,13 +81,9 @@ def restored(store: Path, step: int, width: int) -> torch.Tensor:
     return target["w"]
 
 
-# -- findings: these fail until the product is fixed (xfail, strict: a fix flips them) --------------------------------------
+# -- findings of the hostile review, fixed --------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding 1: prepare() zeroes the shared slot a save in flight reads; remove this mark with the fix",
-)
 def test_prepare_while_a_save_is_in_flight_does_not_change_what_it_saves(tmp_path, writer_hook):
     """``prepare()`` is documented to be called "again if the layout changes", i.e.
     at any point of training, with saves in flight. In process mode it re-lays out
@@ -103,10 +99,6 @@ def test_prepare_while_a_save_is_in_flight_does_not_change_what_it_saves(tmp_pat
     assert restored(store, 1, 1024).unique().tolist() == [7.0], "step 1 was saved as zeros"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding 2: a death after publish is reported as nothing published; remove this mark with the fix",
-)
 def test_a_writer_killed_after_publishing_is_not_reported_as_publishing_nothing(
     tmp_path, writer_hook
 ):
@@ -133,10 +125,6 @@ def test_a_writer_killed_after_publishing_is_not_reported_as_publishing_nothing(
     assert on_disk[3].get("parent") == on_disk[2]["generation_id"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding 3: a forked child's atexit unlinks the parent's slot files; remove this mark with the fix",
-)
 def test_a_forked_child_that_exits_normally_does_not_break_the_parents_saves(tmp_path):
     """``os.fork()`` after the writer started, the child ends normally (atexit runs):
     the inherited staging pool's finalizer unlinks the parent's slot files, and every
@@ -223,11 +211,6 @@ def test_an_interpreter_that_exits_without_close_finishes_its_save_and_cleans(tm
     assert list(SHM.glob(f"ckptvault-stage-{trainer}-*")) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding 4: slot files of a trainer killed with its writer stay in /dev/shm "
-    "(RAM) for ever; remove this mark with the fix",
-)
 def test_slot_files_of_a_trainer_killed_with_its_writer_are_swept_by_the_next_one(tmp_path):
     """A cgroup kill, an OOM kill of both, ``kill -9`` of both: nobody removes the dead
     trainer's slot files (max_in_flight copies of the state, in RAM). The next job's

@@ -107,9 +107,12 @@ class SaveScheduler:
 
     def prepare(self, tensors: dict[str, torch.Tensor], wait: bool = False) -> None:
         """Allocate and fault in the staging buffers for ``tensors`` in the background
-        (``wait``: before returning). The writer process (if any) starts now too, and
-        its shared-memory slots are made and faulted in before this returns."""
+        (``wait``: before returning). With a writer process: it starts now too, and
+        once the saves in flight are done, its shared-memory slots are made and
+        faulted in before this returns."""
         if self._process is not None and self._shared is not None:
+            # Its slots are laid out anew: a save in flight must have been read first.
+            self.drain()
             self._process.start()
             self._shared.prepare(tensors)
             self.stats.staging_allocations = self._shared.allocations

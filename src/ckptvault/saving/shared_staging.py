@@ -124,7 +124,8 @@ class SharedSlot:
     def _ensure(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """A file laid out for ``tensors`` (plain tensors: DTensors' local shards)."""
         key = tuple((n, tuple(t.shape), t.dtype) for n, t in tensors.items())
-        if key == self._key and self._buffer is not None:
+        # A file someone removed (a forked child's exit, a cleaner) is made anew.
+        if key == self._key and self._buffer is not None and os.path.exists(str(self.path)):
             return
         entries, size = layout_of(tensors)
         self.release()
@@ -132,9 +133,18 @@ class SharedSlot:
         path = self.directory / f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            os.ftruncate(fd, size)
-        finally:
+            # Reserved, not sparse: a tmpfs filled later gives ENOSPC here, never
+            # SIGBUS in the middle of a copy.
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
             os.close(fd)
+            _unlink(str(path))
+            raise StorageFullError(
+                f"a staging slot of {size / 2**20:.1f} MiB could not be reserved in "
+                f"{self.directory} ({exc.strerror}): free space there, lower max_in_flight, or "
+                "use async_mode='thread'"
+            ) from exc
+        os.close(fd)
         self._buffer = map_file(str(path), size)
         _pin(self._buffer)
         self.path, self.entries, self.size, self._key = str(path), entries, size, key
@@ -182,9 +192,11 @@ class SharedStagingPool:
                 f"async_mode='process' stages in shared memory under {directory}, which does "
                 "not exist here; use async_mode='thread'"
             )
+        sweep_dead(directory)
         self.slots = [SharedSlot(directory) for _ in range(max(1, slots))]
         self._next = 0
-        self._finalizer = weakref.finalize(self, _release_all, self.slots)
+        # Only this process removes its slots: a forked child inherits the finalizer.
+        self._finalizer = weakref.finalize(self, _release_all, self.slots, os.getpid())
 
     def next_slot(self) -> SharedSlot:
         slot = self.slots[self._next]
@@ -217,9 +229,38 @@ def stale_files(pid: int, directory: Path = SHM_DIR) -> list[Path]:
     return sorted(directory.glob(f"{PREFIX}{pid}-*"))
 
 
-def _release_all(slots: list[SharedSlot]) -> None:
+def _release_all(slots: list[SharedSlot], owner: int) -> None:
+    if os.getpid() != owner:
+        return
     for slot in slots:
         slot.release()
+
+
+def sweep_dead(directory: Path = SHM_DIR) -> list[Path]:
+    """Remove this user's slot files whose process is gone (a trainer killed with its
+    writer leaves them, holding memory until reboot); the files removed. A pid reused
+    by a live process keeps its files: better a leak than a live save's slot."""
+    removed = []
+    for path in directory.glob(f"{PREFIX}*"):
+        try:
+            pid = int(path.name[len(PREFIX) :].split("-", 1)[0])
+            if path.lstat().st_uid != os.getuid() or _alive(pid):
+                continue
+            path.unlink()
+            removed.append(path)
+        except (ValueError, OSError):
+            continue
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _unlink(path: str) -> None:

@@ -28,6 +28,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -38,7 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ckptvault.coordinator import Coordinator, SingleProcess
 from ckptvault.distributed.save import CollectiveSave
-from ckptvault.errors import CheckpointError, FormatError, UsageError
+from ckptvault.errors import CheckpointError, FormatError, SaveFailedError, UsageError
 from ckptvault.events import EventBus
 from ckptvault.run_context import RunContext
 from ckptvault.saving.generation_writer import GenerationWriter, WriteSettings
@@ -52,8 +53,39 @@ from ckptvault.trust.ledger import Ledger
 from ckptvault.trust.signing import load_private_key
 
 
+def report_attempts(store: Any, report: Callable[[str], None]) -> None:
+    """Tell the training process each attempt's generation id as it begins (if this
+    process dies, the trainer looks the id up: :mod:`~ckptvault.saving.writer_recovery`),
+    and publish nothing once the training process is gone."""
+    begin, join_area = store.begin_generation, store.join_generation
+    parent_pid = os.getppid()
+
+    def guarded(area: Any) -> Any:
+        publish = area.publish
+
+        def publish_if_wanted(*args: Any, **kwargs: Any) -> Any:
+            if os.getppid() != parent_pid:  # the requester died: never publish for it
+                _abandon(parent_pid)
+            return publish(*args, **kwargs)
+
+        area.publish = publish_if_wanted
+        return area
+
+    def begin_generation(generation_id: str) -> Any:
+        report(generation_id)
+        return guarded(begin(generation_id))
+
+    def join_generation(generation_id: str) -> Any:
+        report(generation_id)
+        return guarded(join_area(generation_id))
+
+    store.begin_generation, store.join_generation = begin_generation, join_generation
+
+
 def build_writer(
-    config: dict[str, Any], coordinator: Coordinator | None = None
+    config: dict[str, Any],
+    coordinator: Coordinator | None = None,
+    report: Callable[[str], None] | None = None,
 ) -> GenerationWriter:
     """The training process's writer, rebuilt from its settings; ``coordinator``: the
     writer processes' own group in a job of several ranks (see :func:`join`)."""
@@ -64,6 +96,8 @@ def build_writer(
         ledger=Ledger(config["ledger"]) if config.get("ledger") else None,
     )
     store = open_store(config["location"], must_exist=False)
+    if report is not None:
+        report_attempts(store, report)
     run = RunContext(store, config["run_id"], trust, coordinator or SingleProcess(), EventBus())
     writer = GenerationWriter(
         run, config["contract"], WriteSettings(**config["settings"]), collective=CollectiveSave
@@ -122,7 +156,14 @@ class Slots:
             raise FormatError(
                 f"staging slot {str(path)[:200]!r} is not one of this writer's parent's"
             )
-        if not isinstance(size, int) or os.stat(path).st_size != size:
+        try:
+            actual = os.stat(path).st_size
+        except FileNotFoundError:
+            raise SaveFailedError(
+                f"staging slot {path} is gone (removed while the save waited); nothing was "
+                "published, and the next save stages into a new one"
+            ) from None
+        if not isinstance(size, int) or actual != size:
             raise FormatError(f"staging slot {path}: its size is not {size!r}")
         for stale in [p for p in self._mapped if p != path and not os.path.exists(p)]:
             del self._mapped[stale]
@@ -232,7 +273,11 @@ def serve(sock: socket.socket, parent_pid: int) -> None:
         if config.get("world", 1) > 1:  # a job of several ranks: join the writers first
             send(sock, {"op": "started", "pid": os.getpid()})
             coordinator = join(receive(sock, "a request to join the writers' group"))
-        writer = build_writer(config, coordinator)
+        writer = build_writer(
+            config,
+            coordinator,
+            lambda generation_id: send(sock, {"op": "begun", "generation_id": generation_id}),
+        )
     except BaseException as exc:
         send(sock, {"op": "failed", "error": describe(exc)})
         return

@@ -41,6 +41,7 @@ from cryptography.hazmat.primitives import serialization
 from ckptvault import errors
 from ckptvault.errors import CheckpointError, SaveFailedError, UsageError
 from ckptvault.saving.generation_writer import GenerationWriter, WrittenGeneration
+from ckptvault.saving.writer_recovery import published_by_dead_writer
 from ckptvault.saving.writer_wire import PeerGone, receive, send
 from ckptvault.state.capture import CapturedState
 from ckptvault.storage.listing import GenerationInfo
@@ -91,6 +92,7 @@ class WriterProcess:
         self.timeout_s = collective_timeout_s
         self._settings = writer_settings(writer)  # refuses what it cannot serve, now
         self._rendezvous_store: Any = None  # rank 0's TCP store for the writers' group
+        self._begun: str | None = None  # the generation id of the attempt in the process
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._ready = False
@@ -146,11 +148,19 @@ class WriterProcess:
             "slot": slot,
         }
         assert self._sock is not None
+        self._begun = None
         try:
-            send(self._sock, message)
-        except OSError:
-            raise self._died(step) from None
-        reply = self._reply(step)
+            self._send(message, step)
+            reply = self._reply(step)
+            while reply.get("op") == "begun":  # the attempt's generation id, first
+                self._begun = str(reply.get("generation_id"))
+                reply = self._reply(step)
+        except _Died as death:
+            found = published_by_dead_writer(self.writer, self._begun, step, death.how)
+            if found is None:
+                raise death.error from None
+            self.writer.parent = found.info.generation_id
+            return found
         if "error" in reply:
             if self.coordinator.world_size > 1:
                 self._ready = False  # its group may be broken: the next save makes a new one
@@ -175,12 +185,22 @@ class WriterProcess:
 
     # -- waiting ---------------------------------------------------------------------
 
+    def _send(self, message: dict[str, Any], step: int) -> None:
+        assert self._sock is not None
+        try:
+            send(self._sock, message)
+        except OSError:
+            raise self._died(step) from None
+
     def _await(self, op: str, step: int) -> None:
         """Wait for the process to say ``op`` ("started": it runs; "ready": it
         serves saves)."""
         if self._ready:
             return
-        reply = self._reply(step, START_TIMEOUT_S)
+        try:
+            reply = self._reply(step, START_TIMEOUT_S)
+        except _Died as death:
+            raise death.error from None
         if reply.get("op") != op:
             error = reply.get("error") or {}
             raise SaveFailedError(
@@ -216,23 +236,28 @@ class WriterProcess:
             raise SaveFailedError(
                 f"rank 0 sent a malformed writers' rendezvous: {str(place)[:200]}"
             )
-        assert self._sock is not None
-        send(
-            self._sock,
-            {
-                **place,
-                "rank": self.coordinator.rank,
-                "world": self.coordinator.world_size,
-                "timeout": self.timeout_s,
-            },
-        )
+        join = {
+            **place,
+            "rank": self.coordinator.rank,
+            "world": self.coordinator.world_size,
+            "timeout": self.timeout_s,
+        }
+        try:
+            self._send(join, step)
+        except _Died as death:
+            raise death.error from None
         self._await("ready", step)
 
     def _rendezvous(self) -> dict[str, Any]:
-        """Rank 0: where the writers meet (a TCP store this process hosts, made once,
-        a fresh key prefix per group)."""
+        """Rank 0: where the writers meet, under a fresh key prefix: the job's own TCP
+        store (no new port: torchrun's, or what init_process_group made), else one
+        this process hosts (made once)."""
         import torch.distributed as dist
 
+        prefix = f"ckptvault-writers/{secrets.token_hex(8)}"
+        address = job_store_address()
+        if address is not None:
+            return {"host": address[0], "port": address[1], "prefix": prefix}
         if self._rendezvous_store is None:
             self._rendezvous_store = dist.TCPStore(
                 "0.0.0.0",
@@ -243,8 +268,7 @@ class WriterProcess:
                 wait_for_workers=False,
             )
         host = os.environ.get("MASTER_ADDR") or socket.gethostname()
-        port = int(self._rendezvous_store.port)
-        return {"host": host, "port": port, "prefix": f"ckptvault-writers/{secrets.token_hex(8)}"}
+        return {"host": host, "port": int(self._rendezvous_store.port), "prefix": prefix}
 
     def _kill(self) -> None:
         with self._lock:
@@ -254,7 +278,7 @@ class WriterProcess:
             self._discard()
 
     def _reply(self, step: int, timeout: float | None = None) -> dict[str, Any]:
-        """The process's next message; a death while waiting is a failed save."""
+        """The process's next message; :class:`_Died` when it died while waiting."""
         assert self._sock is not None and self._proc is not None
         waited = 0.0
         while True:
@@ -271,7 +295,7 @@ class WriterProcess:
                 self._proc.kill()
                 raise self._died(step)
 
-    def _died(self, step: int) -> SaveFailedError:
+    def _died(self, step: int) -> _Died:
         assert self._proc is not None
         pid = self._proc.pid
         try:
@@ -282,16 +306,44 @@ class WriterProcess:
         how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
         with self._lock:
             self._discard()
-        return SaveFailedError(
-            f"the writer process (pid {pid}) died ({how}) while saving step {step}. Nothing of "
-            "that save was published; its staging is removed before the next save, which "
-            "starts a new writer process"
+        return _Died(
+            f"died ({how})",
+            SaveFailedError(
+                f"the writer process (pid {pid}) died ({how}) while saving step {step}. Nothing "
+                "of that save was published; its staging is removed before the next save, "
+                "which starts a new writer process"
+            ),
         )
 
     def _discard(self) -> None:
         if self._sock is not None:
             self._sock.close()
         self._proc, self._sock, self._ready = None, None, False
+
+
+def job_store_address() -> tuple[str, int] | None:
+    """The host and port of the default process group's TCP store, if it has one."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    try:
+        store = distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        return str(store.host), int(store.port)
+    return None
+
+
+class _Died(Exception):
+    """The writer process died; ``error`` is what the save raises unless the store
+    holds its generation (:mod:`~ckptvault.saving.writer_recovery`)."""
+
+    def __init__(self, how: str, error: SaveFailedError) -> None:
+        super().__init__(str(error))
+        self.how, self.error = how, error
 
 
 def written_from(ok: Any) -> WrittenGeneration:
