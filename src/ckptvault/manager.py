@@ -269,6 +269,7 @@ class CheckpointManager:
         rename: Rename = None,
         strict_dtypes: bool = False,
         strict_env: bool = False,
+        in_place: bool = False,
     ) -> RestoreInfo | None:
         """Restore the newest generation (of ``step``, when given) that verifies.
 
@@ -301,9 +302,18 @@ class CheckpointManager:
         versions or CUDA devices that differ from the saved ones are listed in
         ``RestoreInfo.environment`` with a warning; ``strict_env=True`` raises
         ``EnvironmentMismatch`` instead.
+
+        ``in_place=True`` (one process) reads tensors straight into the live ones where
+        dtype, shape and layout match, so the restore needs no second copy of the
+        state: the generation is verified whole first, then read again into them. The
+        one exception to "state untouched on failure": a file that changes between the
+        two passes raises ``IntegrityError`` with live tensors partly overwritten
+        (restore again); see :mod:`ckptvault.io.in_place`.
         """
         self._check_open()
-        options = ApplyOptions(rename=rename, strict_dtypes=strict_dtypes, strict_env=strict_env)
+        options = ApplyOptions(
+            rename=rename, strict_dtypes=strict_dtypes, strict_env=strict_env, in_place=in_place
+        )
         # A memory tier on several nodes: each node first fetches what its peers hold.
         fetched = self._writer.before_restore() if isinstance(self._writer, TieredWriter) else set()
         info = self._restorer.restore(

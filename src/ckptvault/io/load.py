@@ -22,6 +22,7 @@ from ckptvault.errors import (
 from ckptvault.format.layout import is_encrypted_name
 from ckptvault.format.manifest import Manifest
 from ckptvault.io.dcp_io import read_tensors
+from ckptvault.io.in_place import PendingInPlace, verify_first
 from ckptvault.io.state_file import encrypted_state_reference, read_state_file
 from ckptvault.state.capture import decode_tree
 from ckptvault.state.ranks import tree_for_rank
@@ -54,6 +55,9 @@ class LoadedGeneration:
     # Per-rank entries of a multi-rank save this rank cannot restore (the world size
     # changed; ``ckptvault.state.ranks``): they are left as they are.
     reset: list[str] = field(default_factory=list)
+    # in_place=True: verified, its big tensors still to read (placeholders in ``saved``;
+    # :mod:`ckptvault.io.in_place`).
+    pending: PendingInPlace | None = None
 
 
 def load_verified(
@@ -66,11 +70,14 @@ def load_verified(
     rank: int = 0,
     world_size: int = 1,
     clock: StageClock | None = None,
+    in_place: bool = False,
 ) -> LoadedGeneration:
     """Verify ``ref`` completely and decode it, as rank ``rank`` of ``world_size``
     sees it (the job's entries, and the rank's own when the world size is the one
     that saved it). ``clock`` counts the checks before any tensor byte under
     ``verification`` and reading, hashing and decoding the bytes under ``read``.
+    ``in_place``: verify every byte but keep only the small tensors; the big ones are
+    read later, into the live tensors where they fit (``LoadedGeneration.pending``).
 
     Raises :class:`GenerationRejected` for anything wrong with the generation (the
     caller tries the next one) and :class:`KeyDestroyedError` after crypto-erase.
@@ -80,13 +87,21 @@ def load_verified(
         prepared = prepare_load(store, ref, policy, keystore, require_encryption)
     manifest = prepared.checked.manifest
     with clock.stage("read"):
+        pending = None
         try:
-            tensors = read_tensors(store, ref, manifest, threads, data_keys=prepared.data_keys)
+            if in_place:
+                pending = verify_first(store, ref, manifest, threads, prepared.data_keys)
+            if pending is not None:
+                pending.tree = prepared.tree
+                tensors = pending.tensors()
+            else:
+                keys = prepared.data_keys
+                tensors = read_tensors(store, ref, manifest, threads, data_keys=keys)
         except (CheckpointError, OSError) as exc:
             raise rejection(ref, exc) from exc
         tree = prepared.tree
         saved, reset = decode_for_rank(ref, manifest, tree, tensors, rank, world_size)
-    return LoadedGeneration(ref, manifest, saved, prepared.checked.signer, reset)
+    return LoadedGeneration(ref, manifest, saved, prepared.checked.signer, reset, pending)
 
 
 @dataclass

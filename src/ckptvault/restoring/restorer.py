@@ -22,9 +22,17 @@ from ckptvault.errors import (
     CheckpointError,
     EnvironmentMismatch,
     NoValidCheckpoint,
+    StateMismatchError,
 )
 from ckptvault.events import Refused, Restored, RollbackApplied
-from ckptvault.io.load import LoadedGeneration, load_verified, prepare_load, saved_world_size
+from ckptvault.io import in_place
+from ckptvault.io.load import (
+    LoadedGeneration,
+    decode_for_rank,
+    load_verified,
+    prepare_load,
+    saved_world_size,
+)
 from ckptvault.restoring.gc_pause import cyclic_gc_paused
 from ckptvault.restoring.lineage import Lineage
 from ckptvault.restoring.rollback import allowed_rollback, warn_rollback
@@ -37,6 +45,7 @@ from ckptvault.state.environment import environment_differences
 from ckptvault.state.gradients import gradient_slots
 from ckptvault.state.names import ApplyOptions
 from ckptvault.state.ranks import capture_ranked, leave_per_rank_alone
+from ckptvault.state.restore_plan import RestorePlan
 from ckptvault.storage.base import GenerationRef, Store
 from ckptvault.storage.leases import reading_lease
 from ckptvault.timing import StageClock
@@ -100,6 +109,33 @@ def check_environment(contract: Any, where: str, options: ApplyOptions) -> list[
     if differences:
         logger.warning("%s was saved in another environment: %s", where, "; ".join(differences))
     return differences
+
+
+def _read_in_place(
+    state: MutableMapping[str, Any],
+    loaded: LoadedGeneration,
+    plan: RestorePlan,
+    options: ApplyOptions,
+    strict: bool,
+    where: str,
+) -> RestorePlan:
+    """Pass 2 of an in-place restore (:mod:`ckptvault.io.in_place`): the big tensors
+    read where ``plan`` (made with placeholders, every check passed) puts them, then
+    the plan made again with the tensors read, to be applied."""
+    pending = loaded.pending
+    assert pending is not None
+    destinations = pending.destinations(plan.targets)
+    in_place.read_in_place(pending, destinations)
+    tensors = {**pending.small, **destinations.tensors}
+    saved, _reset = decode_for_rank(loaded.ref, loaded.manifest, pending.tree, tensors, 0, 1)
+    try:  # the same plan as before: it depends on shapes and types, not on values
+        return checked_plan(state, saved, loaded.reset, options, strict, where)
+    except CheckpointError as exc:
+        raise StateMismatchError(
+            f"restoring {where} in place: the state no longer matched it once its tensors "
+            f"were read ({exc}); {len(destinations.live)} live tensors already hold its "
+            "values, nothing else was applied: restore again"
+        ) from exc
 
 
 def _warn_fallback(ref: GenerationRef, skipped: list[SkippedGeneration]) -> None:
@@ -191,7 +227,8 @@ class Restorer:
         options: ApplyOptions,
     ) -> RestoreInfo | None:
         self.trust.ensure_key_usable(self.run_id)  # crypto-erased runs are gone for good
-        chosen = self._choose_anywhere(state, step, allow_rollback_to, clock)
+        into_live = options.in_place and self.collective is None  # one process only
+        chosen = self._choose_anywhere(state, step, allow_rollback_to, clock, into_live)
         if chosen is None:
             return None
         store, selection, ref, loaded = chosen
@@ -215,6 +252,8 @@ class Restorer:
             elif mismatch is not None:
                 raise mismatch
             assert plan is not None
+            if loaded.pending is not None:  # in_place: the big tensors are still to read
+                plan = _read_in_place(state, loaded, plan, options, strict, where)
             plan.apply(where)
         _warn_fallback(ref, selection.skipped)
         rollback = allowed_rollback(selection, ref, self.trust.ledger is not None)
@@ -251,12 +290,13 @@ class Restorer:
         step: int | None,
         allow_rollback_to: int | None,
         clock: StageClock,
+        in_place: bool = False,
     ) -> tuple[Store, Selection, GenerationRef, LoadedGeneration] | None:
         """:meth:`_choose` alone, or with every rank of the job: rank 0 chooses and
         the others load what it names (:mod:`ckptvault.distributed.restore`)."""
         collective = self.collective
         if collective is None:
-            return self._choose(step, allow_rollback_to, clock)
+            return self._choose(step, allow_rollback_to, clock, in_place)
         collective.live = capture_ranked(state, self.coordinator.rank).tensors
         collective.param_hints = optimizer_param_hints(state)
         if not self.coordinator.is_coordinator:
@@ -277,7 +317,11 @@ class Restorer:
         return chosen
 
     def _choose(
-        self, step: int | None, allow_rollback_to: int | None, clock: StageClock
+        self,
+        step: int | None,
+        allow_rollback_to: int | None,
+        clock: StageClock,
+        in_place: bool = False,
     ) -> tuple[Store, Selection, GenerationRef, LoadedGeneration] | None:
         """The newest generation that verifies in any tier, trying the local copy of
         each generation before a remote one; None when every tier is empty. When a
@@ -304,7 +348,7 @@ class Restorer:
         merged, store_of = merge_tiers(tiers)
 
         def load(ref: GenerationRef, policy: TrustPolicy) -> LoadedGeneration:
-            return self._load(store_of[ref.location], ref, policy, clock)
+            return self._load(store_of[ref.location], ref, policy, clock, in_place)
 
         def check(ref: GenerationRef, policy: TrustPolicy) -> None:
             self._check(store_of[ref.location], ref, policy, clock)
@@ -313,7 +357,12 @@ class Restorer:
         return store_of[ref.location], merged, ref, loaded
 
     def _load(
-        self, store: Store, ref: GenerationRef, policy: TrustPolicy, clock: StageClock
+        self,
+        store: Store,
+        ref: GenerationRef,
+        policy: TrustPolicy,
+        clock: StageClock,
+        in_place: bool = False,
     ) -> LoadedGeneration:
         with reading_lease(store, ref):  # released on errors too
             if self.collective is not None:
@@ -327,6 +376,7 @@ class Restorer:
                 self.threads,
                 require_encryption=self.trust.keystore is not None,
                 clock=clock,
+                in_place=in_place,
             )
 
     def _check(

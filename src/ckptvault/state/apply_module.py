@@ -150,6 +150,11 @@ def plan_module(
         # state_dict() carries per-module versions as an attribute of the dict;
         # load_state_dict reads it back from there. Typeshed's OrderedDict has no slot.
         loadable._metadata = metadata  # type: ignore[attr-defined]
+    plan.targets += [
+        (value, live[key])
+        for key, value in loadable.items()
+        if isinstance(value, torch.Tensor) and isinstance(live[key], torch.Tensor)
+    ]
     exact = not (missing or unmatched or drop)
     plan.loaded.append(f"{where} ({len(loadable)} of {len(live)} keys)")
     plan.actions.append(Action(where, lambda: module.load_state_dict(loadable, strict=exact)))

@@ -72,6 +72,7 @@ def plan_optimizer(
         return
     loadable = _in_params_layout(plan, state, by_id, path)
     if loadable is not None:
+        plan.targets += _state_slots(optimizer, loadable, by_id)
         plan.loaded.append(where)
         plan.object_loads.append(
             Action(
@@ -82,6 +83,21 @@ def plan_optimizer(
                 snapshot=lambda: _loader(optimizer, optimizer.state_dict()),
             )
         )
+
+
+def _state_slots(
+    optimizer: torch.optim.Optimizer, loadable: dict[str, Any], by_id: dict[int, torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(saved, live) for each saved state tensor whose slot the optimizer already
+    fills with a tensor: loading it makes the saved tensor that slot's value."""
+    slots = []
+    for pid, entry in loadable.get("state", {}).items():
+        current = optimizer.state.get(by_id[pid], {})
+        for name, value in entry.items():
+            live = current.get(name) if isinstance(current, dict) else None
+            if isinstance(value, torch.Tensor) and isinstance(live, torch.Tensor):
+                slots.append((value, live))
+    return slots
 
 
 def _by_live_position(

@@ -56,13 +56,16 @@ class ApplyOptions:
     devices (:mod:`ckptvault.state.environment`) instead of warning.
     ``live_entries_only``: the checkpoint's top-level entries that ``state`` does not
     hold are left out rather than unexpected (a validation factory may build only the
-    model); what ``state`` holds is matched as strictly as ever.
+    model); what ``state`` holds is matched as strictly as ever. ``in_place``: read
+    tensors straight into the live ones after a first pass verified the generation
+    (:mod:`ckptvault.io.in_place`; one process).
     """
 
     rename: Rename = None
     strict_dtypes: bool = False
     strict_env: bool = False
     live_entries_only: bool = False
+    in_place: bool = False
     _prefixes: tuple[tuple[str, str], ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:

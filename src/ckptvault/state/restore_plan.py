@@ -101,6 +101,11 @@ class RestorePlan:
     loaded: list[str] = field(default_factory=list)
     casts: list[str] = field(default_factory=list)
     renamed: list[str] = field(default_factory=list)
+    # (saved tensor, live tensor): where applying puts each saved tensor's values, in
+    # place (a copy into a live tensor, a module's parameter or buffer) or into the
+    # same slot (an optimizer's state). A restore with ``in_place=True`` reads the
+    # saved bytes straight into such a live tensor (:mod:`ckptvault.io.in_place`).
+    targets: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     _copies: TensorCopies | None = field(default=None, repr=False, compare=False)
 
     def copy_tensor(self, where: str, live: torch.Tensor, saved: torch.Tensor) -> None:
@@ -109,6 +114,7 @@ class RestorePlan:
             self._copies = TensorCopies()
             self.actions.append(self._copies)
         self._copies.add(where, live, saved)
+        self.targets.append((saved, live))
 
     @property
     def clean(self) -> bool:
