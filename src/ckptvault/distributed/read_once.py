@@ -123,6 +123,8 @@ def _container(stored_size: int, segment_size: int) -> ContainerHeader | None:
     """The container header of an encrypted file of ``stored_size`` bytes written with
     ``segment_size``: its stored size grows strictly with the plaintext's, so one
     plaintext size fits (None when none does)."""
+    if segment_size <= 0:
+        return None
     lo, hi = 0, stored_size
     while lo <= hi:
         middle = (lo + hi) // 2
