@@ -16,16 +16,19 @@ from typing import Any, NoReturn
 from ckptvault.errors import FormatError
 from ckptvault.format.bounded_json import MAX_DOCUMENT_DEPTH, loads_bounded
 
+# One encoder for every call: json.dumps with options builds a new one each time,
+# which costs more than encoding a short string (a writer encodes one per tensor).
+_CANONICAL = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+)
+
 
 def dumps_canonical(value: Any) -> bytes:
     """Serialize ``value`` to canonical JSON bytes."""
     try:
-        text = json.dumps(
-            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-        )
         # Strict UTF-8: a lone surrogate (from a "\ud800" escape, or a file name that
         # is not UTF-8) has no canonical encoding.
-        return text.encode("utf-8")
+        return _CANONICAL.encode(value).encode("utf-8")
     except ValueError as exc:  # NaN/inf or a lone surrogate (UnicodeEncodeError)
         raise FormatError(f"value cannot be written as canonical JSON: {exc}") from exc
 

@@ -229,6 +229,23 @@ class TensorLayout:
             offsets[dim], sizes[dim] = _part_span(parts, part)
         return tuple(offsets), tuple(sizes)
 
+    def encoded(self) -> bytes:
+        """``dumps_canonical(self.to_json())``; written out directly for a tensor
+        stored whole (one cell, one holder: what a one-process save has)."""
+        holders = self.holders
+        if (
+            not self.split
+            and holders is not None
+            and len(holders.pairs) == 1
+            and self.dtype in DTYPES  # a plain name: nothing to escape
+        ):
+            (first, count), dims = holders.pairs[0], ",".join(map(str, self.shape))
+            if count == 1:
+                return (
+                    f'{{"dtype":"{self.dtype}","holders":[[{first},1]],"shape":[{dims}]}}'.encode()
+                )
+        return dumps_canonical(self.to_json())
+
     def to_json(self) -> dict[str, Any]:
         document: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape)}
         if self.chunks is not None:
@@ -284,8 +301,14 @@ class TensorTable:
         return {fqn: layout.to_json() for fqn, layout in sorted(self.tensors.items())}
 
     def encoded(self) -> bytes:
+        """``dumps_canonical(self.to_json())``, encoded a tensor at a time (no document
+        of 10,000 dicts built first for Python's collector to walk), and kept."""
         if self._encoded is None:
-            self._encoded = dumps_canonical(self.to_json())
+            pieces = (
+                dumps_canonical(fqn) + b":" + layout.encoded()
+                for fqn, layout in sorted(self.tensors.items())
+            )
+            self._encoded = b"{" + b",".join(pieces) + b"}"
         return self._encoded
 
     def cells_held(self, holder: int) -> int:
@@ -322,8 +345,13 @@ def build_tensor_table(
     """The table of a ``dcp`` section (:mod:`ckptvault.io.dcp_metadata`'s form):
     each tensor's chunks as a grid when they form one, else listed."""
     table = {}
+    single: dict[int, Runs] = {}  # holder -> [[holder, 1]]: one Runs for every whole tensor
     for fqn, info in tensors.items():
         shape = tuple(info["shape"])
+        whole = _whole(info["dtype"], shape, info["chunks"], holder_of_file, single)
+        if whole is not None:
+            table[fqn] = whole
+            continue
         chunks = [
             (tuple(c["offsets"]), tuple(c["sizes"]), holder_of_file(c["file"]))
             for c in info["chunks"]
@@ -333,6 +361,33 @@ def build_tensor_table(
             info["dtype"], shape, chunks=tuple(sorted(chunks))
         )
     return TensorTable(table)
+
+
+def whole_tensor(
+    dtype: str, shape: tuple[int, ...], holder: int, single: dict[int, Runs]
+) -> TensorLayout:
+    """The layout of a non-empty tensor stored whole by index ``holder`` (what
+    :func:`_grid` makes of its one chunk); ``single`` shares each holder's runs."""
+    runs = single.get(holder)
+    if runs is None:
+        runs = single[holder] = Runs.of([(holder, 1)])
+    return TensorLayout(dtype, shape, (), runs)
+
+
+def _whole(
+    dtype: str,
+    shape: tuple[int, ...],
+    chunks: Sequence[Mapping[str, Any]],
+    holder_of_file: Callable[[str], int],
+    single: dict[int, Runs],
+) -> TensorLayout | None:
+    """A tensor stored as one chunk covering all of it (no empty dimension), or None."""
+    if len(chunks) != 1 or not math.prod(shape):
+        return None
+    chunk = chunks[0]
+    if any(chunk["offsets"]) or tuple(chunk["sizes"]) != shape:
+        return None
+    return whole_tensor(dtype, shape, holder_of_file(chunk["file"]), single)
 
 
 def _grid(

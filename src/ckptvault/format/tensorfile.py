@@ -71,7 +71,7 @@ def element_size(dtype: str) -> int:
         raise FormatError(f"dtype {dtype} has no safetensors encoding") from None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     """One tensor in a tensor file; ``start``/``end`` are absolute file offsets."""
 
@@ -100,25 +100,31 @@ class TensorFileHeader:
 def build_header(
     tensors: Iterable[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str]
 ) -> TensorFileHeader:
-    """Lay out ``(name, dtype, shape)`` tensors back to back, in the order given."""
-    layout: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    """Lay out ``(name, dtype, shape)`` tensors back to back, in the order given.
+
+    The header's JSON is written entry by entry as text (what ``json.dumps`` of the
+    whole layout writes, byte for byte): a layout of 10,000 tensors then leaves no
+    30,000 dicts and lists behind for Python's collector to walk."""
+    pieces = [f'"__metadata__":{_dumps(dict(metadata))}'] if metadata else []
     spans: list[tuple[str, str, tuple[int, ...], int, int]] = []
+    seen: set[str] = set()
     offset = 0
     for name, dtype, shape in tensors:
-        if name in layout or name == "__metadata__":
+        if name in seen or name == "__metadata__":
             raise FormatError(f"tensor name {name!r} appears twice in one tensor file")
+        seen.add(name)
         code, size = DTYPES.get(dtype, (None, 0))
         if code is None:
             raise FormatError(f"dtype {dtype} of tensor {name!r} has no safetensors encoding")
         nbytes = math.prod(shape) * size
-        layout[name] = {
-            "dtype": code,
-            "shape": list(shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
+        dims = ",".join(map(str, shape))
+        pieces.append(
+            f'{_dumps(name)}:{{"dtype":"{code}","shape":[{dims}],'
+            f'"data_offsets":[{offset},{offset + nbytes}]}}'
+        )
         spans.append((name, dtype, tuple(shape), offset, offset + nbytes))
         offset += nbytes
-    text = json.dumps(layout, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text = ("{" + ",".join(pieces) + "}").encode("utf-8")
     text += b" " * (-len(text) % _ALIGNMENT)
     prefix = struct.pack("<Q", len(text)) + text
     base = len(prefix)
@@ -127,6 +133,9 @@ def build_header(
         for name, dtype, shape, start, end in spans
     }
     return TensorFileHeader(prefix, entries, dict(metadata))
+
+
+_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode  # one, reused
 
 
 def header_size_limit(entry_names: Iterable[str]) -> int:

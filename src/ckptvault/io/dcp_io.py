@@ -77,6 +77,7 @@ def write_tensors(
     plan_cache_key: str | None = None,
     rank: int = 0,
     direct: DirectWriter | None = None,
+    indexed: bool = True,
 ) -> VaultStorageWriter:
     """Write tensors as safetensors files (or encrypted containers of them), named
     after ``rank``; the returned writer holds the DCP metadata JSON, file records and
@@ -86,10 +87,11 @@ def write_tensors(
     pickled collectives. Many ranks write through
     :func:`ckptvault.distributed.dcp_save.write_tensors_together` instead. ``direct``
     (the caller's :class:`DirectWriter`, which keeps its layout between saves) writes
-    plain tensors without DCP's planner; same files, same metadata."""
+    plain tensors without DCP's planner; same files, same metadata (``indexed``, for
+    a manifest of format 3: the index plan in place of the ``dcp`` section)."""
     if direct is not None:
         written = direct.write(
-            tensors, staging, chunk_size, threads or default_threads(), encryption, rank
+            tensors, staging, chunk_size, threads or default_threads(), encryption, rank, indexed
         )
         if written is not None:
             return written

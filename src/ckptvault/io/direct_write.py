@@ -17,6 +17,7 @@ through DCP (:func:`ckptvault.io.dcp_io.write_tensors`).
 
 from __future__ import annotations
 
+import functools
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from ckptvault.format.canonical import dumps_canonical
+from ckptvault.format.index_plan import IndexPlan, whole_tensors_plan
 from ckptvault.format.layout import ENCRYPTED_SUFFIX, tensor_file_name
 from ckptvault.format.tensorfile import TensorFileHeader, build_header
 from ckptvault.io.dcp_metadata import dtype_name
@@ -54,12 +56,21 @@ class PlannedFile:
 
 @dataclass(frozen=True)
 class DirectLayout:
-    """Where every tensor of one state layout goes, and the ``dcp`` section saying so."""
+    """Where every tensor of one state layout goes, and what its index holds."""
 
     key: LayoutKey
     files: tuple[PlannedFile, ...]
-    dcp_json: dict[str, Any]
-    dcp_bytes: bytes  # dumps_canonical(dcp_json), encoded once for every save
+    index_plan: IndexPlan  # format 3: the root's tensor table, the index's chunk list
+
+    @functools.cached_property
+    def dcp_json(self) -> dict[str, Any]:
+        """The ``dcp`` section saying so (formats 1-2 list it in the manifest)."""
+        return _dcp_section(self.files)
+
+    @functools.cached_property
+    def dcp_bytes(self) -> bytes:
+        """``dumps_canonical(dcp_json)``, encoded once for every save."""
+        return dumps_canonical(self.dcp_json)
 
 
 def layout_key(tensors: dict[str, torch.Tensor], files: int, encrypted: bool) -> LayoutKey | None:
@@ -82,7 +93,7 @@ def _file_count(sizes: dict[str, int], threads: int) -> int:
 def plan_layout(key: LayoutKey, threads: int, rank: int) -> DirectLayout:
     """Split the tensors ``key`` describes into files of similar size (largest first,
     each to the least loaded file), order each file widest dtype first then by name
-    (every tensor stays aligned), and build the headers and the ``dcp`` section."""
+    (every tensor stays aligned), and build the headers and the index plan."""
     files, encrypted, *described = key
     shapes = {name: (dtype, shape) for name, dtype, shape in described}
     sizes = {name: math.prod(shape) * dtype.itemsize for name, (dtype, shape) in shapes.items()}
@@ -100,29 +111,31 @@ def plan_layout(key: LayoutKey, threads: int, rank: int) -> DirectLayout:
         )
         suffix = ENCRYPTED_SUFFIX if encrypted else ""
         planned.append(PlannedFile(tensor_file_name(rank, index) + suffix, tuple(names), header))
-    dcp_json = _dcp_section(shapes, planned)
-    return DirectLayout(key, tuple(planned), dcp_json, dumps_canonical(dcp_json))
+    whole = (
+        (name, entry.dtype, entry.shape, file.name, name, entry.start, entry.nbytes)
+        for file in planned
+        for name in file.keys
+        for entry in (file.header.entries[name],)
+    )
+    return DirectLayout(key, tuple(planned), whole_tensors_plan(rank, whole))
 
 
-def _dcp_section(
-    shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]], files: list[PlannedFile]
-) -> dict[str, Any]:
+def _dcp_section(files: tuple[PlannedFile, ...]) -> dict[str, Any]:
     """The manifest's ``dcp`` section (:mod:`ckptvault.io.dcp_metadata`'s form): each
     tensor one chunk covering all of it, as DCP plans a plain tensor."""
     tensors: dict[str, Any] = {}
     for planned in files:
         for name in planned.keys:
-            dtype, shape = shapes[name]
             entry = planned.header.entries[name]
             chunk = {
-                "offsets": [0] * len(shape),
-                "sizes": list(shape),
+                "offsets": [0] * len(entry.shape),
+                "sizes": list(entry.shape),
                 "file": planned.name,
                 "name": name,
                 "start": entry.start,
                 "length": entry.nbytes,
             }
-            tensors[name] = {"dtype": dtype_name(dtype), "shape": list(shape), "chunks": [chunk]}
+            tensors[name] = {"dtype": entry.dtype, "shape": list(entry.shape), "chunks": [chunk]}
     return {"version": None, "tensors": dict(sorted(tensors.items()))}
 
 
@@ -140,10 +153,13 @@ class DirectWriter:
         threads: int,
         encryption: FileEncryption | None,
         rank: int = 0,
+        indexed: bool = True,
     ) -> VaultStorageWriter | None:
         """Write ``tensors`` into ``staging``; the result carries what the DCP path's
-        writer would (``dcp_json``, file records, wrapped keys, commit times), and
-        ``dcp_bytes``. None, having written nothing, when only DCP can lay them out."""
+        writer would (file records, wrapped keys, commit times) and, for a manifest
+        with indexes (``indexed``, format 3), the layout's index plan (its ``dcp_json``
+        lists no chunk), else the ``dcp`` section and ``dcp_bytes``. None, having
+        written nothing, when only DCP can lay them out."""
         sizes = {key: t.numel() * t.element_size() for key, t in tensors.items()}
         key = layout_key(tensors, _file_count(sizes, threads), encryption is not None)
         if key is None:
@@ -154,7 +170,10 @@ class DirectWriter:
             layout = self._layout = plan_layout(key, threads, rank)
         result = VaultStorageWriter(staging, chunk_size, threads, encryption, rank)
         result.reused_plan = reused
-        result.dcp_json, result.dcp_bytes = layout.dcp_json, layout.dcp_bytes
+        if indexed:
+            result.dcp_json, result.index_plan = {"version": None, "tensors": {}}, layout.index_plan
+        else:
+            result.dcp_json, result.dcp_bytes = layout.dcp_json, layout.dcp_bytes
         result.own_files = [planned.name for planned in layout.files]
 
         def write_one(planned: PlannedFile) -> WrittenFile:

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptvault.errors import FormatError
+from ckptvault.format.index_plan import IndexPlan
 from ckptvault.format.layout import ENCRYPTED_SUFFIX, tensor_file_name
 from ckptvault.format.records import FileRecord
 from ckptvault.format.tensorfile import TensorFileHeader, build_header
@@ -91,13 +92,34 @@ def chunk_name(item: WriteItem) -> str:
     return f"{item.index.fqn}@{offsets}"
 
 
+# Dtypes numpy holds: their tensors' bytes are a cast of ``tensor.numpy()`` away.
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    }
+)
+
+
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes as a flat memoryview; copies only when it must (device or
     non-contiguous layout), never for a contiguous CPU tensor."""
     if tensor.requires_grad:
         tensor = tensor.detach()
     if tensor.is_cpu and tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg()):
-        return tensor.reshape(-1).view(torch.uint8).numpy().data  # the hot path: no copy
+        if tensor.dtype in _NUMPY_DTYPES:  # the hot path: one call, no copy
+            array = tensor.numpy()
+            return array.data.cast("B") if array.size else memoryview(b"")
+        return tensor.reshape(-1).view(torch.uint8).numpy().data  # no copy either
     if not tensor.is_cpu:
         tensor = tensor.cpu()
     tensor = tensor.resolve_conj().resolve_neg().contiguous()
@@ -143,6 +165,9 @@ class VaultStorageWriter(StorageWriter):
         self.wrapped_keys: dict[str, tuple[str, bytes]] = {}
         self.own_files: list[str] = []  # written by this rank (file_records: every rank's)
         self.reused_plan = False
+        # Format 3, one process: what the layout's index holds, planned with the layout
+        # (ckptvault.io.direct_write); None: the index writer plans it from dcp_json.
+        self.index_plan: IndexPlan | None = None
         # Seconds each file's commit (fsync; an upload's completion) took: files are
         # written in parallel, so the longest is what making them durable cost the save.
         self.commit_seconds: dict[str, float] = {}

@@ -28,7 +28,7 @@ from ckptvault.format.layout import (
     generation_created_at,
     new_generation_id,
 )
-from ckptvault.format.manifest import FORMAT_VERSION, Manifest
+from ckptvault.format.manifest import FORMAT_VERSION, INDEXED_SINCE_FORMAT, Manifest
 from ckptvault.format.records import EncryptionSection
 from ckptvault.format.tensor_table import TensorTable
 from ckptvault.io.dcp_io import write_tensors
@@ -255,6 +255,7 @@ class GenerationWriter:
             plan_cache_key=self._plan_cache_key,
             rank=self.coordinator.rank,
             direct=self._direct,
+            indexed=self.format_version >= INDEXED_SINCE_FORMAT,
         )
 
     def write_state(
@@ -321,7 +322,7 @@ class GenerationWriter:
             ),
         )
         if indexes is None:
-            manifest = self._indexes.write(staging, manifest)
+            manifest = self._indexes.write(staging, manifest, tensors.index_plan)
         else:
             manifest = dataclasses.replace(manifest, indexes=indexes[0], tensor_table=indexes[1])
         return manifest if mac_key is None else seal_manifest(manifest, mac_key)

@@ -1,56 +1,35 @@
 """Writing a format-3 generation's indexes, before its root manifest.
 
-The coordinator has every rank's chunk metadata and file digests once the tensors
-are written (DCP gathers them to it), so it writes one index per rank that wrote a
-file (:mod:`ckptvault.format.index`), in parallel, each fsync'd into the staging
-area like any file, and records each index's size and digest in the manifest: the
-root then covers them. What depends only on the layout (the root's tensor table and
-each index's chunk list, encoded) is kept while the layout stays the same.
+A writer that holds every chunk's metadata and every file's digests once the tensors
+are written (one process; a DCP storage writer's coordinator) writes one index per
+rank that wrote a file (:mod:`ckptvault.format.index`), in parallel, each fsync'd
+into the staging area like any file, and records each index's size and digest in
+the manifest: the root then covers them. What depends only on the layout (the root's
+tensor table and each index's chunk list, encoded: :mod:`ckptvault.format.index_plan`)
+is kept while the layout stays the same. In a collective save each rank writes its
+own index instead (:mod:`ckptvault.distributed.rank_index`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
 
 from blake3 import blake3
 
+from ckptvault.errors import FormatError
 from ckptvault.format.index import (
     IndexRecord,
-    chunks_by_holder,
     encode_index,
     encode_tensor_chunks,
     files_by_holder,
 )
-from ckptvault.format.layout import file_holder, index_file_name
+from ckptvault.format.index_plan import IndexPlan, plan_indexes
+from ckptvault.format.layout import index_file_name
 from ckptvault.format.manifest import Manifest
-from ckptvault.format.tensor_table import TensorTable, build_tensor_table
 from ckptvault.storage.base import StagingArea, write_new_file
 
 PARALLEL_WRITES = 8
-
-
-@dataclass(frozen=True)
-class IndexPlan:
-    """What a layout's indexes hold besides digests."""
-
-    dcp: dict[str, Any]  # the dcp section it was made from (kept while it is the same object)
-    holders: tuple[int, ...]
-    table: TensorTable
-    tensors_members: dict[int, bytes]  # holder -> the encoded ``tensors`` member of its index
-
-
-def plan_indexes(dcp: dict[str, Any], file_names: list[str]) -> IndexPlan:
-    holders = tuple(sorted(files_by_holder(file_names)))
-    by_holder = chunks_by_holder(dcp["tensors"])
-    members = {holder: encode_tensor_chunks(by_holder.get(holder, {})) for holder in holders}
-    holders_by_file = {name: file_holder(name) or 0 for name in file_names}
-    table = build_tensor_table(
-        dcp["tensors"], lambda name: holders_by_file.get(name) or file_holder(name) or 0
-    )
-    return IndexPlan(dcp, holders, table, members)
 
 
 class IndexWriter:
@@ -59,14 +38,21 @@ class IndexWriter:
     def __init__(self) -> None:
         self._plan: IndexPlan | None = None
 
-    def write(self, staging: StagingArea, manifest: Manifest) -> Manifest:
+    def write(
+        self, staging: StagingArea, manifest: Manifest, planned: IndexPlan | None = None
+    ) -> Manifest:
         """Write ``manifest``'s indexes into ``staging``; the manifest recording them
-        (formats 1-2: ``manifest`` as it is)."""
+        (formats 1-2: ``manifest`` as it is). ``planned``: the writer's own plan of
+        this layout (a one-process layout's), used rather than one made from
+        ``manifest.dcp``."""
         if not manifest.indexed:
             return manifest
-        plan = self._plan
         names = sorted(manifest.files)
-        if plan is None or plan.dcp is not manifest.dcp or plan.holders != _holders(names):
+        holders = _holders(names)
+        plan: IndexPlan | None = self._plan
+        if planned is not None:
+            plan = _covering(planned, holders)
+        elif plan is None or plan.dcp is not manifest.dcp or plan.holders != holders:
             plan = self._plan = plan_indexes(manifest.dcp, names)
         grouped = files_by_holder(names)
 
@@ -90,6 +76,22 @@ class IndexWriter:
             with ThreadPoolExecutor(workers, thread_name_prefix="ckptvault-index") as pool:
                 records = dict(pool.map(write_one, plan.holders))
         return dataclasses.replace(manifest, indexes=records, tensor_table=plan.table)
+
+
+def _covering(plan: IndexPlan, holders: tuple[int, ...]) -> IndexPlan:
+    """``plan`` (a layout's, of its tensor files) for the indexes of ``holders``: a
+    rank that wrote only a file without tensors (an encrypted state file) has an
+    index listing no chunk."""
+    if not set(plan.holders) <= set(holders):
+        raise FormatError(
+            f"the layout's index plan covers ranks {plan.holders}, the files {holders}: a "
+            "writer's bug; nothing was published"
+        )
+    if plan.holders == holders:
+        return plan
+    empty = encode_tensor_chunks({})
+    members = {holder: plan.tensors_members.get(holder, empty) for holder in holders}
+    return dataclasses.replace(plan, holders=holders, tensors_members=members)
 
 
 def _holders(names: list[str]) -> tuple[int, ...]:

@@ -93,10 +93,12 @@ def _identity(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     # data_ptr() is the storage's address plus the offset in bytes: with the dtype
     # and the device it tells the same as (storage address, storage offset). The
     # conjugate and negative bits are part of how the memory is seen: ``z.conj()``
-    # shares everything else with ``z`` and holds other values.
+    # shares everything else with ``z`` and holds other values. The shape as a plain
+    # tuple: then the key holds nothing Python's collector tracks (a torch.Size it
+    # does), and 10,000 keys are not walked again by every full collection.
     return (
         tensor.data_ptr(),
-        tensor.shape,
+        tuple(tensor.shape),
         tensor.stride(),
         tensor.dtype,
         tensor.device,
