@@ -106,6 +106,17 @@ def test_in_place_restore_is_bit_exact_and_keeps_the_live_tensors(two_steps):
     assert info.casts == ["state['half']: torch.float16 -> torch.float32"]
 
 
+def test_an_encrypted_generation_is_decrypted_into_the_live_tensors(tmp_path):
+    keys = tmp_path / "keys"
+    saved = state_of(1)
+    with cv.CheckpointManager(tmp_path / "store", run_id="run", keystore=keys) as mgr:
+        mgr.save(1, saved)
+        state = live_state()
+        info = mgr.restore(state, in_place=True)
+    assert info is not None and info.step == 1
+    assert same(snapshot(state), {**snapshot(saved), "half": saved["half"].float()})
+
+
 def test_a_corrupt_generation_is_passed_over_with_the_state_untouched(two_steps):
     store, saved = two_steps
     flip(newest_file(store, 2), -100)  # the last tensor's bytes
