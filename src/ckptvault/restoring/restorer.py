@@ -124,7 +124,10 @@ def _read_in_place(
     the plan made again with the tensors read, to be applied."""
     pending = loaded.pending
     assert pending is not None
-    destinations = pending.destinations(plan.targets)
+    try:
+        destinations = pending.destinations(plan.targets)
+    except OSError as exc:  # no memory for the tensors that cannot be read in place
+        raise CheckpointError(f"restoring {where} in place: {exc}; nothing was applied") from exc
     in_place.read_in_place(pending, destinations)
     tensors = {**pending.small, **destinations.tensors}
     saved, _reset = decode_for_rank(loaded.ref, loaded.manifest, pending.tree, tensors, 0, 1)
