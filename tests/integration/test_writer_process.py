@@ -51,7 +51,7 @@ def writer_pids() -> list[int]:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == os.getpid() and b"ckptvault.saving.writer_main" in cmdline:
+        if ppid == os.getpid() and b"ckptvault.writer_main" in cmdline:
             pids.append(int(entry.name))
     return pids
 

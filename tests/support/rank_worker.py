@@ -547,7 +547,7 @@ def child_writer() -> int:
                 continue
             stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             mine = int(stat[1]) == os.getpid() and stat[0] != "Z"
-            if mine and b"ckptvault.saving.writer_main" in (entry / "cmdline").read_bytes():
+            if mine and b"ckptvault.writer_main" in (entry / "cmdline").read_bytes():
                 return int(entry.name)
         except OSError:
             continue

@@ -166,7 +166,7 @@ LAYERS: list[set[str]] = [
     {"saving", "retention", "observe", "planning"},
     {"distributed", "replication", "memory"},
     {"restoring"},
-    {"dcp", "assembly"},
+    {"dcp", "assembly", "writer_main"},
     {"manager"},
     {"integrations", "ops"},
     {"cli", "__main__", "__init__"},

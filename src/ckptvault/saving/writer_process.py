@@ -3,7 +3,7 @@
 An asynchronous save stages the state into shared memory
 (:mod:`~ckptvault.saving.shared_staging`) and returns; the scheduler's background
 thread then hands the save to the writer process
-(:mod:`~ckptvault.saving.writer_main`) and waits, blocked on a socket, while that
+(:mod:`~ckptvault.writer_main`) and waits, blocked on a socket, while that
 process hashes, writes, signs and publishes. The training process's interpreter is
 left to training: the thread mode's Python work (DCP planning, the manifest, the
 per-chunk loop) holds the GIL, this one's does not.
@@ -111,7 +111,7 @@ class WriterProcess:
             self._discard()
             ours, theirs = socket.socketpair()
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "ckptvault.saving.writer_main", str(theirs.fileno())],
+                [sys.executable, "-m", "ckptvault.writer_main", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
                 start_new_session=True,  # a signal to the job's group is the trainer's to handle
                 stdin=subprocess.DEVNULL,

@@ -1,7 +1,7 @@
 """The writer process (``async_mode="process"``): hashes, writes and publishes.
 
 Started by :class:`~ckptvault.saving.writer_process.WriterProcess` as
-``python -m ckptvault.saving.writer_main FD`` with one end of a socket pair. It
+``python -m ckptvault.writer_main FD`` with one end of a socket pair. It
 receives its settings, builds the same :class:`GenerationWriter` the training
 process would (same store, run, contract, signing key, key store, ledger), says
 ``ready``, then serves one save at a time: it maps the staging slot the message
@@ -302,7 +302,7 @@ def serve(sock: socket.socket, parent_pid: int) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1 or not argv[0].isdigit():
-        raise UsageError("usage: python -m ckptvault.saving.writer_main FD (started by ckptvault)")
+        raise UsageError("usage: python -m ckptvault.writer_main FD (started by ckptvault)")
     parent_pid = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: _abandon(parent_pid))
