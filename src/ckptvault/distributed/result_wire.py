@@ -1,7 +1,14 @@
 """DCP write results between ranks as JSON: what each rank wrote, to rank 0.
 
-After writing its part of the global plan, a rank tells rank 0 where each chunk
-lies and what each of its files holds, for the manifest::
+A rank sends ``{"written": <results>, "index": <its index's size and digest, or
+null>}`` (:func:`index_record`: format 3, every rank but 0 that wrote a file).
+With a plan made afresh, the results are in full (below); with a reused plan
+(:mod:`~ckptvault.distributed.plan_cache`), each file's size and digest only
+(:func:`short_results_to_json`): where its chunks lie is what rank 0 validated
+when it made the plan, and its index is checked against that.
+
+In full, after writing its part of the global plan, a rank tells rank 0 where each
+chunk lies and what each of its files holds, for the manifest::
 
     {"chunks": [[fqn, offsets, file, entry name, start, length], ...],
      "files": {file: {"size": .., "blake3": .., "chunks": [..]}},

@@ -9,13 +9,18 @@ collective the others will never reach:
 2. every other rank joins the staging area; the outcomes are gathered;
 3. every rank writes its tensors through DCP's planner, driven over ckptvault's own
    JSON collectives (:mod:`ckptvault.distributed.dcp_save`; ``dcp.save`` on a
-   process group would pickle): a sharded tensor is written by the ranks holding
-   its shards and a replicated one once; the write results (file records, digests,
-   wrapped keys) reach the coordinator, and an error on any rank raises on all;
+   process group would pickle), the plan kept while no rank's changes
+   (:mod:`ckptvault.distributed.plan_cache`): a sharded tensor is written by the
+   ranks holding its shards and a replicated one once; every rank but 0 writes its
+   own index (format 3); the write results (file records, digests, wrapped keys,
+   each index's size and digest) reach the coordinator, and an error on any rank
+   raises on all;
 4. every rank's own state tree (RNGs, loaders: :mod:`ckptvault.state.ranks`), its
    file names and outcome are gathered;
-5. the coordinator writes the state, builds, signs and publishes the manifest, and
-   broadcasts the outcome, which every rank returns or raises.
+5. the coordinator writes the state and its own index, reads back and checks every
+   other rank's index (:mod:`ckptvault.distributed.rank_index`), builds, signs and
+   publishes the manifest, and broadcasts the outcome, which every rank returns or
+   raises.
 
 When any rank fails, nothing is published: each rank removes its own files, the
 coordinator the whole attempt, and every rank raises the same
