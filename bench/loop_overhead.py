@@ -31,6 +31,14 @@ extra wall time a save adds over the seconds between saves, measured two ways:
   its median over repetitions, and the best run against the best ``none`` run. This
   one also counts whatever a save leaves behind for the next block.
 
+Beside them, what does not depend on the machine's other load: after the loop, each
+run takes three saves with no training beside them and measures the CPU seconds
+each costs (the process, its threads and its helper processes, from ``/proc``) and
+its time until durable. CPU per save over the seconds between saves is the overhead
+a save would add if every cycle it spends were taken from training (no idle core);
+on a machine with a core to spare it costs less (what remains is the stall and the
+GIL).
+
 Every run is a fresh process (its result comes back as a JSON file written before
 it exits: torch 2.13's DCP ``async_save`` aborts about one exit in twenty, which is
 ignored, and said, when the result was written). Over ``--reps`` repetitions the
@@ -189,6 +197,7 @@ MEASURES = [
     ("paired_median", "paired blocks, median of runs"),
     ("separate_median", "separate runs, median of paired"),
     ("separate_best", "separate runs, best vs best"),
+    ("cpu_bound", "CPU per save / cadence"),
 ]
 
 
@@ -203,6 +212,8 @@ def paired_overhead(run: dict[str, Any]) -> float:
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
     """Per contender: wall times, the overhead by each of MEASURES, stalls."""
     base = {i: r["wall_s"] for i, r in enumerate(runs.get(BASELINE, [])) if "error" not in r}
+    plain = [b for r in runs.get(BASELINE, []) if "error" not in r for b in r["plain_blocks_s"]]
+    block = statistics.median(plain) if plain else float("nan")  # the cadence, measured
     summary: dict[str, dict[str, float]] = {}
     for name, measured in runs.items():
         ok = [(i, r) for i, r in enumerate(measured) if "error" not in r]
@@ -224,6 +235,9 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, floa
             "drain_per_save_s": statistics.median(r["drain_s"] / saves for _, r in ok),
             "setup_s": statistics.median(r.get("setup_s", 0.0) for _, r in ok),
             "plain_block_s": statistics.median(b for _, r in ok for b in r["plain_blocks_s"]),
+            "cpu_per_save_s": statistics.median(r.get("isolated_cpu_s", 0.0) for _, r in ok),
+            "cpu_bound": statistics.median(r.get("isolated_cpu_s", 0.0) for _, r in ok) / block,
+            "durable_s": statistics.median(r.get("isolated_wall_s", 0.0) for _, r in ok),
         }
     return summary
 
@@ -236,14 +250,16 @@ def table(summary: dict[str, dict[str, float]], cadence: float, every: int) -> l
         "",
         "| contender | saves a run | wall s (median) | wall s (best) "
         + "".join(f"| overhead: {what} " for _, what in MEASURES)
-        + "| stall per save s | wait at block end s | first save s |",
-        "|---|---:|---:|---:|" + "---:|" * len(MEASURES) + "---:|---:|---:|",
+        + "| stall per save s | wait at block end s | first save s | CPU s per save "
+        "| alone: save to durable s |",
+        "|---|---:|---:|---:|" + "---:|" * len(MEASURES) + "---:|---:|---:|---:|---:|",
     ]
     for name, s in summary.items():
         lines.append(
             f"| {name} | {s['saves']:.0f} | {s['median_s']:.2f} | {s['best_s']:.2f} "
             + "".join(f"| {s[key]:+.2%} " for key, _ in MEASURES)
-            + f"| {s['stall_per_save_s']:.3f} | {s['drain_per_save_s']:.3f} | {s['setup_s']:.2f} |"
+            + f"| {s['stall_per_save_s']:.3f} | {s['drain_per_save_s']:.3f} | {s['setup_s']:.2f} "
+            f"| {s['cpu_per_save_s']:.3f} | {s['durable_s']:.3f} |"
         )
     return lines
 

@@ -253,6 +253,48 @@ def timed_loop(spec: Spec, trainer: Trainer, saver: Saver) -> dict[str, Any]:
     }
 
 
+def tree_cpu_s() -> float:
+    """CPU seconds (user + system) of this process and every live descendant (a
+    writer process, DCP's checkpoint process), from ``/proc``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                stat = handle.read()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        parent[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    total, todo = 0.0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo += [child for child, ppid in parent.items() if ppid == pid]
+    return total
+
+
+def isolated_saves(saver: Saver, first_step: int, count: int = 3) -> dict[str, float]:
+    """Saves with no training beside them: the CPU seconds each costs the machine (all
+    threads and helper processes) and its time until durable; medians. Unlike wall
+    time in a loop, these do not depend on what else the machine runs."""
+    cpus, walls = [], []
+    for index in range(count):
+        time.sleep(0.2)  # the last one's stragglers (a child's exit, logging) are done
+        cpu, started = tree_cpu_s(), time.perf_counter()
+        saver.save(first_step + index)
+        saver.drain()
+        walls.append(time.perf_counter() - started)
+        cpus.append(tree_cpu_s() - cpu)
+    cpus.sort()
+    walls.sort()
+    return {"isolated_cpu_s": cpus[count // 2], "isolated_wall_s": walls[count // 2]}
+
+
 def run(spec: Spec) -> dict[str, Any]:
     if spec.threads:
         torch.set_num_threads(spec.threads)
@@ -271,6 +313,7 @@ def run(spec: Spec) -> dict[str, Any]:
         saver.drain()
         result["setup_s"] = time.perf_counter() - started
         result.update(timed_loop(spec, trainer, saver))
+        result.update(isolated_saves(saver, spec.saves + 1))
     finally:
         saver.close()
     return result

@@ -12,9 +12,11 @@ order of the phases and of the contenders rotated, measures:
   as root, ``posix_fadvise(DONTNEED)`` on every file otherwise; the report says which):
   a plain sequential read of the generation's files (one thread, 8 MiB ``readinto``
   into one reused buffer: the disk's sequential read), the same read on as many
-  threads as ckptvault reads with, ckptvault's verified restore into freshly built
-  objects (and with ``in_place=True`` where this ckptvault's ``restore`` has it), and
-  torch.load + load_state_dict of the torch.save'd file;
+  threads as ckptvault reads with, the same read into freshly allocated memory (what
+  any loader into new tensors pays at least: the kernel zeroes every new page),
+  ckptvault's verified restore into freshly built objects (and with ``in_place=True``
+  where this ckptvault's ``restore`` has it), and torch.load + load_state_dict of the
+  torch.save'd file;
 - warm (every file read once just before, so all of it is in the page cache): the
   same contenders;
 - on tmpfs (``/dev/shm``; no disk at all): the same, where only software is timed.
@@ -61,6 +63,7 @@ Measurement = tuple[float, int]  # seconds, peak extra resident bytes
 READ_BLOCK = 8 << 20
 PLAIN = "plain read"
 PARALLEL = "plain read, parallel"
+FRESH = "plain read into fresh memory"
 VAULT = "ckptvault restore (verified)"
 IN_PLACE = "ckptvault restore (verified, in_place=True)"
 TORCH = "torch.load(weights_only)+load_state_dict"
@@ -79,6 +82,25 @@ def plain_read(files: list[Path]) -> None:
         with open(file, "rb", buffering=0) as handle:
             while handle.readinto(view):
                 pass
+
+
+def fresh_read(files: list[Path]) -> list[torch.Tensor]:
+    """Every byte of ``files`` into new memory, one buffer per file: what any loader
+    that puts the bytes in fresh tensors pays at least (the kernel zeroes each new
+    page as it is first written)."""
+    kept = []
+    for file in files:
+        buffer = torch.empty(file.stat().st_size, dtype=torch.uint8)
+        view = memoryview(buffer.numpy())
+        with open(file, "rb", buffering=0) as handle:
+            done = 0
+            while done < len(view):
+                got = handle.readinto(view[done : done + READ_BLOCK])
+                if not got:
+                    break
+                done += got
+        kept.append(buffer)
+    return kept
 
 
 def parallel_read(files: list[Path], threads: int) -> None:
@@ -163,6 +185,7 @@ class Bench:
         return [
             (PLAIN, measure(lambda: plain_read(self.files))),
             (PARALLEL, measure(lambda: parallel_read(self.files, default_threads()))),
+            (FRESH, measure(lambda: fresh_read(self.files))),
         ]
 
     def restores(self, how: str) -> list[tuple[str, Callable[[], Measurement]]]:
