@@ -36,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -161,9 +162,12 @@ class Check:
                     mgr.save(0, self.state())  # the first save: warm the writer
                     mgr.wait()
                     result = timed(lambda: mgr.save(1, self.state()))
-                    waited = timed(mgr.wait)
-                    if not options:
-                        self.durable.append((result[0] + waited[0], result[1]))
+                    mgr.wait()
+                    if not options:  # the same save again, on one clock until durable
+                        started = time.perf_counter()
+                        mgr.save(2, self.state())
+                        mgr.wait()
+                        self.durable.append((time.perf_counter() - started, 0))
                 shutil.rmtree(path, ignore_errors=True)
                 return result
 
