@@ -151,8 +151,11 @@ class Bench:
         shutil.rmtree(self.vault, ignore_errors=True)
         with cv.CheckpointManager(self.vault, run_id="bench") as mgr:
             mgr.save(1, {"model": model, "optimizer": opt})
+            generation = Path(mgr.generations()[-1].path)
         torch_save(self.torch_file, model, opt)
-        self.files = sorted(files_under(self.vault))
+        if not generation.is_absolute():
+            generation = self.vault / generation
+        self.files = sorted(files_under(generation))  # the generation's, not the store's lock
         self.file_bytes = sum(f.stat().st_size for f in self.files)
         self.methods: set[str] = set()
 
