@@ -75,6 +75,7 @@ RUN_TIMEOUT_S = 1800
 
 
 def contenders(wanted: Sequence[str] | None) -> list[str]:
+    """The baseline first, then every contender this checkout has (or ``wanted`` of them)."""
     names = ["ckptvault-thread"]
     if process_mode_available():
         names.append("ckptvault-process")
@@ -113,13 +114,14 @@ class Runner:
                 [sys.executable, "-m", "bench.loop_worker", str(spec_path)],
                 env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
             )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return {"contender": contender, "error": f"no result within {RUN_TIMEOUT_S} s"}
         finally:
             shutil.rmtree(directory, ignore_errors=True)
-        if not result.exists():
-            raise RuntimeError(
-                f"{contender}: the run exited {done.returncode} without a result:\n"
-                f"{done.stderr[-3000:]}"
-            )
+        if not result.exists():  # a failed run, not an abort at exit: reported, not counted
+            tail = done.stderr.strip().splitlines()[-1:] or ["(no output)"]
+            return {"contender": contender,
+                    "error": f"exited {done.returncode} without a result: {tail[0]}"}  # fmt: skip
         measured: dict[str, Any] = json.loads(result.read_text())
         if done.returncode != 0:
             self.exit_aborts.append(f"{contender} (exit {done.returncode})")
@@ -130,6 +132,7 @@ class Runner:
 
 
 def calibrate(runner: Runner, state_mb: float, seconds: float) -> tuple[float, int]:
+    """Seconds per step of the no-checkpoint loop and the state's bytes."""
     measured = runner.run(BASELINE, state_mb, 0, 0, calibrate_s=seconds)
     if "error" in measured:
         raise SystemExit(f"calibration failed: {measured['error']}")
@@ -183,10 +186,11 @@ def main() -> None:
     finally:
         runner.close()
     if not nbytes:  # no calibration run: the sizes and step time the runs measured
-        nbytes = next(r["bytes"] for runs in results.values() for m in runs.values() for r in m
-                      if "bytes" in r)  # fmt: skip
+        nbytes = next((r["bytes"] for runs in results.values() for m in runs.values() for r in m
+                       if "bytes" in r), 0)  # fmt: skip
         none = results[cadences[0]][BASELINE]
-        step_s = statistics.median(b for r in none for b in r["plain_blocks_s"]) / steps[0]
+        blocks = [b for r in none if "error" not in r for b in r["plain_blocks_s"]]
+        step_s = statistics.median(blocks) / steps[0] if blocks else float("nan")
     report(results, plans, step_s, nbytes, runner.exit_aborts, args)
 
 

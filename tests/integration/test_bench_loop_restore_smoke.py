@@ -65,3 +65,31 @@ def test_the_gpu_check_says_so_without_cuda_and_runs_its_code_on_cpu(tmp_path: P
     assert "| ckptvault restore into CUDA tensors |" in out and "bit-exact: yes" in out
     assert "| ckptvault async save stall, after prepare() |" in out
     assert gpu_check.main(["--device", "tpu"]) == 2
+
+
+def test_the_loop_overhead_figures_are_the_extra_time_a_save_adds_over_its_cadence():
+    from bench.loop_overhead import summarize, verdicts
+
+    def run(save_blocks: list[float], plain_blocks: list[float], cpu: float = 0.0) -> dict:
+        return {"wall_s": sum(save_blocks) + sum(plain_blocks), "save_blocks_s": save_blocks,
+                "plain_blocks_s": plain_blocks, "saves": len(save_blocks), "stall_s": 0.0,
+                "stall_max_s": 0.0, "drain_s": 0.0, "isolated_cpu_s": cpu}  # fmt: skip
+
+    runs = {
+        "none": [run([2.0, 2.0], [2.0, 2.0])],
+        # each save adds 0.1 s to its 2 s block: 5 % at this cadence, by every measure
+        "ckptvault-thread": [run([2.1, 2.1], [2.0, 2.0], cpu=0.1)],
+        "dcp-thread": [run([2.2, 2.2], [2.0, 2.0], cpu=0.2)],
+        "dcp-process": [{"contender": "dcp-process", "error": "exited -6 without a result"}],
+    }
+    summary = summarize(runs)
+    mine = summary["ckptvault-thread"]
+    assert round(mine["paired_median"], 6) == 0.05
+    assert round(mine["separate_median"], 6) == 0.05 and round(mine["separate_best"], 6) == 0.05
+    assert round(mine["cpu_bound"], 6) == 0.05
+    assert "dcp-process" not in summary  # a failed run is reported, not measured
+    lines = verdicts({2.0: summary}, slow=2.0)
+    assert any(
+        "<= DCP's best mode (dcp-thread), paired blocks" in v and v.endswith(": met") for v in lines
+    )
+    assert any("ckptvault-thread <= 1 %" in v and v.endswith("NOT met") for v in lines)
