@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint crash reliability fuzz bench bench-scale clean
+.PHONY: demo test lint crash reliability fuzz bench bench-costs bench-scale clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,21 @@ bench: $(STAMP)
 	$(PY) -m bench.memory_tier --size-gb 1 --reps 3
 	$(PY) -m bench.memory_tier_ranks --size-gb 1 --reps 3
 	$(PY) -m bench.scale
+	$(MAKE) bench-costs
+
+# What checkpointing costs the loop, the writer process, read-once and in-place
+# restores, rank 0 at 1,024 ranks, a first save, restore against the disk, the GPU
+# script (it says 'no CUDA device' and exits 0 without one). About 90 minutes here,
+# most of it the training loop at a 30 s cadence.
+bench-costs: $(STAMP)
+	$(PY) -m bench.loop_overhead --state-mb 100 --cadences 2,30 --saves 10,2 --reps 3 --torch-threads 1
+	$(PY) -m bench.writer_process --size-mb 256 --tensors 400 --reps 5
+	$(PY) -m bench.read_once_ranks --size-mb 1024 --reps 3
+	$(PY) -m bench.restore_rss --size-gb 1 --reps 3
+	$(PY) -m bench.coordinator_scale
+	$(PY) -m bench.first_save --reps 7
+	$(PY) -m bench.restore_limit --size-gb 1 --reps 5 --profile
+	$(PY) -m bench.gpu_check --size-gb 2 --reps 5
 
 # How costs grow (about 10 minutes here): save and restore against tensor count
 # (1k/10k/100k, disk and tmpfs), DCP metadata against simulated ranks (1-1,024),
