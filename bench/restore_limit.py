@@ -91,7 +91,7 @@ def fresh_read(files: list[Path]) -> list[torch.Tensor]:
     kept = []
     for file in files:
         buffer = torch.empty(file.stat().st_size, dtype=torch.uint8)
-        view = memoryview(buffer.numpy())
+        view = buffer.numpy().data
         with open(file, "rb", buffering=0) as handle:
             done = 0
             while done < len(view):
@@ -178,7 +178,7 @@ class Bench:
             plain_read([f for p in paths for f in files_under(p)])
 
     def reads(self, how: str) -> list[tuple[str, Callable[[], Measurement]]]:
-        def measure(read: Callable[[], None]) -> Callable[[], Measurement]:
+        def measure(read: Callable[[], object]) -> Callable[[], Measurement]:
             def run() -> Measurement:
                 self.make_ready(how, [self.vault])
                 return timed(read)
@@ -235,7 +235,10 @@ class Bench:
         out = io.StringIO()
         clock = ", ".join(f"{name} {value:.3f} s" for name, value in stages.items())
         out.write(f"restore() {seconds:.3f} s under the profiler; its stages: {clock}\n")
-        stats = pstats.Stats(*profilers, stream=out)
+        for profiler in profilers:
+            profiler.create_stats()
+        # A thread that started but never ran a profiled call has no stats to merge.
+        stats = pstats.Stats(*(p for p in profilers if getattr(p, "stats", None)), stream=out)
         stats.sort_stats("tottime").print_stats(top)
         stats.sort_stats("cumulative").print_stats(top)
         return out.getvalue()
