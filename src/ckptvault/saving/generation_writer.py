@@ -229,6 +229,10 @@ class GenerationWriter:
 
     def close(self) -> None:
         forget_cached_plans(self._plan_cache_key)
+        # The collective save refers back to this writer: a cycle that would keep the
+        # coordinator's gloo group alive until the interpreter's own teardown, where
+        # torch 2.13 can abort ("terminate called without an active exception").
+        self._collective = None
 
     def newest_rollback_cutoff(self) -> str | None:
         """New ids must sort after the run's latest rollback cutoff, even when this
