@@ -255,16 +255,23 @@ SCENARIOS = {
 }
 
 
-def main() -> None:
+def run_scenario(scenarios: dict[str, Any]) -> str:
+    """``python WORKER SCENARIO STORE OUT`` on one rank: join the gloo job, run the
+    scenario, write what it saw to ``OUT/rank<r>.json`` (even when it raised); the
+    scenario's name. Shared by the rank workers that :func:`launch` starts."""
     scenario, store, out_dir = sys.argv[1:4]
     dist.init_process_group("gloo")
     out: dict[str, Any] = {"rank": RANK, "world": WORLD}
     try:
-        SCENARIOS[scenario](store, out)
+        scenarios[scenario](store, out)
     finally:
         Path(out_dir, f"rank{RANK}.json").write_text(json.dumps(out))
         dist.destroy_process_group()
-    if scenario == "async_roundtrip":
+    return scenario
+
+
+def main() -> None:
+    if run_scenario(SCENARIOS) == "async_roundtrip":
         # torch 2.13 aborts about one exit in twenty after dcp.async_save ("terminate
         # called without an active exception" in its C++ teardown), with its own
         # FileSystemWriter as well as ckptvault's: measured 1 in 23 and 1 in 12 runs.

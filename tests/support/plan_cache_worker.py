@@ -16,16 +16,14 @@ Writes ``OUT/rank<r>.json``.
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import ckptvault as cv
 from ckptvault.distributed import dcp_save
+from support.dcp_worker import run_scenario
 from support.rank_worker import COLS, RANK, WORLD, full_of, manager, sharded
 
 # Each step's structure: (rows of the sharded weight, the bias dtype, an extra tensor,
@@ -176,16 +174,5 @@ def hostile(store: str, out: dict[str, Any]) -> None:
 SCENARIOS = {"structures": structures, "hostile": hostile}
 
 
-def main() -> None:
-    scenario, store, out_dir = sys.argv[1:4]
-    dist.init_process_group("gloo")
-    out: dict[str, Any] = {"rank": RANK, "world": WORLD}
-    try:
-        SCENARIOS[scenario](store, out)
-    finally:
-        Path(out_dir, f"rank{RANK}.json").write_text(json.dumps(out))
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_scenario(SCENARIOS)

@@ -9,18 +9,15 @@ the second (ranks 0 and 2 hold one half, 1 and 3 the other).
 
 from __future__ import annotations
 
-import json
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import ckptvault as cv
+from support.dcp_worker import run_scenario
 
 RANK = int(os.environ.get("RANK", "0"))
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -147,16 +144,5 @@ SCENARIOS = {
 }
 
 
-def main() -> None:
-    scenario, store, out_dir = sys.argv[1:4]
-    dist.init_process_group("gloo")
-    out: dict[str, Any] = {"rank": RANK, "world": WORLD}
-    try:
-        SCENARIOS[scenario](store, out)
-    finally:
-        Path(out_dir, f"rank{RANK}.json").write_text(json.dumps(out))
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_scenario(SCENARIOS)
