@@ -150,8 +150,8 @@ def supervise(
 ) -> int:
     """Run CMD; restart it after a failure (bounded, with backoff); check its DONE record.
 
-    Attempts: at most 1 + --max-restarts (default 3). Exit 75 (preempted)
-    restarts at once without using the budget; 78 (permanent) stops at once.
+    Attempts: at most 1 + --max-restarts (default 2 restarts: 3 attempts). Exit 75
+    (preempted) restarts at once without using the budget; 78 (permanent) stops at once.
 
     Exit status: 0 success (DONE record verified when there is one); the
     job's last code when it failed permanently, was stopped by --stop-file,

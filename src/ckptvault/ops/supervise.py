@@ -64,9 +64,9 @@ def signal_name(signum: int) -> str:
 @dataclass(frozen=True)
 class Policy:
     """Restart policy. ``max_restarts`` failures are retried: at most
-    ``1 + max_restarts`` attempts (default 3, as in seed 004); preemptions do not
-    count but are bounded by ``max_preemptions``. ``backoff_s[i]`` is the wait after
-    failure ``i + 1``; the last value repeats. ``grace_s``: how long a cancelled child
+    ``1 + max_restarts`` attempts (default 2 restarts: 3 attempts, as in seed 004);
+    preemptions do not count but are bounded by ``max_preemptions``. ``backoff_s[i]``
+    is the wait after failure ``i + 1``; the last value repeats. ``grace_s``: how long a cancelled child
     may take to exit before it is killed."""
 
     max_restarts: int = 2
