@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -153,26 +153,26 @@ def print_table(
     *,
     right: Collection[str] = (),
     title: str | None = None,
+    header: bool = True,
+    styles: Mapping[str, Mapping[str, str]] | None = None,
 ) -> None:
     """A table on stdout; its cells are plain text (escaped here: they quote the store).
 
-    On a terminal, rich's table, fitted to its width (long cells folded). Anywhere else
-    (a pipe, a file, a log) plain text: a header line, then one line per row, columns
-    padded with spaces and separated by two, never wrapped or cut whatever the width,
-    so that ``grep``, ``awk`` and ``cut`` read every name whole. ``right`` names the
-    columns aligned right (numbers)."""
+    The one way every command prints a table. On a terminal, rich's table, fitted to
+    its width (long cells folded). Anywhere else (a pipe, a file, a log) plain text: the
+    title, a header line (unless ``header`` is false), then one line per row, columns
+    padded with spaces and separated by two, never wrapped or cut whatever the width
+    or ``COLUMNS``, so that ``grep``, ``awk`` and ``cut`` read every name whole.
+    ``right`` names the columns aligned right (numbers). ``styles`` colours cells on a
+    terminal only: column -> cell text -> rich style (``{"status": {"fail": "red"}}``)."""
+    table_rows = [list(row) for row in rows]
     if out.is_terminal:
-        table = Table(box=None, pad_edge=False, title=title, title_justify="left")
-        for column in columns:
-            justify: Literal["left", "right"] = "right" if column in right else "left"
-            table.add_column(column, justify=justify, overflow="fold")
-        for row in rows:
-            table.add_row(*(safe_markup(cell) for cell in row))
-        out.print(table)
+        _rich_table(columns, table_rows, right, title, header, styles or {})
         return
-    lines = [list(columns), *([safe_text(cell) for cell in row] for row in rows)]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
-    text = [title] if title else []
+    lines = [list(columns)] if header else []
+    lines += [[safe_text(cell) for cell in row] for row in table_rows]
+    widths = [max((len(line[i]) for line in lines), default=0) for i in range(len(columns))]
+    text = [safe_text(title)] if title else []
     for line in lines:
         cells = (
             cell.rjust(width) if column in right else cell.ljust(width)
@@ -181,6 +181,34 @@ def print_table(
         text.append("  ".join(cells).rstrip())
     sys.stdout.write("\n".join(text) + "\n")
     sys.stdout.flush()
+
+
+def _rich_table(
+    columns: Sequence[str],
+    rows: list[list[str]],
+    right: Collection[str],
+    title: str | None,
+    header: bool,
+    styles: Mapping[str, Mapping[str, str]],
+) -> None:
+    table = Table(
+        box=None,
+        pad_edge=False,
+        title=safe_markup(title) if title else None,
+        title_justify="left",
+        show_header=header,
+    )
+    for column in columns:
+        justify: Literal["left", "right"] = "right" if column in right else "left"
+        table.add_column(column, justify=justify, overflow="fold")
+    for row in rows:
+        cells = []
+        for column, cell in zip(columns, row, strict=True):
+            style = styles.get(column, {}).get(cell)
+            text = safe_markup(cell)
+            cells.append(f"[{style}]{text}[/]" if style else text)
+        table.add_row(*cells)
+    out.print(table)
 
 
 def human_bytes(count: int) -> str:

@@ -10,9 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from rich.table import Table
-
-from ckptvault.cli._common import err, out, safe_markup
+from ckptvault.cli._common import err, out, print_table, safe_markup
 from ckptvault.errors import UsageError
 from ckptvault.planning.cadence import (
     CadencePlan,
@@ -55,12 +53,8 @@ def print_plan(
     plan: CadencePlan, size_note: str | None, sources: dict[str, str | None], plot: Path | None
 ) -> None:
     """The plan as a two-column table on stdout; warnings on stderr."""
-    table = Table(box=None, pad_edge=False, show_header=False)
-    table.add_column("quantity", style="bold")
-    table.add_column("value", overflow="fold")
-    for name, value in _interval_rows(plan, sources) + _size_rows(plan, size_note):
-        table.add_row(name, safe_markup(value))
-    out.print(table)
+    rows = _interval_rows(plan, sources) + _size_rows(plan, size_note)
+    print_table(("quantity", "value"), rows, header=False)
     if plot is not None:
         out.print(f"plot written to {safe_markup(plot)}")
     for warning in plan.warnings:

@@ -13,7 +13,6 @@ from datetime import datetime, timezone
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from ckptvault.cli._common import (
     CatalogLedgerOption,
@@ -22,6 +21,7 @@ from ckptvault.cli._common import (
     human_bytes,
     out,
     print_json,
+    print_table,
     safe_markup,
 )
 from ckptvault.observe.catalog import (
@@ -84,27 +84,20 @@ def _seconds(value: float | None) -> str:
     return "" if value is None else f"{value:.3f}"
 
 
-def _table(title: str, columns: list[str], numeric: set[str]) -> Table:
-    table = Table(title=title, title_justify="left", box=None, pad_edge=False)
-    for column in columns:
-        table.add_column(column, justify="right" if column in numeric else "left", overflow="fold")
-    return table
-
-
 def _print_saves(saves: list[SaveRecord]) -> None:
     if not saves:
         out.print("no saves recorded")
         return
     stage_columns = [f"{name} s" for name in SAVE_STAGES]
     columns = ["UTC", "run", "step", "size", "total s", "stall s", *stage_columns]
-    table = _table("saves", [*columns, "outcome"], {"step", "size", *columns[4:]})
+    rows = []
     for r in saves:
         stages = [_seconds(r.stages.get(name)) for name in SAVE_STAGES]
         outcome = "ok" if r.ok else f"FAILED {r.error}"
         row = [_when(r.finished_at), r.run_id, str(r.step), human_bytes(r.bytes)]
-        row += [_seconds(r.seconds), _seconds(r.stall_seconds), *stages, outcome]
-        table.add_row(*(safe_markup(cell) for cell in row))  # run ids and errors: escaped
-    out.print(table)
+        rows.append([*row, _seconds(r.seconds), _seconds(r.stall_seconds), *stages, outcome])
+    # Run ids and errors come from the catalog: print_table escapes every cell.
+    print_table([*columns, "outcome"], rows, right={"step", "size", *columns[4:]}, title="saves")
 
 
 def _print_restores(restores: list[RestoreRecord]) -> None:
@@ -113,42 +106,49 @@ def _print_restores(restores: list[RestoreRecord]) -> None:
         return
     stage_columns = [f"{name} s" for name in RESTORE_STAGES]
     columns = ["UTC", "run", "step", "total s", *stage_columns, "skipped"]
-    table = _table("restores", [*columns, "outcome"], {"step", "skipped", *columns[3:]})
+    rows = []
     for r in restores:
         stages = [_seconds(r.stages.get(name)) for name in RESTORE_STAGES]
         step = "" if r.step is None else str(r.step)
         outcome = "ok" if r.ok else f"REFUSED {r.error}"
         row = [_when(r.finished_at), r.run_id, step, _seconds(r.seconds), *stages]
-        row += [str(r.skipped), outcome]
-        table.add_row(*(safe_markup(cell) for cell in row))
-    out.print(table)
+        rows.append([*row, str(r.skipped), outcome])
+    right = {"step", "skipped", *columns[3:]}
+    print_table([*columns, "outcome"], rows, right=right, title="restores")
 
 
 def _print_failures(failures: list[FailureRecord]) -> None:
     if not failures:
         out.print("no failures recorded")
         return
-    table = _table("failures", ["UTC", "kind", "run", "step", "error"], {"step"})
-    for r in failures:
-        step = "" if r.step is None else str(r.step)
-        row = [_when(r.finished_at), r.kind, r.run_id, step, f"{r.error}: {r.reason}"]
-        table.add_row(*(safe_markup(cell) for cell in row))
-    out.print(table)
+    rows = [
+        [
+            _when(r.finished_at),
+            r.kind,
+            r.run_id,
+            "" if r.step is None else str(r.step),
+            f"{r.error}: {r.reason}",
+        ]
+        for r in failures
+    ]
+    print_table(["UTC", "kind", "run", "step", "error"], rows, right={"step"}, title="failures")
 
 
 def _print_attempts(attempts: list[AttemptRecord]) -> None:
     """Starts of jobs under ``ckptvault supervise``, oldest first."""
     if not attempts:
         return
-    table = _table("supervised attempts", ["UTC", "run", "#", "ended", "decision"], {"#"})
+    rows = []
     for a in attempts:
         ended = f"exit {a.exit_code}" if a.exit_code is not None else (a.signal or "not started")
-        row = [
-            _when(a.started_at),
-            a.supervise_id,
-            str(a.attempt),
-            ended,
-            f"{a.decision}: {a.reason}",
-        ]
-        table.add_row(*(safe_markup(cell) for cell in row))
-    out.print(table)
+        rows.append(
+            [
+                _when(a.started_at),
+                a.supervise_id,
+                str(a.attempt),
+                ended,
+                f"{a.decision}: {a.reason}",
+            ]
+        )
+    columns = ["UTC", "run", "#", "ended", "decision"]
+    print_table(columns, rows, right={"#"}, title="supervised attempts")

@@ -8,15 +8,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from ckptvault.cli._common import (
     STORE_HELP,
     S3EndpointUrl,
     open_store,
-    out,
     print_json,
-    safe_markup,
+    print_table,
 )
 from ckptvault.ops.doctor.diagnose import Places, diagnose
 from ckptvault.ops.doctor.findings import FAIL, WARN
@@ -50,13 +48,8 @@ def doctor(
     if as_json:
         print_json([f.to_json() for f in findings])
     else:
-        table = Table(box=None, pad_edge=False)
-        for column in ("check", "status", "detail", "fix"):
-            table.add_column(column, overflow="fold")
-        for f in findings:
-            status = f"[{_STYLE[f.status]}]{f.status}[/]"
-            table.add_row(f.check, status, safe_markup(f.detail), safe_markup(f.fix or ""))
-        out.print(table)
+        rows = [[f.check, f.status, f.detail, f.fix or ""] for f in findings]
+        print_table(("check", "status", "detail", "fix"), rows, styles={"status": _STYLE})
     bad = {FAIL, WARN} if strict else {FAIL}
     if any(f.status in bad for f in findings):
         raise typer.Exit(1)

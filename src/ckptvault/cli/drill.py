@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.table import Table
 
 from ckptvault.cli._common import (
     STORE_HELP,
@@ -28,6 +27,7 @@ from ckptvault.cli._common import (
     S3EndpointUrl,
     out,
     print_json,
+    print_table,
     safe_markup,
 )
 from ckptvault.cli._progress import progress_bar
@@ -112,29 +112,33 @@ def _expected_warnings_quiet() -> Iterator[None]:
 
 
 def _print_table(results: list[DrillResult], source: str) -> None:
-    table = Table(title=f"Recovery drills on a copy of {safe_markup(source)}")
-    table.add_column("drill")
-    table.add_column("result")
-    for name in TIMING_COLUMNS:
-        table.add_column(f"{name} s", justify="right")
-    table.add_column("observed (expected)")
+    verdicts = {True: "pass", False: "FAIL", None: "skipped"}
+    columns = ["drill", "result", *(f"{name} s" for name in TIMING_COLUMNS), "observed (expected)"]
+    rows = []
     for result in results:
-        verdict = {True: "[green]pass[/]", False: "[red]FAIL[/]", None: "[yellow]skipped[/]"}
         timings = [
             f"{result.timings[name]:.3f}" if name in result.timings else "-"
             for name in TIMING_COLUMNS
         ]
         said = result.skipped if result.skipped is not None else result.observed
-        table.add_row(
-            result.name,
-            verdict[result.passed],
-            *timings,
-            f"{safe_markup(said)} [dim](expected: {safe_markup(result.expected)})[/]",
+        rows.append(
+            [
+                result.name,
+                verdicts[result.passed],
+                *timings,
+                f"{said} (expected: {result.expected})",
+            ]
         )
-    out.print(table)
+    print_table(
+        columns,
+        rows,
+        right=columns[2:-1],
+        title=f"Recovery drills on a copy of {source}",
+        styles={"result": {"pass": "green", "FAIL": "red", "skipped": "yellow"}},
+    )
     failed = [r.name for r in results if r.passed is False]
     skipped = [r.name for r in results if r.passed is None]
     summary = f"{len(results) - len(failed) - len(skipped)} passed"
     summary += f", {len(failed)} failed ({', '.join(failed)})" if failed else ", 0 failed"
     summary += f", {len(skipped)} skipped" if skipped else ""
-    out.print(summary)
+    out.print(summary, markup=False)

@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
-from ckptvault.cli._common import S3EndpointUrl, out, print_json, safe_markup
+from ckptvault.cli._common import S3EndpointUrl, out, print_json, print_table, safe_markup
 from ckptvault.cli._progress import progress_bar
 from ckptvault.errors import UsageError
 from ckptvault.ops.rotation.report import FAILED, NOT_REACHED, RotationReport
@@ -65,12 +64,11 @@ def list_keys(
     if as_json:
         print_json([info.to_json() for info in infos])
         return
-    table = Table(box=None, pad_edge=False)
-    for column in ("run", "key id", "created", "destroyed"):
-        table.add_column(column, overflow="fold")
-    for info in infos:
-        table.add_row(info.run_id, info.kek_id, info.created_at, info.destroyed_at or "-")
-    out.print(table if infos else f"no keys in {keystore}")
+    if not infos:
+        out.print(f"no keys in {safe_markup(keystore)}")
+        return
+    rows = [[i.run_id, i.kek_id, i.created_at, i.destroyed_at or "-"] for i in infos]
+    print_table(("run", "key id", "created", "destroyed"), rows)
 
 
 @app.command("destroy")

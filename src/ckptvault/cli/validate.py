@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from ckptvault.cli._common import (
     STORE_HELP,
@@ -18,9 +17,8 @@ from ckptvault.cli._common import (
     S3EndpointUrl,
     TrustedKeys,
     open_store,
-    out,
     print_json,
-    safe_markup,
+    print_table,
 )
 from ckptvault.errors import UsageError
 
@@ -75,14 +73,21 @@ def validate(
     if as_json:
         print_json([r.to_json() for r in results])
     else:
-        table = Table(box=None, pad_edge=False)
-        for column in ("step", "generation id", "result", "seconds"):
-            table.add_column(column, overflow="fold")
-        for r in results:
-            verdict = "[green]ok[/]" if r.ok else f"[bold red]failed[/] {safe_markup(r.error)}"
-            table.add_row(
-                str(r.step), safe_markup(r.generation_id or "-"), verdict, f"{r.seconds:.2f}"
-            )
-        out.print(table)
+        rows = [
+            [
+                str(r.step),
+                r.generation_id or "-",
+                "ok" if r.ok else "failed",
+                f"{r.seconds:.2f}",
+                "" if r.ok else str(r.error),
+            ]
+            for r in results
+        ]
+        print_table(
+            ("step", "generation id", "result", "seconds", "error"),
+            rows,
+            right=("step", "seconds"),
+            styles={"result": {"ok": "green", "failed": "bold red"}},
+        )
     if not all(r.ok for r in results):
         raise typer.Exit(1)
