@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Annotated
 
 import typer
 
@@ -43,6 +44,28 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from ckptvault._version import __version__
+
+        print(f"ckptvault {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", is_eager=True, callback=_print_version, help="Print the version; exit."
+        ),
+    ] = False,
+) -> None:
+    """Fast, crash-proof, verifiable PyTorch training checkpoints."""
+
+
 app.command("ls")(ls)
 app.command("inspect")(inspect)
 app.command("catalog")(catalog)
