@@ -24,6 +24,7 @@ from ckptvault.config import validate_step
 from ckptvault.distributed.messages import any_rank
 from ckptvault.errors import UsageError
 from ckptvault.memory.writer import TieredWriter
+from ckptvault.observe.progress_reporter import ProgressReporter
 from ckptvault.restoring.lineage import LINEAGE
 from ckptvault.restoring.restorer import RestoreInfo
 from ckptvault.restoring.selector import SkippedGeneration
@@ -143,6 +144,9 @@ class CheckpointManager:
         self.metrics_registry = parts.metrics.registry if parts.metrics is not None else None
         self._validator, self._sampled_validation = parts.validator, parts.sampled_validation
         self._gradients = GradientWatch()
+        self._progress = ProgressReporter.for_manager(
+            self.run_id, self.coordinator, options.get("ledger"), self.metrics_registry
+        )
         self._closed = False
 
     @property
@@ -182,6 +186,7 @@ class CheckpointManager:
         step = validate_step(step)
         recorded = validate_metrics(metrics)
         self._check_open()
+        self._record_progress(step, exchange=True)
         self._gradients.check(step, state, include_grads, strict)
         if include_grads:
             state = with_gradients(state)
@@ -206,6 +211,28 @@ class CheckpointManager:
         if self.coordinator.is_coordinator:  # one writer per job: the coordinator
             self.store.acquire_writer()
         return self._scheduler.submit(step, captured, blocking, started, metrics)
+
+    def heartbeat(self, step: int, *, step_seconds: float | None = None) -> None:
+        """Tell a watchdog this rank is making progress at ``step`` (``save()`` and
+        ``should_save()`` do it too); call it on every rank alike, as ``save()``.
+
+        Cheap: a clock read, and at most twice a second a tiny file that ``ckptvault
+        supervise --hang-timeout`` watches (beside the ledger when not supervised).
+        Every 100th beat, and every save, gathers each rank's recent step time on
+        rank 0 for the metrics (``ckptvault_rank_step_seconds``, ``ckptvault_straggler``).
+        ``step_seconds``: this rank's own measure of its step (e.g. compute time up to
+        the gradient all-reduce), instead of the wall time between heartbeats
+        (:mod:`ckptvault.observe.stragglers` says when that matters).
+        """
+        self._check_open()
+        self._record_progress(validate_step(step), step_seconds=step_seconds)
+
+    def _record_progress(
+        self, step: int, *, exchange: bool = False, step_seconds: float | None = None
+    ) -> None:
+        """Progress at ``step`` (heartbeat, save, should_save); ``exchange``: gather
+        the ranks' step times now (a save: every rank is here together)."""
+        self._progress.beat(step, exchange=exchange, step_seconds=step_seconds)
 
     def prepare(self, state: Mapping[str, Any], wait: bool = False) -> None:
         """Get asynchronous saves' staging buffers ready for ``state`` (what a save

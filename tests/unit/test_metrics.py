@@ -61,7 +61,7 @@ def test_names_follow_prometheus_conventions(store: Path, tmp_path: Path):
     for family in families:
         assert family.name.startswith("ckptvault_"), family.name
         for sample in family.samples:
-            assert set(sample.labels) <= {"run_id", "tier", "le"}, sample
+            assert set(sample.labels) <= {"run_id", "tier", "rank", "le"}, sample
             assert sample.labels["run_id"] == "r"
         if family.name.endswith("_created"):  # a counter's creation time, a Unix time
             continue
