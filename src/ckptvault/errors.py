@@ -157,6 +157,23 @@ class StorageFullError(CheckpointError):
     """The store ran out of space (or quota) while writing; nothing was published."""
 
 
+class HostMemoryError(CheckpointError):
+    """Asynchronous saves' staging buffers would not fit in the memory this host has
+    left, or (``async_mode="process"``) in the shared-memory filesystem they are
+    staged in. ``prepare()`` and the first asynchronous save raise it before anything
+    is staged, instead of letting the host swap or the OOM killer end the job.
+
+    ``reason`` is a stable code: ``"host-memory"`` (RAM, or the memory cgroup's
+    limit) or ``"shared-memory"`` (``/dev/shm``); ``needed`` and ``available`` are
+    bytes."""
+
+    def __init__(
+        self, message: str, *, reason: str = "host-memory", needed: int = 0, available: int = 0
+    ) -> None:
+        self.reason, self.needed, self.available = reason, needed, available
+        super().__init__(message)
+
+
 class UsageError(CheckpointError, ValueError):
     """An argument or call sequence ckptvault cannot act on (bad step, closed manager)."""
 
@@ -185,6 +202,7 @@ __all__ = [
     "DecryptionError",
     "EnvironmentMismatch",
     "FormatError",
+    "HostMemoryError",
     "IntegrityError",
     "KeyDestroyedError",
     "KeyServiceError",

@@ -25,6 +25,7 @@ from ckptvault.io.staging import StagingPool
 from ckptvault.saving.generation_writer import WrittenGeneration
 from ckptvault.saving.handles import SaveHandle, SaveStats
 from ckptvault.saving.shared_staging import SharedStagingPool
+from ckptvault.saving.staging_budget import check_staging_fits, slot_bytes, staging_budget
 from ckptvault.saving.writer_process import WriterProcess
 from ckptvault.state.capture import CapturedState
 from ckptvault.storage.listing import GenerationInfo
@@ -58,6 +59,7 @@ class SaveScheduler:
         self.if_busy = if_busy
         self.stats = SaveStats()
         self._staging = StagingPool(max_in_flight)
+        self._staging_checked = False  # whether the slots were found to fit in memory
         self._in_flight: list[SaveHandle] = []
         self._pool: ThreadPoolExecutor | None = None
         self._pool_finalizer: weakref.finalize | None = None
@@ -70,7 +72,11 @@ class SaveScheduler:
         started: float,
         metrics: Metrics = None,
     ) -> SaveHandle:
-        """Save now (``blocking``) or stage and save in the background."""
+        """Save now (``blocking``) or stage and save in the background. The first
+        asynchronous save raises ``HostMemoryError``, staging nothing, when
+        ``max_in_flight`` staging slots would not fit in this host's memory."""
+        if not blocking and not self._staging_checked:
+            self._check_staging(captured.tensors, "the first asynchronous save")
         self.stats.saves_started += 1
         if blocking:
             self.drain()  # generations publish in the order they were asked for
@@ -109,7 +115,10 @@ class SaveScheduler:
         """Allocate and fault in the staging buffers for ``tensors`` in the background
         (``wait``: before returning). With a writer process: it starts now too, and
         once the saves in flight are done, its shared-memory slots are made and
-        faulted in before this returns."""
+        faulted in before this returns. ``HostMemoryError`` (nothing allocated) when
+        the slots would not fit in this host's memory."""
+        if not self._staging_checked:  # later, this process's own slots hold the memory
+            self._check_staging(tensors, "prepare()")
         if self._process is not None and self._shared is not None:
             # Its slots are laid out anew: a save in flight must have been read first.
             self.drain()
@@ -121,6 +130,13 @@ class SaveScheduler:
         if wait:
             self._staging.finish_preparing()
         self.stats.staging_allocations = self._staging.allocations
+
+    def _check_staging(self, tensors: dict[str, torch.Tensor], when: str) -> None:
+        """Refuse staging slots this host has no memory for, before any is allocated."""
+        mode = "process" if self._process is not None else "thread"
+        budget = staging_budget(slot_bytes(tensors, mode), self.max_in_flight, mode)
+        check_staging_fits(budget, when)
+        self._staging_checked = True
 
     def _run(
         self,
