@@ -4,11 +4,19 @@ that agrees with the defaults it shows, exit codes for things that are not there
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
+import pytest
+import torch
+
+import ckptvault as cv
 from ckptvault._version import __version__
 from ckptvault.cli import main
+from ckptvault.ops.done import manifest_digest, write_done_record
 from ckptvault.ops.supervise import Policy
+from ckptvault.storage import open_store
 from support.common import run_cli
 
 
@@ -24,3 +32,66 @@ def test_supervise_help_says_the_default_restart_budget_it_shows():
     assert Policy().max_restarts == 2
     assert "[default: 2]" in text and "default 2 restarts: 3 attempts" in text
     assert not re.search(r"default 3\b(?! attempts)", text), text
+
+
+@pytest.fixture
+def finished_run(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A run that saved three steps and wrote its DONE record: store, ledger, record."""
+    store, ledger, done = tmp_path / "store", tmp_path / "ctl" / "ledger", tmp_path / "DONE.json"
+    with cv.CheckpointManager(store, run_id="r", ledger=ledger) as mgr:
+        for step in (1, 2, 3):
+            handle = mgr.save(step, {"model": torch.nn.Linear(2, 2)})
+    last = handle.result().generation_id
+    write_done_record(
+        done,
+        run_id="r",
+        step=3,
+        generation_id=last,
+        manifest_digest=manifest_digest(open_store(store), last),
+        config_digest="0" * 64,
+        tokens=100,
+    )
+    return store, ledger, done
+
+
+def test_status_of_a_finished_run_says_finished_and_exits_0(finished_run):
+    store, ledger, done = finished_run
+    # A cadence of a millisecond: without the record the last checkpoint is stale.
+    args = ["status", store, "--ledger", ledger, "--cadence-seconds", "0.001"]
+    stale = run_cli(*args)
+    assert stale.returncode == 1 and "CkptvaultCheckpointStale" in stale.stderr
+    result = run_cli(*args, "--done-file", done)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^finished +step 3 \(", result.stdout, re.M)
+    assert result.stdout.rstrip().endswith("finished") and "Stale" not in result.stderr
+    report = json.loads(run_cli(*args, "--done-file", done, "--json").stdout)
+    assert report["finished"]["step"] == 3 and report["healthy"] is True
+
+
+def test_status_refuses_a_done_record_that_is_missing_or_not_this_stores(finished_run, tmp_path):
+    store, ledger, done = finished_run
+    missing = run_cli("status", store, "--ledger", ledger, "--done-file", tmp_path / "none")
+    assert missing.returncode == 2 and "no DONE record there" in missing.stderr
+    other = tmp_path / "other"
+    with cv.CheckpointManager(other, run_id="r", catalog=False) as mgr:
+        mgr.save(1, {"model": torch.nn.Linear(2, 2)})
+    wrong = run_cli("status", other, "--ledger", ledger, "--done-file", done)
+    assert wrong.returncode == 2 and "does not match store" in wrong.stderr
+
+
+def test_exit_codes_for_what_is_not_there(finished_run, tmp_path):
+    store, ledger, _ = finished_run
+    keys = run_cli("keys", "list", "--keystore", tmp_path / "missing")
+    assert keys.returncode == 2 and "no key store directory" in keys.stderr
+    catalog = run_cli("catalog", "--ledger", ledger, "--store", tmp_path / "missing")
+    assert catalog.returncode == 2 and catalog.stdout == ""
+    assert f"it records {store}" in catalog.stderr
+    # A folder of stores is not a store: say so, name them, exit 2.
+    for args in ([], ["--json"]):
+        folder = run_cli("ls", tmp_path, *args)
+        assert folder.returncode == 2 and folder.stdout == "", folder.stdout
+        assert "is not a store but holds 1 store(s): store" in folder.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run_cli("ls", empty).stdout == f"no generations in {empty}\n"
+    assert run_cli("ls", empty, "--json").stdout == "[]\n"

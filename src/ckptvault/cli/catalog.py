@@ -4,7 +4,9 @@ Reads the catalog the manager writes (:mod:`ckptvault.observe.catalog`): by
 default the one beside the default ledger; ``--ledger PATH`` the one beside that
 ledger; ``--catalog PATH`` that file. ``--json`` prints one object with the lists
 ``saves``, ``restores``, ``failures``, ``generations`` and ``attempts`` (starts of
-jobs under ``ckptvault supervise``).
+jobs under ``ckptvault supervise``; not with ``--store``: attempts are not recorded
+per store). ``--store`` naming a store the catalog records nothing of is an error
+(exit 2) that names the stores it does record.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ckptvault.cli._common import (
     print_table,
     safe_markup,
 )
+from ckptvault.errors import UsageError
 from ckptvault.observe.catalog import (
     Catalog,
     FailureRecord,
@@ -33,6 +36,7 @@ from ckptvault.observe.catalog import (
 )
 from ckptvault.observe.catalog_attempts import AttemptRecord, recent_attempts
 
+_STORES_SHOWN = 5  # stores named when --store names one the catalog does not know
 SAVE_STAGES = ("stage", "write", "fsync", "publish")
 RESTORE_STAGES = ("discovery", "verification", "read", "apply")
 
@@ -56,7 +60,10 @@ def catalog(
         restores = book.recent_restores(key, run_id, limit)
         failures = book.failures(key, run_id, limit)
         generations = book.generations(key, run_id)[:limit]
-        attempts = recent_attempts(book, limit=limit)
+        if key is not None and not (saves or restores or failures or generations):
+            _unknown_store(book, str(store), path)
+        # Attempts are not recorded per store: with --store, none can be told to be its.
+        attempts = recent_attempts(book, limit=limit) if key is None else []
     if as_json:
         print_json(
             {
@@ -74,6 +81,18 @@ def catalog(
     _print_restores(restores)
     _print_failures(failures)
     _print_attempts(attempts)
+
+
+def _unknown_store(book: Catalog, store: str, path: object) -> None:
+    """--store names a store the catalog records nothing of (a typo, or a store no
+    manager with this catalog used): exit 2 naming the ones it does record."""
+    known = book.stores(_STORES_SHOWN + 1)
+    shown = ", ".join(known[:_STORES_SHOWN]) + (", ..." if len(known) > _STORES_SHOWN else "")
+    raise UsageError(
+        f"--store {store}: the catalog {path} records nothing of this store; "
+        + (f"it records {shown}" if known else "it records no store yet")
+        + " (a manager records the store it saves to, with the catalog beside its ledger)"
+    )
 
 
 def _when(epoch: float) -> str:

@@ -60,6 +60,12 @@ def list_keys(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False,
 ) -> None:
     """List the runs in a key store, their key ids, and destroyed keys."""
+    if not keystore.startswith("kms://") and not Path(keystore).is_dir():
+        # An empty listing would read as "this store has no keys": say it is not there.
+        raise UsageError(
+            f"--keystore {keystore}: no key store directory there; give the directory the "
+            "training run keeps its keys in, or a kms:// URL"
+        )
     infos = open_keystore(keystore).list_keys()
     if as_json:
         print_json([info.to_json() for info in infos])

@@ -9,11 +9,18 @@ line per generation, never wrapped or cut (``--json`` for programs).
 
 Generations retention marked for deletion are left out; ``--all`` shows them with
 their mark (since when, and why).
+
+An empty store prints "no generations in DIR" (``[]`` with ``--json``), exit 0. A
+local folder with no generation of its own whose subfolders are stores (``ls runs``
+for ``ls runs/run42``) is an error, exit 2, naming those stores.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 from typing import Annotated
+from urllib.parse import unquote, urlsplit
 
 import typer
 
@@ -27,9 +34,12 @@ from ckptvault.cli._common import (
     print_table,
     safe_markup,
 )
+from ckptvault.errors import UsageError
+from ckptvault.format.layout import parse_generation_dirname
 from ckptvault.storage.listing import list_generation_infos
 
 TIERS = ("store", "memory")
+_STORES_SHOWN = 5  # stores named in the error for a folder of stores
 
 
 def ls(
@@ -67,10 +77,12 @@ def ls(
         return
     infos = list_generation_infos(open_store(directory, s3_endpoint_url), include_marked=every)
     if as_json:
+        if not infos:
+            _refuse_a_folder_of_stores(directory)
         print_json([info.to_json() for info in infos])
         return
     if not infos:
-        out.print(f"no generations in {safe_markup(directory)}")
+        _nothing_listed(directory, as_json)
         return
     columns = ["step", "generation id", "created", "size", "path"]
     if every:
@@ -89,6 +101,55 @@ def ls(
         rows.append(row)
     # Names, times and deletion marks are read from the store: print_table escapes them.
     print_table(columns, rows, right=("step", "size"))
+
+
+def _nothing_listed(directory: str, as_json: bool) -> None:
+    _refuse_a_folder_of_stores(directory)
+    out.print(f"no generations in {safe_markup(directory)}")
+
+
+def _refuse_a_folder_of_stores(directory: str) -> None:
+    """A local folder that holds no generation but holds stores is not what the user
+    meant to list (``ls runs/`` for ``ls runs/run42``): a UsageError (exit 2) naming
+    the stores, rather than an empty listing that reads as "no checkpoints"."""
+    stores = stores_within(directory)
+    if stores:
+        shown = ", ".join(stores[:_STORES_SHOWN])
+        more = f" and {len(stores) - _STORES_SHOWN} more" if len(stores) > _STORES_SHOWN else ""
+        raise UsageError(
+            f"{directory} is not a store but holds {len(stores)} store(s): {shown}{more}; "
+            f"list one of them: ckptvault ls {os.path.join(directory, stores[0])}"
+        )
+
+
+def stores_within(directory: str, limit: int = 10_000) -> list[str]:
+    """The names of the subdirectories of a local ``directory`` that hold at least one
+    generation (sorted); empty for a remote store or a folder that cannot be read.
+    Links are not followed, and at most ``limit`` entries of each folder are looked
+    at: a folder of any size costs a bounded scan."""
+    if "://" in directory and not directory.startswith("file://"):
+        return []
+    path = unquote(urlsplit(directory).path) if directory.startswith("file://") else directory
+    found = []
+    try:
+        with os.scandir(path) as entries:
+            for entry in itertools.islice(entries, limit):
+                if entry.is_dir(follow_symlinks=False) and _holds_generations(entry.path, limit):
+                    found.append(entry.name)
+    except OSError:
+        return []
+    return sorted(found)
+
+
+def _holds_generations(path: str, limit: int) -> bool:
+    try:
+        with os.scandir(path) as entries:
+            return any(
+                parse_generation_dirname(entry.name) is not None
+                for entry in itertools.islice(entries, limit)
+            )
+    except OSError:
+        return False
 
 
 def _where(

@@ -6,13 +6,19 @@ replication lag and the newest validation, with a warning for every alert thresh
 crossed. ``--json`` prints the report as one object; ``--prometheus`` prints the
 Prometheus text format (for node_exporter's textfile collector, say).
 
-Exit status: 0 healthy, 1 when there is at least one warning, 2 for a usage error or
-an unreadable store or catalog.
+``--done-file PATH`` (the DONE record the job wrote, ``supervise --done-file``): when
+the record matches the store, the run is reported finished (the ``finished`` object in
+``--json``) and the age of its last checkpoint is no warning; a missing record or
+one that does not match the store is an error.
+
+Exit status: 0 healthy (or finished), 1 when there is at least one warning, 2 for a
+usage error, an unreadable store or catalog, or a DONE record that does not match.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -30,9 +36,10 @@ from ckptvault.cli._common import (
     print_json,
     safe_markup,
 )
-from ckptvault.errors import UsageError
-from ckptvault.observe.health import HealthReport, check_health
+from ckptvault.errors import IntegrityError, UsageError
+from ckptvault.observe.health import Finished, HealthReport, check_health
 from ckptvault.observe.prometheus import import_prometheus
+from ckptvault.storage.base import Store
 
 
 def status(
@@ -60,6 +67,14 @@ def status(
             "(/dev/shm/ckptvault-<uid>/<run id>/<node>).",
         ),
     ] = None,
+    done_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--done-file",
+            help="The run's DONE record (supervise --done-file): when it matches the store, "
+            "the run is reported finished and the age of its last checkpoint is no warning.",
+        ),
+    ] = None,
     s3_endpoint_url: S3EndpointUrl = None,
 ) -> None:
     """Show the store's health: last good checkpoint age, save latency, failure rate,
@@ -69,7 +84,8 @@ def status(
         raise UsageError("give --json or --prometheus, not both")
     path = catalog_file(ledger, catalog_path, required=False)
     store = open_store(directory, s3_endpoint_url)
-    report = check_health(store, path, cadence_seconds)
+    finished = _finished(done_file, store) if done_file is not None else None
+    report = check_health(store, path, cadence_seconds, finished=finished)
     _memory_tier(report, memory_path)
     if as_json:
         print_json(report.to_json())
@@ -82,10 +98,31 @@ def status(
         raise typer.Exit(1)
 
 
+def _finished(done_file: Path, store: Store) -> Finished:
+    """The finished run the DONE record at ``done_file`` states, checked against the
+    store (the generation it names is listed there, with the manifest digest it
+    records). A record that is missing, malformed or does not match is an error (exit
+    2): status must not call a run finished on the word of a stale record."""
+    from ckptvault.ops.done import check_done_record, read_done_record
+
+    try:
+        record = read_done_record(done_file)
+    except FileNotFoundError:
+        raise UsageError(
+            f"--done-file {done_file}: no DONE record there (the job writes it when it "
+            "finishes); leave the option out for a run still training"
+        ) from None
+    problems = check_done_record(record, store=store)
+    if problems:
+        raise IntegrityError(
+            f"--done-file {done_file} does not match store {store.location}: " + "; ".join(problems)
+        )
+    return Finished(record.step, record.generation_id, record.written_at, str(done_file))
+
+
 def _memory_tier(report: HealthReport, memory_path: str | None) -> None:
     """The newest generation in this node's memory tier of the run (the default
     directory of the run the catalog names, or ``memory_path``): step and age."""
-    from pathlib import Path
 
     from ckptvault.format.layout import generation_id_time
     from ckptvault.memory.tier import default_directory, existing_directory
@@ -152,6 +189,15 @@ def _print(report: HealthReport) -> None:
         ),
         ("replication lag", _age(report.replication_lag_s)),
     ]
+    if report.finished is not None:
+        done = report.finished
+        lines.append(
+            (
+                "finished",
+                f"step {done.step} ({done.generation_id}), DONE record {done.record} "
+                f"written {done.written_at or 'at an unknown time'}",
+            )
+        )
     if report.memory_tier is not None:
         memory = "none" if report.memory_step is None else f"step {report.memory_step}, "
         memory += "" if report.memory_step is None else _ago(report.memory_age_s)
@@ -166,7 +212,7 @@ def _print(report: HealthReport) -> None:
     for warning in report.warnings:
         err.print(f"[yellow]warning[/] {warning.alert}: {safe_markup(warning.message)}")
     if report.healthy:
-        out.print("[green]healthy[/]")
+        out.print("[green]finished[/]" if report.finished is not None else "[green]healthy[/]")
 
 
 # One row per sample: name, help, value (None: left out), extra labels.

@@ -253,6 +253,17 @@ class Catalog(CatalogFile):
                 parameters.append(value)
         return (" WHERE " + " AND ".join(clauses) if clauses else ""), parameters
 
+    def stores(self, limit: int = 100) -> list[str]:
+        """The stores the catalog holds any save, restore, validation or generation
+        of (as the manager names them), sorted; at most ``limit``."""
+        rows = self.query(
+            "SELECT store FROM saves UNION SELECT store FROM restores UNION "
+            "SELECT store FROM validations UNION SELECT store FROM generations "
+            "ORDER BY store LIMIT ?",
+            [max(0, limit)],
+        )
+        return [str(row[0]) for row in rows]
+
     def recent_saves(
         self, store: str | None = None, run_id: str | None = None, limit: int = 50
     ) -> list[SaveRecord]:

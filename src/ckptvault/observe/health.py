@@ -87,6 +87,25 @@ class Latency:
         return {"p50": self.p50, "p99": self.p99}
 
 
+@dataclass(frozen=True)
+class Finished:
+    """A finished run: the step and generation its DONE record names (checked against
+    the store), when it was written, and where the record is."""
+
+    step: int
+    generation_id: str
+    written_at: str
+    record: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "generation_id": self.generation_id,
+            "written_at": self.written_at,
+            "record": self.record,
+        }
+
+
 @dataclass
 class HealthReport:
     """What ``status`` found; ``warnings`` empty means healthy. Ages and durations in
@@ -115,6 +134,8 @@ class HealthReport:
     memory_tier: str | None = None
     memory_step: int | None = None
     memory_age_s: float | None = None
+    # The run finished: its DONE record (``status --done-file``) matched the store.
+    finished: Finished | None = None
 
     @property
     def success_rate(self) -> float | None:
@@ -159,6 +180,7 @@ class HealthReport:
                 "step": self.memory_step,
                 "age_s": self.memory_age_s,
             },
+            "finished": None if self.finished is None else self.finished.to_json(),
             "replication_lag_s": lag,
             "replication_healthy": None if lag is None else lag < REPLICATION_HEALTHY_SECONDS,
             "warnings": [w.to_json() for w in self.warnings],
@@ -185,10 +207,13 @@ def check_health(
     catalog_path: Path | None,
     cadence_s: float | None = None,
     now: float | None = None,
+    finished: Finished | None = None,
 ) -> HealthReport:
     """List ``store`` and read ``catalog_path`` (when it exists) into a report with a
     warning for every threshold crossed. ``cadence_s`` overrides the cadence measured
-    from recent saves. Raises what the store or catalog raise when unreadable."""
+    from recent saves. ``finished``: the run ended (its DONE record matched the
+    store), so no newer checkpoint is due and the age of the last one is no warning.
+    Raises what the store or catalog raise when unreadable."""
     at = time.time() if now is None else now
     usage = store_usage(store)
     saves: list[SaveRecord] = []
@@ -199,6 +224,7 @@ def check_health(
             saves = book.recent_saves(key, None, RECENT_SAVES)
             recorded = book.generations(key)
     report = HealthReport(store.location, str(catalog_path) if catalog_path else None, at)
+    report.finished = finished
     live = usage.live
     published = _published_times(live, recorded, at)
     live = [info for info in live if info.generation_id in published]
@@ -305,6 +331,8 @@ def thresholds(report: HealthReport) -> list[HealthWarning]:
 
 def _age_warnings(report: HealthReport) -> list[HealthWarning]:
     age, cadence = report.last_good_age_s, report.cadence_s
+    if report.finished is not None and age is not None:
+        return []  # a finished run saves no more: its last checkpoint ages, as it should
     if age is None:
         return [
             HealthWarning(
