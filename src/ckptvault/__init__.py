@@ -4,6 +4,7 @@ Public names::
 
     CheckpointManager, RNGState, PerRank, RestoreInfo, SaveHandle, GenerationInfo,
     SkippedGeneration, Retention, MemoryTier, errors, __version__
+    Every, Planned, Any (save policies: CheckpointManager(save_policy=...))
 
 Names that need torch are imported on first use, so ``ckptvault.errors`` and the
 command-line tools for listing and verifying stores start without importing torch.
@@ -11,7 +12,8 @@ command-line tools for listing and verifying stores start without importing torc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import typing
+from typing import TYPE_CHECKING
 
 from ckptvault import _moved, errors
 from ckptvault._version import __version__
@@ -27,12 +29,16 @@ if TYPE_CHECKING:
     from ckptvault.memory.tier import MemoryTier
     from ckptvault.retention.policy import Retention
     from ckptvault.saving.handles import SaveHandle, SaveStats
+    from ckptvault.saving.policy import Any, Every, Planned
     from ckptvault.saving.preemption import Preempted
     from ckptvault.state.ranks import PerRank
     from ckptvault.state.rng import RNGState
     from ckptvault.storage.listing import GenerationInfo
 
 _LAZY = {
+    "Any": "ckptvault.saving.policy",
+    "Every": "ckptvault.saving.policy",
+    "Planned": "ckptvault.saving.policy",
     "CheckpointManager": "ckptvault.manager",
     "GenerationInfo": "ckptvault.storage.listing",
     "MemoryTier": "ckptvault.memory.tier",
@@ -47,10 +53,13 @@ _LAZY = {
 }
 
 __all__ = [
+    "Any",
     "CheckpointManager",
+    "Every",
     "GenerationInfo",
     "MemoryTier",
     "PerRank",
+    "Planned",
     "Preempted",
     "RNGState",
     "RestoreInfo",
@@ -63,7 +72,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> typing.Any:  # cv.Any is a save policy
     if name == "dcp":  # the DCP storage plugin (needs torch), a subpackage
         import importlib
 

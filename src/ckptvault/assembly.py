@@ -32,6 +32,7 @@ from ckptvault.observe.catalog_recorder import (
     subscribe_catalog,
 )
 from ckptvault.observe.prometheus import ManagerMetrics, subscribe_metrics
+from ckptvault.observe.save_costs import measured_save_costs
 from ckptvault.replication.replicator import Replicator
 from ckptvault.replication.tiers import attach_retention
 from ckptvault.restoring.restorer import Restorer
@@ -39,7 +40,9 @@ from ckptvault.restoring.validation import Factory, SampledValidation, Validator
 from ckptvault.retention.keeper import RetentionKeeper
 from ckptvault.retention.policy import Retention
 from ckptvault.run_context import RunContext
+from ckptvault.saving.decider import SaveDecider
 from ckptvault.saving.generation_writer import GenerationWriter, WriteSettings
+from ckptvault.saving.policy import SavePolicy
 from ckptvault.saving.preemption import DEFAULT_DEADLINE_S, PreemptionWatch
 from ckptvault.saving.scheduler import SaveScheduler
 from ckptvault.saving.writer_process import WriterProcess
@@ -88,6 +91,7 @@ class ManagerOptions(TypedDict, total=False):
     validate_every: int | None
     validate_with: Factory | str | None
     memory_tier: MemoryTier | None
+    save_policy: SavePolicy | None
 
 
 @dataclass
@@ -106,6 +110,7 @@ class ManagerParts:
     validator: Validator | None = None
     sampled_validation: SampledValidation | None = None
     metrics: ManagerMetrics | None = None
+    decider: SaveDecider | None = None
 
 
 def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
@@ -158,6 +163,7 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
         on_remote_restore=replicator.fetch if replicator else None,
         memory_tiers=memory_tiers,
     )
+    decider = _save_decider(options, run, recorder.path if recorder else None)
     # Serves last but one (before the signal handlers): a taken port fails the manager.
     metrics = _metrics(options, run, replicator, recorder.path if recorder else None)
     if metrics is not None and memory_tiers:
@@ -177,6 +183,7 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
         validator,
         _sampled_validation(options, validator, events, coordinator),
         metrics=metrics,
+        decider=decider,
     )
 
 
@@ -262,6 +269,18 @@ def _sampled_validation(
     sampled = SampledValidation(validator, every, factory)
     events.subscribe(sampled)
     return sampled
+
+
+def _save_decider(
+    options: ManagerOptions, run: RunContext, catalog_path: Path | None
+) -> SaveDecider | None:
+    """``should_save``'s decider for ``save_policy=`` (rank 0 reads what this run's
+    saves cost before a restart from the catalog: only its schedule uses it)."""
+    policy = options.get("save_policy")
+    if policy is None:
+        return None
+    costs = measured_save_costs(catalog_path, run.store.location, run.run_id)
+    return SaveDecider(policy, run.coordinator, costs)
 
 
 def _preemption(options: ManagerOptions) -> PreemptionWatch | None:

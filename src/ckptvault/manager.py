@@ -33,6 +33,7 @@ from ckptvault.restoring.warm_start import WarmStartSource, warm_start
 from ckptvault.retention import marks
 from ckptvault.saving.handles import SaveHandle, SaveStats
 from ckptvault.saving.metrics import validate_metrics
+from ckptvault.saving.policy import SavePolicy
 from ckptvault.state.capture import CapturedState, capture_state
 from ckptvault.state.gradients import GradientWatch, with_gradients
 from ckptvault.state.names import ApplyOptions, Rename
@@ -129,6 +130,10 @@ class CheckpointManager:
             verified copy of the same generation); restore tries memory first
             (``RestoreInfo.source``: "memory", "peer" or "store"); on several nodes
             each keeps copies of others' (``peers``; :mod:`ckptvault.memory`).
+        save_policy: when to save, for :meth:`should_save`: ``cv.Every(steps=N)``,
+            ``cv.Every(seconds=S)``, ``cv.Planned(mtbf_hours=H, nodes=N)`` (Daly's
+            interval from the save cost measured in this run) or ``cv.Any(...)`` of
+            them (:mod:`ckptvault.saving.policy`).
     """
 
     def __init__(self, directory: StoreLocation, **options: Unpack[ManagerOptions]) -> None:
@@ -140,6 +145,7 @@ class CheckpointManager:
         self._writer, self._scheduler = parts.writer, parts.scheduler
         self._restorer = parts.restorer
         self._preemption = parts.preemption
+        self._decider = parts.decider  # None without save_policy=
         self.metrics = parts.metrics  # None when off; .registry, .port
         self.metrics_registry = parts.metrics.registry if parts.metrics is not None else None
         self._validator, self._sampled_validation = parts.validator, parts.sampled_validation
@@ -196,7 +202,10 @@ class CheckpointManager:
         blocking = not self.config.async_save if blocking is None else blocking
         if durable and isinstance(self._writer, TieredWriter):
             self._writer.make_durable(step)
-        return self._submit(step, state, blocking, time.perf_counter(), recorded)
+        handle = self._submit(step, state, blocking, time.perf_counter(), recorded)
+        if self._decider is not None and not handle.skipped:  # a skipped save is still due
+            self._decider.saved(step, handle.stall_seconds)
+        return handle
 
     def _submit(
         self,
@@ -226,6 +235,32 @@ class CheckpointManager:
         """
         self._check_open()
         self._record_progress(validate_step(step), step_seconds=step_seconds)
+
+    @property
+    def save_policy(self) -> SavePolicy | None:
+        """The ``save_policy=`` that :meth:`should_save` follows (None: none given)."""
+        return None if self._decider is None else self._decider.policy
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save ``step``, by ``save_policy=`` (:mod:`ckptvault.saving.policy`),
+        or because a ``save_on_signal`` signal arrived (the next ``save()`` is the final
+        one). Every rank gets the same answer: call it on every rank, for the same
+        steps (time rules are decided by rank 0 and broadcast, one tiny collective;
+        step rules need none). ``UsageError`` without a ``save_policy``."""
+        step = validate_step(step)
+        self._check_open()
+        if self._decider is None:
+            raise UsageError(
+                f"should_save({step}) needs a save policy: create the CheckpointManager "
+                "with save_policy=cv.Every(steps=N), cv.Every(seconds=S), "
+                "cv.Planned(mtbf_hours=H, nodes=N) or cv.Any(...) of them"
+            )
+        # -- progress (the watchdog's heartbeat): kept apart from the decision --
+        self._record_progress(step)
+        # -- the decision --
+        if self.preempted:  # the ranks agree; the final save must not wait for the policy
+            return True
+        return self._decider.should_save(step)
 
     def _record_progress(
         self, step: int, *, exchange: bool = False, step_seconds: float | None = None
