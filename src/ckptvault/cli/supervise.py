@@ -22,6 +22,7 @@ from ckptvault.errors import UsageError
 from ckptvault.observe.catalog import default_catalog_path
 from ckptvault.observe.catalog_attempts import attempt_recorder
 from ckptvault.ops.done import DoneExpectation, file_digest
+from ckptvault.ops.hang import HangPolicy
 from ckptvault.ops.preflight import free_space_preflight
 from ckptvault.ops.supervise import Policy, Supervisor
 from ckptvault.storage import S3Options, open_store
@@ -57,6 +58,19 @@ def local_store_path(location: str) -> Path | None:
         return Path(location)
     parts = urlsplit(location)
     return Path(unquote(parts.path)) if parts.scheme == "file" else None
+
+
+@contextmanager
+def _progress_root(hang: HangPolicy | None) -> Iterator[Path | None]:
+    """A private temporary directory for the attempts' progress files (None without
+    a hang watchdog): each attempt gets a fresh directory in it."""
+    if hang is None:
+        yield None
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="ckptvault-progress-") as directory:
+        yield Path(directory)
 
 
 @contextmanager
@@ -120,6 +134,21 @@ CatalogFile = Annotated[
     typer.Option(help="Record every attempt in this catalog (default: the per-user one)."),
 ]
 NoCatalog = Annotated[bool, typer.Option("--no-catalog", help="Record attempts nowhere.")]
+HangTimeout = Annotated[
+    float | None,
+    typer.Option(
+        help="Stop and restart the job (a 'hang' attempt, within --max-restarts) when no "
+        "rank reports progress (save, should_save, heartbeat) for this many seconds; "
+        "with --hang-factor, the least it waits. Not watched before the first report.",
+    ),
+]
+HangFactor = Annotated[
+    float | None,
+    typer.Option(
+        help="Hang limit: K x the median interval between progress reports seen so far, "
+        "never less than --hang-timeout (default 120 s).",
+    ),
+]
 MemoryPath = Annotated[
     Path | None,
     typer.Option(
@@ -146,6 +175,8 @@ def supervise(
     catalog: CatalogFile = None,
     no_catalog: NoCatalog = False,
     memory_path: MemoryPath = None,
+    hang_timeout: HangTimeout = None,
+    hang_factor: HangFactor = None,
     s3_endpoint_url: S3EndpointUrl = None,
 ) -> int:
     """Run CMD; restart it after a failure (bounded, with backoff); check its DONE record.
@@ -171,8 +202,16 @@ def supervise(
     )
     if min_free_bytes is not None and store is None:
         raise UsageError("--min-free-bytes needs --store: the store whose free space to check")
+    hang = None
+    if hang_timeout is not None or hang_factor is not None:
+        hang = HangPolicy(timeout_s=hang_timeout, factor=hang_factor)
     supervisor = Supervisor(
-        list(command or []), policy, stop_file=stop_file, log_path=log, memory_path=memory_path
+        list(command or []),
+        policy,
+        stop_file=stop_file,
+        log_path=log,
+        memory_path=memory_path,
+        hang=hang,
     )
     if not no_catalog:  # the catalog shows every attempt beside the job's own saves
         path = catalog or default_catalog_path(default_ledger_path())
@@ -183,7 +222,8 @@ def supervise(
             supervisor.emit(f"free-space preflight skipped: {store} is not a local store")
         else:
             supervisor.preflight = free_space_preflight(local, parse_size(min_free_bytes))
-    with _done_path(done_file) as path:
+    with _done_path(done_file) as path, _progress_root(hang) as progress:
+        supervisor.progress_root = progress
         supervisor.done = DoneExpectation(
             path=path,
             required=done_file is not None or config is not None or expect_tokens is not None,

@@ -13,7 +13,10 @@ and applies it. In short (seed 004's reference policy):
   attempts) lasts, then give up with the child's last code;
 - SIGTERM/SIGINT to the supervisor is forwarded to the child's process group and
   never restarts; a stop file present before a start or when the child exits means
-  "do not start again".
+  "do not start again";
+- with a hang watchdog (``hang``: :mod:`ckptvault.ops.hang`), a job whose progress
+  stops gets SIGTERM, then SIGKILL after the grace period, and the attempt is a
+  ``hang``: a failure, restarted within the same budget.
 
 It only reads the store (free space, the DONE record's generation), never deletes.
 """
@@ -38,7 +41,9 @@ from typing import Any
 
 from ckptvault.errors import UsageError
 from ckptvault.exit_codes import PERMANENT, PREEMPTED
+from ckptvault.observe.heartbeat import PROGRESS_DIR_ENV
 from ckptvault.ops.done import DONE_FILE_ENV, SUPERVISE_ID_ENV, DoneExpectation
+from ckptvault.ops.hang import HangPolicy, HangWatch, IntervalHistory
 
 # The supervisor's own exit codes (besides 0 and the child's code it passes on).
 DONE_MISMATCH = 65  # EX_DATAERR: exit 0, but the DONE record is missing or wrong
@@ -97,11 +102,13 @@ class Action(str, Enum):
 class Outcome:
     """How one attempt ended: ``returncode`` as ``subprocess`` reports it (negative:
     killed by that signal), or None when the child was not started, with ``refused``
-    saying why (the preflight), or ``spawn_error`` (126/127) when it could not be."""
+    saying why (the preflight), or ``spawn_error`` (126/127) when it could not be.
+    ``hung``: why the hang watchdog stopped it (then the code is how it died)."""
 
     returncode: int | None = None
     refused: str | None = None
     spawn_error: int | None = None
+    hung: str | None = None
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,7 @@ class Decision:
     """What to do after an attempt; ``kind`` names the case for logs and tests."""
 
     action: Action
-    kind: str  # success|preempted|permanent|failure|refused|cancelled|stopped|...
+    kind: str  # success|preempted|permanent|failure|hang|refused|cancelled|stopped|...
     exit_code: int = 0  # the supervisor's exit status unless action is RESTART
     delay_s: float = 0.0
     reason: str = ""
@@ -139,19 +146,28 @@ def decide(
         return Decision(Action.STOP, "permanent", code, reason=why)
     if stop_file:
         return Decision(Action.STOP, "stopped", code, reason="stopped by stop file")
+    if outcome.hung is not None:  # whatever it exited with after the watchdog's SIGTERM
+        return _failure(outcome, "hang", failures, policy, f"hung: {outcome.hung}; ")
     if outcome.returncode == PREEMPTED:
         if preemptions + 1 > policy.max_preemptions:
             why = f"preempted {preemptions + 1} times, over --max-preemptions {policy.max_preemptions}"
             return Decision(Action.STOP, "preemption_limit", code, reason=why)
         return Decision(Action.RESTART, "preempted", reason="preempted: starting again at once")
     kind = "refused" if outcome.returncode is None else "failure"
+    return _failure(outcome, kind, failures, policy)
+
+
+def _failure(
+    outcome: Outcome, kind: str, failures: int, policy: Policy, prefix: str = ""
+) -> Decision:
+    """A failed attempt: restart after the backoff while the budget lasts."""
     if failures + 1 > policy.max_restarts:
         why = (
             f"giving up after {failures + 1} failed attempts (--max-restarts {policy.max_restarts})"
         )
-        return Decision(Action.STOP, kind, code, reason=why + _detail(outcome))
+        return Decision(Action.STOP, kind, _status(outcome), reason=prefix + why + _detail(outcome))
     delay = policy.backoff_after(failures + 1)
-    return Decision(Action.RESTART, kind, delay_s=delay, reason=f"restart in {delay:g} s")
+    return Decision(Action.RESTART, kind, delay_s=delay, reason=f"{prefix}restart in {delay:g} s")
 
 
 def _detail(outcome: Outcome) -> str:
@@ -237,6 +253,11 @@ class Supervisor:
     # The job's memory tier on this node: each attempt's record says the newest step
     # it holds, what a restart here recovers from memory (None: not watched).
     memory_path: Path | None = None
+    # The hang watchdog (None: off) and the directory under which each attempt gets
+    # its own progress directory (required with ``hang``).
+    hang: HangPolicy | None = None
+    progress_root: Path | None = None
+    _intervals: IntervalHistory = field(default_factory=IntervalHistory, init=False)
 
     def run(self) -> int:
         """Supervise until success, a stop, give-up or cancellation; the exit status."""
@@ -290,6 +311,7 @@ class Supervisor:
         env = {**os.environ, ATTEMPT_ENV: str(attempt), SUPERVISE_ID_ENV: self.supervise_id}
         if self.done is not None:
             env[DONE_FILE_ENV] = str(self.done.path)
+        watch = self._hang_watch(attempt, env)
         self.emit(f"attempt {attempt}: start: {shlex.join(self.command)}")
         begun = time.monotonic()
         try:
@@ -304,24 +326,50 @@ class Supervisor:
         if signals.received is not None:  # cancelled while the child was being started
             signals.forward(signals.received)
         try:
-            returncode = self._wait(child, signals)
+            returncode, hung = self._wait(child, signals, watch)
         finally:
             signals.child = None
         took = time.monotonic() - begun
         self.emit(f"attempt {attempt}: {describe(returncode)} after {took:.1f} s (pid {child.pid})")
-        return Outcome(returncode=returncode), child.pid
+        return Outcome(returncode=returncode, hung=hung), child.pid
 
-    def _wait(self, child: subprocess.Popen[bytes], signals: _Signals) -> int:
-        """Wait for the child; once cancelled, SIGKILL its group after the grace period."""
+    def _hang_watch(self, attempt: int, env: dict[str, str]) -> HangWatch | None:
+        """A fresh progress directory for this attempt (named to the job in ``env``)
+        and its watch; None without a hang watchdog."""
+        if self.hang is None:
+            return None
+        if self.progress_root is None:
+            raise UsageError("a hang watchdog needs a progress directory (progress_root)")
+        directory = self.progress_root / f"attempt-{attempt}"
+        directory.mkdir(mode=0o700, parents=True, exist_ok=False)
+        env[PROGRESS_DIR_ENV] = str(directory)
+        return HangWatch(directory, self.hang, self._intervals, self.emit)
+
+    def _wait(
+        self, child: subprocess.Popen[bytes], signals: _Signals, watch: HangWatch | None
+    ) -> tuple[int, str | None]:
+        """Wait for the child; once cancelled or found hung, SIGTERM its group and
+        SIGKILL it after the grace period. The exit status, and why it hung (None)."""
         killed = False
+        hung: str | None = None
+        stopped_at = 0.0  # when the watchdog sent SIGTERM
         while True:
             try:
                 returncode = child.wait(timeout=POLL_S)
                 break
             except subprocess.TimeoutExpired:
                 pass
-            overdue = time.monotonic() - signals.received_at > self.policy.grace_s
-            if signals.received is not None and overdue and not killed:
+            if watch is not None and hung is None and signals.received is None:
+                hung = watch.check()
+                if hung is not None:
+                    self.emit(f"hang: {hung}: SIGTERM to the job")
+                    signals.forward(signal.SIGTERM)
+                    stopped_at = time.monotonic()
+            if signals.received is not None:
+                overdue = time.monotonic() - signals.received_at > self.policy.grace_s
+            else:
+                overdue = hung is not None and time.monotonic() - stopped_at > self.policy.grace_s
+            if overdue and not killed:
                 self.emit(f"the job did not exit within {self.policy.grace_s:g} s: SIGKILL")
                 signals.forward(signal.SIGKILL)
                 killed = True
@@ -329,7 +377,7 @@ class Supervisor:
         # run beside the next attempt: end them before anything else starts.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(child.pid, signal.SIGKILL)
-        return returncode
+        return returncode, hung
 
     def _check_done(self, decision: Decision) -> Decision:
         problems = self.done.problems(self.supervise_id) if self.done else []
@@ -354,6 +402,7 @@ class Supervisor:
                 "exit_code": code if code is not None and code >= 0 else None,
                 "signal": signal_name(-code) if code is not None and code < 0 else None,
                 "refused": outcome.refused,
+                "hung": outcome.hung,
                 "decision": decision.action.value,
                 "kind": decision.kind,
                 "delay_s": decision.delay_s,

@@ -1,0 +1,134 @@
+"""The supervisor's hang watchdog: a job whose progress stops is a failed attempt.
+
+``ckptvault supervise --hang-timeout S`` (or ``--hang-factor K``) gives each attempt
+a fresh progress directory (:data:`~ckptvault.observe.heartbeat.PROGRESS_DIR_ENV`)
+where every rank's manager records its heartbeats. :class:`HangWatch` reads it a
+few times a second and says the job hangs when a rank that has reported stops
+reporting for longer than the limit:
+
+- ``timeout_s`` alone: that many seconds;
+- ``factor`` K: K x the median interval between the reports seen so far in this
+  supervise run (quantized by the writer's half-second cadence), never less than
+  ``timeout_s`` (the floor; :data:`DEFAULT_FLOOR_S` when not given).
+
+The job's own clock is never trusted: progress is when the supervisor sees a
+rank's record change. Start-up is not watched: until the first report (imports,
+a restore, compilation) nothing can be measured, so a job that hangs before its
+first ``save()``/``heartbeat()`` is not caught. A record the watch cannot read is
+ignored with one warning each.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckptvault.errors import UsageError
+from ckptvault.observe.heartbeat import WRITE_INTERVAL_S, scan_progress
+
+DEFAULT_FLOOR_S = 120.0  # the least a factor-based limit waits (start-up aside)
+MIN_TIMEOUT_S = 2 * WRITE_INTERVAL_S  # a report can lag the last heartbeat this much
+READ_EVERY_S = 0.25  # how often the directory is read
+INTERVALS_KEPT = 1000  # reports' intervals the median is taken over
+
+
+@dataclass(frozen=True)
+class HangPolicy:
+    """When a job counts as hung (see the module docstring)."""
+
+    timeout_s: float | None = None
+    factor: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.timeout_s is None and self.factor is None:
+            raise UsageError("a hang watchdog needs --hang-timeout SECONDS or --hang-factor K")
+        if self.timeout_s is not None and not (
+            math.isfinite(self.timeout_s) and self.timeout_s >= MIN_TIMEOUT_S
+        ):
+            raise UsageError(
+                f"--hang-timeout {self.timeout_s:g}: give {MIN_TIMEOUT_S:g} seconds or more "
+                f"(progress is recorded at most every {WRITE_INTERVAL_S:g} s)"
+            )
+        if self.factor is not None and not (math.isfinite(self.factor) and self.factor >= 1):
+            raise UsageError(f"--hang-factor {self.factor:g}: give a number of 1 or more")
+
+    def limit(self, median_interval: float | None) -> float:
+        """Seconds without progress that make a hang, given the median interval
+        between reports so far (None: none measured yet)."""
+        floor = self.timeout_s if self.timeout_s is not None else DEFAULT_FLOOR_S
+        if self.factor is None or median_interval is None:
+            return floor
+        return max(floor, self.factor * median_interval)
+
+    def describe(self) -> str:
+        if self.factor is None:
+            return f"{self.timeout_s:g} s without progress"
+        floor = self.timeout_s if self.timeout_s is not None else DEFAULT_FLOOR_S
+        return f"{self.factor:g} x the median interval between reports (at least {floor:g} s)"
+
+
+@dataclass
+class IntervalHistory:
+    """Intervals between a rank's reports, over the whole supervise run (a restart
+    does not change how often the job reports)."""
+
+    intervals: deque[float] = field(default_factory=lambda: deque(maxlen=INTERVALS_KEPT))
+
+    def median(self) -> float | None:
+        return statistics.median(self.intervals) if self.intervals else None
+
+
+class HangWatch:
+    """Watches one attempt's progress directory; :meth:`check` returns why the job
+    hangs, or None. ``clock``: monotonic seconds; ``warn``: told each distinct
+    problem with a record once."""
+
+    def __init__(
+        self,
+        directory: Path,
+        policy: HangPolicy,
+        history: IntervalHistory,
+        warn: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.directory, self.policy, self.history = directory, policy, history
+        self._warn, self._clock = warn, clock
+        self._seen: dict[int, tuple[tuple[int, int], float, int]] = {}  # rank: (id, when, step)
+        self._read_at: float | None = None
+        self._warned: set[str] = set()
+
+    def check(self) -> str | None:
+        now = self._clock()
+        if self._read_at is None or now - self._read_at >= READ_EVERY_S:
+            self._read_at = now
+            self._read(now)
+        if not self._seen:
+            return None  # nothing reported yet: start-up is not watched
+        rank, (_, when, step) = min(self._seen.items(), key=lambda item: item[1][1])
+        idle, limit = now - when, self.policy.limit(self.history.median())
+        if idle <= limit:
+            return None
+        return (
+            f"no progress for {idle:.1f} s (limit {limit:g} s: {self.policy.describe()}); "
+            f"rank {rank} last reported step {step}"
+        )
+
+    def _read(self, now: float) -> None:
+        records, problems = scan_progress(self.directory)
+        for problem in problems:
+            if problem not in self._warned and len(self._warned) < 100:
+                self._warned.add(problem)
+                self._warn(f"hang watchdog: ignoring a progress record: {problem}")
+        for record in records:
+            identity = (record.pid, record.beats)
+            seen = self._seen.get(record.rank)
+            if seen is not None and seen[0] == identity:
+                continue
+            if seen is not None:
+                self.history.intervals.append(now - seen[1])
+            self._seen[record.rank] = (identity, now, record.step)

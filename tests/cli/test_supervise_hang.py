@@ -1,0 +1,215 @@
+"""``ckptvault supervise --hang-timeout/--hang-factor``: a job whose progress stops is
+killed, recorded as a ``hang`` attempt and restarted; the progress files it reads are
+untrusted input."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ckptvault.errors import FormatError, UnsafeEntryError, UsageError
+from ckptvault.observe.catalog import Catalog
+from ckptvault.observe.catalog_attempts import recent_attempts
+from ckptvault.observe.heartbeat import (
+    MAX_RECORD_BYTES,
+    ProgressRecord,
+    ProgressWriter,
+    read_progress,
+    scan_progress,
+)
+from ckptvault.ops.hang import DEFAULT_FLOOR_S, HangPolicy, HangWatch, IntervalHistory
+from ckptvault.ops.supervise import Action, Outcome, Policy, decide
+from support.common import run_cli
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def record(rank: int = 0, beats: int = 1, step: int = 1, pid: int = 42) -> ProgressRecord:
+    return ProgressRecord("r", rank, 2, pid, step, beats, 1.0, None)
+
+
+def beat(directory: Path, clock: Clock, **fields: int) -> None:
+    writer = ProgressWriter(directory, fields.get("rank", 0), interval_s=0, clock=clock)
+    writer.offer(lambda: record(**fields))
+
+
+# -- writing: cheap and bounded -------------------------------------------------------
+
+
+def test_the_writer_writes_at_most_once_per_interval(tmp_path: Path) -> None:
+    clock = Clock()
+    writer = ProgressWriter(tmp_path / "p", 0, interval_s=0.5, clock=clock)
+    for beats in range(1, 1001):  # a thousand heartbeats within a second
+        writer.offer(lambda beats=beats: record(beats=beats))  # type: ignore[misc]
+        clock.now += 1 / 1024
+    assert writer.writes == 2  # at 0 s and at 0.5 s
+    assert read_progress(writer.path).beats == 513
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["rank0.json"]
+
+
+def test_a_write_that_fails_never_fails_the_step(tmp_path: Path, caplog) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    writer = ProgressWriter(blocked / "p", 0, interval_s=0)
+    assert writer.offer(record) is False and writer.offer(record) is False
+    assert caplog.text.count("cannot record progress") == 1
+
+
+# -- reading: untrusted ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{not json",
+        b"[" * 100 + b"]" * 100,
+        b'{"kind": "something else"}',
+        json.dumps({**record().to_json(), "step": -1}).encode(),
+        json.dumps({**record().to_json(), "at": "soon"}).encode(),
+        json.dumps({**record().to_json(), "extra": 1}).encode(),
+        json.dumps({**record().to_json(), "version": 99}).encode(),
+        b" " * (MAX_RECORD_BYTES + 1),
+    ],
+)
+def test_a_bad_record_is_a_format_error(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "rank0.json"
+    path.write_bytes(content)
+    with pytest.raises(FormatError):
+        read_progress(path)
+
+
+def test_links_fifos_and_foreign_ranks_are_refused_and_reported(tmp_path: Path) -> None:
+    clock = Clock()
+    beat(tmp_path, clock, rank=0)
+    os.symlink(tmp_path / "rank0.json", tmp_path / "rank1.json")
+    os.mkfifo(tmp_path / "rank2.json")  # would block an open without O_NONBLOCK
+    (tmp_path / "rank3.json").write_text(json.dumps(record(rank=0).to_json()))
+    with pytest.raises(UnsafeEntryError):
+        read_progress(tmp_path / "rank1.json")
+    records, problems = scan_progress(tmp_path)
+    assert [r.rank for r in records] == [0]
+    assert len(problems) == 3, problems
+    assert any("names rank 0" in p for p in problems)
+
+
+# -- the watch and the policy -----------------------------------------------------------
+
+
+def test_no_report_yet_is_never_a_hang(tmp_path: Path) -> None:
+    clock = Clock()
+    watch = HangWatch(tmp_path, HangPolicy(timeout_s=2), IntervalHistory(), print, clock)
+    clock.now += 10 * DEFAULT_FLOOR_S
+    assert watch.check() is None
+
+
+def test_the_stalest_rank_decides(tmp_path: Path) -> None:
+    clock, warnings = Clock(), []
+    watch = HangWatch(tmp_path, HangPolicy(timeout_s=2), IntervalHistory(), warnings.append, clock)
+    beat(tmp_path, clock, rank=0, beats=1)
+    beat(tmp_path, clock, rank=1, beats=1, step=7)
+    assert watch.check() is None
+    for n in range(2, 10):  # rank 0 goes on, rank 1 stops
+        clock.now += 0.5
+        beat(tmp_path, clock, rank=0, beats=n)
+        verdict = watch.check()
+    assert verdict is not None and "rank 1 last reported step 7" in verdict
+    assert not warnings
+
+
+def test_the_factor_scales_with_the_reporting_interval_above_its_floor() -> None:
+    policy = HangPolicy(timeout_s=2, factor=10)
+    assert policy.limit(None) == 2 and policy.limit(0.1) == 2 and policy.limit(1.0) == 10
+    assert HangPolicy(factor=3).limit(1.0) == DEFAULT_FLOOR_S
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"timeout_s": 0.1}, {"timeout_s": float("inf")}, {"factor": 0.5}]
+)
+def test_policy_refuses_nonsense(options: dict) -> None:
+    with pytest.raises(UsageError):
+        HangPolicy(**options)
+
+
+def test_a_hang_is_a_failure_within_the_budget() -> None:
+    hung = Outcome(returncode=-9, hung="no progress for 3 s")
+    again = decide(hung, failures=0, preemptions=0, policy=Policy(backoff_s=(0,)))
+    assert (again.action, again.kind) == (Action.RESTART, "hang")
+    last = decide(hung, failures=2, preemptions=0, policy=Policy())
+    assert (last.action, last.kind, last.exit_code) == (Action.STOP, "hang", 137)
+    assert "no progress for 3 s" in last.reason
+    # The job finished as the watchdog stopped it: success wins.
+    done = decide(Outcome(returncode=0, hung="x"), failures=0, preemptions=0, policy=Policy())
+    assert done.action is Action.FINISH
+
+
+# -- a real job that deadlocks ----------------------------------------------------------
+
+
+DEADLOCKING_JOB = """
+    import os, signal, sys, threading, time
+    import ckptvault as cv
+
+    attempt = int(os.environ["CKPTVAULT_ATTEMPT"])
+    with cv.CheckpointManager(sys.argv[1], run_id="hang", catalog=False) as mgr:
+        for step in range(4):
+            mgr.heartbeat(step)
+            time.sleep(0.05)
+        if attempt == 1:
+            # Stuck as a rank in a collective is: deaf to SIGTERM, and forever.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            a, b = threading.Lock(), threading.Lock()
+
+            def take(first, second):
+                with first:
+                    time.sleep(0.2)
+                    with second:
+                        pass
+
+            threads = [threading.Thread(target=take, args=pair) for pair in ((a, b), (b, a))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+    print(f"attempt {attempt} finished")
+"""
+
+
+def test_a_deadlocked_job_is_killed_recorded_as_a_hang_and_restarted(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(DEADLOCKING_JOB))
+    catalog, log = tmp_path / "catalog.sqlite3", tmp_path / "attempts.jsonl"
+    result = run_cli(
+        "supervise",
+        "--hang-timeout", "1.5",
+        "--grace-seconds", "0.5",
+        "--backoff", "0",
+        "--catalog", str(catalog),
+        "--log", str(log),
+        "--",
+        sys.executable, str(script), str(tmp_path / "store"),
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "attempt 2 finished" in result.stdout and "attempt 1 finished" not in result.stdout
+    assert "hang: no progress for" in result.stderr
+    assert "did not exit within 0.5 s: SIGKILL" in result.stderr
+    with Catalog(catalog) as book:
+        attempts = recent_attempts(book)
+    assert [(a.attempt, a.kind, a.decision, a.signal) for a in attempts] == [
+        (1, "hang", "restart", "SIGKILL"),
+        (2, "success", "finish", None),
+    ]
+    assert "rank 0 last reported step" in attempts[0].reason
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    assert logged[0]["hung"].startswith("no progress for")
