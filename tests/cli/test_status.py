@@ -256,8 +256,9 @@ def test_alert_rules_name_existing_metrics_and_runbook_entries(tmp_path: Path):
         url = rule["annotations"]["runbook_url"]
         assert url.split("#", 1)[1] == rule["alert"].lower() in anchors, url
         seen.add(rule["alert"])
-    # Every status warning has its rule and runbook entry, and the other way round.
-    assert seen == {
+    # Every status warning has its rule and runbook entry, and the other way round;
+    # besides them, the run-time rule on stragglers (ckptvault_straggler).
+    assert seen - {"CkptvaultStraggler"} == {
         "CkptvaultCheckpointStale",
         "CkptvaultSaveSlow",
         "CkptvaultSaveTail",
