@@ -9,6 +9,7 @@ as one ckptvault generation, with nothing pickled::
     ckpt = Checkpointer(accelerator, mgr)   # after accelerator.prepare(...)
     info = ckpt.load_state()                # RestoreInfo, or None for an empty store
     ckpt.save_state(step)                   # one generation of `step`
+    ckpt.save_state_if_due(step)            # ... when the manager's save_policy says so
 
 A generation holds every object ``accelerator.prepare`` returned: models (unwrapped:
 ``model/``, ``model_1/``, ..., so ``ckptvault consolidate`` exports the first as
@@ -104,6 +105,21 @@ class Checkpointer:
         ``blocking`` and ``options`` (``include_grads=``, ...) as for
         ``CheckpointManager.save``. Every rank calls it."""
         return self.manager.save(step, self._state(), blocking=blocking, metrics=metrics, **options)
+
+    def save_state_if_due(
+        self,
+        step: int,
+        metrics: Mapping[str, float] | None = None,
+        blocking: bool | None = None,
+        **options: Any,
+    ) -> SaveHandle | None:
+        """:meth:`save_state` when the manager's ``save_policy`` says ``step`` is due
+        (``CheckpointManager.should_save``), else None. Every rank calls it after every
+        step: a time rule's answer is agreed between the ranks, and a ``save_on_signal``
+        signal makes this save the final one (``Preempted``)."""
+        if not self.manager.should_save(step):
+            return None
+        return self.save_state(step, metrics, blocking, **options)
 
     def load_state(
         self, step: int | None = None, *, allow_rollback_to: int | None = None

@@ -49,6 +49,13 @@ pickles; Trainer's ``deepspeed_load_checkpoint`` reads the generation instead wh
 ``load_best_model_at_end`` (it reloads a ``checkpoint-N`` directory: restore the best
 step with ``mgr.restore(..., step=trainer.state.best_global_step)``) and
 ``save_only_model``.
+
+A manager with a save policy (``CheckpointManager(..., save_policy=cv.Every(...))``,
+:mod:`ckptvault.saving.policy`) decides when the Trainer saves instead of
+``save_strategy``/``save_steps``: after every optimizer step every rank asks
+``should_save(global_step)`` (:class:`_PolicySaves`); the Trainer's save at the end of
+training (``save_strategy="steps"``) stays, and a ``save_on_signal`` signal makes the
+next step's save the final one.
 """
 
 from __future__ import annotations
@@ -67,7 +74,7 @@ from typing import TYPE_CHECKING, Any
 
 import transformers.trainer
 from transformers import Trainer, TrainerState
-from transformers.trainer_callback import ExportableState
+from transformers.trainer_callback import ExportableState, TrainerCallback
 
 from ckptvault.engines.deepspeed import DeepSpeedState
 from ckptvault.engines.fsdp import ShardedState
@@ -141,6 +148,14 @@ class CkptvaultTrainer(Trainer):
         self.restore_info: RestoreInfo | None = None
         self._ckptvault_resume: _Resume | None = None
         _refuse_unsupported(self)
+        if checkpoint_manager.save_policy is not None:
+            if str(getattr(self.args.save_strategy, "value", self.args.save_strategy)) == "best":
+                raise UsageError(
+                    "the CheckpointManager's save_policy decides when to save, and "
+                    "save_strategy='best' decides too: set save_strategy='steps' (or 'no') "
+                    "with a save policy, or give the manager none"
+                )
+            self.add_callback(_PolicySaves(checkpoint_manager))  # last: its answer stands
 
     # -- saving --------------------------------------------------------------------
 
@@ -375,6 +390,24 @@ class CkptvaultTrainer(Trainer):
         elif resume.rng is not None:
             RNGState().load_state_dict(resume.rng)
             resume.rng = None
+
+
+class _PolicySaves(TrainerCallback):
+    """Sets ``control.should_save`` from the manager's save policy after every step,
+    in place of ``save_steps`` (the Trainer's save at the end of training stays)."""
+
+    def __init__(self, manager: CheckpointManager) -> None:
+        self.manager = manager
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        due = self.manager.should_save(state.global_step)  # every rank, every step
+        final = state.global_step >= state.max_steps and control.should_save
+        control.should_save = due or final
+        return control
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        control.should_save = False  # the epoch's last step had its answer at its end
+        return control
 
 
 def _refuse_unsupported(trainer: Trainer) -> None:
