@@ -3,9 +3,13 @@ say what to fix.
 
 The checks look at where things live and who may write them, never at checkpoint
 contents (``ckptvault verify`` does that): the store (its permissions, its
-filesystem, its free space), the control-plane files outside it (rollback ledger,
-audit log, catalog, key store, signing key) and, for an ``s3://`` store, the bucket's
-protections and the credentials in use (:mod:`ckptvault.ops.doctor.s3`). Each check
+filesystem, its free space; on Lustre its striping, :mod:`~ckptvault.ops.doctor.lustre`;
+on NFS its mount options, :mod:`~ckptvault.ops.doctor.nfs`), the control-plane files
+outside it (rollback ledger, audit log, catalog, key store, signing key), whether
+asynchronous saves' staging fits in this host's memory
+(:mod:`~ckptvault.ops.doctor.memory`) and, for an ``s3://`` store, the bucket's
+protections, lifecycle rules and the credentials in use
+(:mod:`~ckptvault.ops.doctor.s3`, :mod:`~ckptvault.ops.doctor.lifecycle`). Each check
 yields a :class:`Finding`: ``ok``, ``warn`` (works, but weaker than it should be),
 ``fail`` (a hole: fix it before trusting the store) or ``skip`` (could not check).
 """
@@ -15,10 +19,19 @@ from __future__ import annotations
 import os
 import stat
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
+from ckptvault.errors import CheckpointError
+from ckptvault.format.layout import generation_id_time
 from ckptvault.ops.doctor.findings import FAIL, OK, SKIP, WARN, Finding
+from ckptvault.ops.doctor.lifecycle import Horizon, check_lifecycle
+from ckptvault.ops.doctor.lustre import check_lustre
+from ckptvault.ops.doctor.memory import check_staging_memory
+from ckptvault.ops.doctor.mounts import MOUNTINFO, Mount, mount_of
+from ckptvault.ops.doctor.nfs import check_nfs
 from ckptvault.storage.base import Store
+from ckptvault.storage.listing import GenerationInfo, list_generation_infos
 from ckptvault.trust.ledger import default_ledger_path
 
 # Filesystems whose contents do not outlive the machine, and those whose fsync and
@@ -38,16 +51,47 @@ class Places:
     signing_key: Path | None = None
 
 
-def diagnose(store: Store, places: Places) -> list[Finding]:
-    """Every check for ``store`` and the files in ``places``."""
+@dataclass(frozen=True)
+class RunPlan:
+    """What the job will do, where the doctor cannot see it: ``state_bytes`` one rank
+    saves (None: the largest generation in the store), asynchronous saves'
+    ``max_in_flight``, ``async_mode`` and ranks per node, and how many days its
+    retention keeps generations (None: as old as the oldest one in the store)."""
+
+    state_bytes: int | None = None
+    max_in_flight: int = 1
+    async_mode: str = "thread"
+    ranks_per_node: int = 1
+    retention_days: float | None = None
+
+
+@dataclass(frozen=True)
+class Host:
+    """Where this machine's facts are read (tests describe another machine)."""
+
+    mountinfo: Path = MOUNTINFO
+
+
+def diagnose(
+    store: Store, places: Places, plan: RunPlan | None = None, host: Host | None = None
+) -> list[Finding]:
+    """Every check for ``store``, the files in ``places`` and the job in ``plan``."""
+    plan, host = plan or RunPlan(), host or Host()
     findings: list[Finding] = []
     root = _local_root(store)
+    generations = _listed(store)
     if root is not None:
-        findings += check_store_directory(root)
+        mount = mount_of(root, host.mountinfo)
+        findings += check_store_directory(root, mount)
+        largest = max((g.bytes for g in generations), default=0)
+        findings += check_lustre(root, mount, largest)
+        findings += check_nfs(root, mount, encrypted=places.keystore is not None)
     else:
         from ckptvault.ops.doctor.s3 import check_s3
 
         findings += check_s3(store)
+        findings += _lifecycle(store, _horizon(generations, plan.retention_days))
+    findings.append(_staging_memory(generations, plan))
     ledger = places.ledger or default_ledger_path()
     for what, path in (
         ("ledger", ledger),
@@ -69,13 +113,63 @@ def _local_root(store: Store) -> Path | None:
     return Path(root) if root is not None else None
 
 
+def _listed(store: Store) -> list[GenerationInfo]:
+    """The store's generations as listed (sizes from the listing, nothing read or
+    verified: advice, not trust); none when it cannot be listed."""
+    try:
+        return list_generation_infos(store)
+    except (OSError, CheckpointError):
+        return []
+
+
+def _horizon(generations: list[GenerationInfo], retention_days: float | None) -> Horizon:
+    """How far back retention keeps generations: the stated retention, or the age of
+    the oldest generation the store holds (retention has not dropped it), the longer."""
+    horizon = Horizon()
+    if retention_days is not None:
+        horizon = Horizon(retention_days, f"the stated retention of {retention_days:g} days")
+    now = datetime.now(timezone.utc)
+    for generation in generations:
+        try:
+            age = (now - generation_id_time(generation.generation_id)).total_seconds() / 86400
+        except ValueError:
+            continue
+        if age > horizon.days:
+            horizon = Horizon(
+                age, f"the oldest generation here, step {generation.step}, is {age:.0f} days old"
+            )
+    return horizon
+
+
+def _lifecycle(store: Store, horizon: Horizon) -> list[Finding]:
+    client, layout = getattr(store, "client", None), getattr(store, "layout", None)
+    if client is None or layout is None:
+        return []
+    return check_lifecycle(client, layout.prefix, horizon)
+
+
+def _staging_memory(generations: list[GenerationInfo], plan: RunPlan) -> Finding:
+    size, source = plan.state_bytes, "as given"
+    if size is None and generations:
+        largest = max(generations, key=lambda g: g.bytes)
+        size = largest.bytes
+        source = (
+            f"the largest generation here, step {largest.step}; a job of several ranks "
+            "stages only each rank's share of it"
+        )
+    return check_staging_memory(
+        size, source, plan.max_in_flight, plan.async_mode, plan.ranks_per_node
+    )
+
+
 # -- the store directory -----------------------------------------------------------
 
 
-def check_store_directory(root: Path) -> list[Finding]:
+def check_store_directory(root: Path, mount: Mount | None) -> list[Finding]:
+    """``mount``: the mount holding ``root`` (None: unknown)."""
     info = os.stat(root)
     findings = [_writers("store", root, info, directory=True)]
-    findings.append(_filesystem(root))
+    findings.append(_filesystem(root, mount))
     findings.append(_free_space(root))
     return findings
 
@@ -111,26 +205,8 @@ def _writers(what: str, path: Path, info: os.stat_result, directory: bool) -> Fi
     return Finding(check, OK, f"{path}: only its owner writes it ({oct(mode)})")
 
 
-def _mount_type(path: Path) -> str | None:
-    """The filesystem type of the mount holding ``path`` (Linux ``/proc/self/mounts``)."""
-    try:
-        lines = Path("/proc/self/mounts").read_text().splitlines()
-    except OSError:
-        return None
-    resolved, best, kind = str(path.resolve()), "", None
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        mount = fields[1].replace("\\040", " ")
-        inside = resolved == mount or resolved.startswith(mount.rstrip("/") + "/")
-        if inside and len(mount) >= len(best):
-            best, kind = mount, fields[2]
-    return kind
-
-
-def _filesystem(root: Path) -> Finding:
-    kind = _mount_type(root)
+def _filesystem(root: Path, mount: Mount | None) -> Finding:
+    kind = mount.fstype if mount is not None else None
     if kind is None:
         return Finding("store filesystem", SKIP, "cannot tell the filesystem type here")
     if kind in VOLATILE_FS:
