@@ -81,6 +81,7 @@ def _json_cases(store: Path, tmp: Path) -> dict[str, list[object]]:
         )
     )
     catalog = tmp / "catalog.sqlite3"
+    (tmp / "keys").mkdir(exist_ok=True)  # an empty key store: a missing one exits 2
     return {
         "ls": ["ls", store],
         "inspect": ["inspect", store],

@@ -88,7 +88,7 @@ def test_async_saves_show_retention_in_ls_once_closed(store: Path):
 
 
 def test_a_marked_generation_is_hidden_unrestorable_and_can_be_undeleted(store: Path):
-    retention = cv.Retention(keep_last=2)  # default delay: one day
+    retention = cv.Retention(keep_last=2, delete_delay=86400)  # marked for a day
     with cv.CheckpointManager(store, run_id="run", retention=retention) as mgr:
         for step in (10, 20, 30):
             mgr.save(step, state(step))
@@ -231,15 +231,17 @@ def test_a_lease_blocks_deletion_and_restore_takes_and_releases_one(store: Path,
 
 
 def test_gc_dry_run_json_changes_nothing(store: Path):
-    save_steps(store, 1, 2, 3, 4, retention=cv.Retention(keep_last=3))
+    save_steps(store, 1, 2, 3, 4, retention=cv.Retention(keep_last=3, delete_delay=86400))
     staging = store / ".staging" / "20260101T000000000000Z-deadbeef"
     staging.mkdir(parents=True)
     old = time.time() - 3 * 86400
     os.utime(staging, (old, old))
     before = tree(store)
+    # --replace-policy: the manager's recorded keep_last=3 would keep step 2 otherwise.
     result = run_cli(
-        "gc", str(store), "--dry-run", "--json", "--keep-last", "1", "--delete-delay", "0s"
-    )
+        "gc", str(store), "--dry-run", "--json", "--keep-last", "1", "--delete-delay", "0s",
+        "--replace-policy",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert tree(store) == before
     report = json.loads(result.stdout)
@@ -252,7 +254,7 @@ def test_gc_dry_run_json_changes_nothing(store: Path):
     ]
     assert all(d["outcome"] is None for d in report["decisions"])
     assert [v["step"] for v in report["verified"]] == [4, 3] and report["verified"][0]["ok"]
-    human = run_cli("gc", str(store), "--dry-run", "--keep-last", "1")
+    human = run_cli("gc", str(store), "--dry-run", "--keep-last", "1", "--replace-policy")
     assert human.returncode == 0 and "dry run" in human.stdout and "fallback" in human.stdout
     assert tree(store) == before
 

@@ -103,7 +103,13 @@ def test_retention_is_a_frozen_validated_public_dataclass():
     assert policy == cv.Retention(keep_last=2, keep_every=1000, delete_delay=0)
     assert [type(rule) for rule in policy.rules] == [KeepLast, KeepEvery]
     assert policy.describe() == "keep_last=2, keep_every=1000, delete_delay=0s"
-    assert cv.Retention(keep_last=1).delete_delay == 86400
+    # The default delay: none for keep_last alone (space back at the next save, as
+    # save_total_limit and max_to_keep), a day for any policy with another rule.
+    assert cv.Retention(keep_last=1).delete_delay == 0
+    assert cv.Retention(keep_last=1, delete_delay="auto").delete_delay == 0
+    assert cv.Retention(keep_last=1, keep_every=10).delete_delay == 86400
+    assert cv.Retention(keep_best=1, metric="loss").delete_delay == 86400
+    assert cv.Retention(keep_last=1, delete_delay=3600).delete_delay == 3600
     full = cv.Retention(
         keep_last=3,
         keep_every=1000,

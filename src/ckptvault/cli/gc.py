@@ -13,6 +13,15 @@ only touch records and need no lock. A generation under Object Lock is kept
 ("locked until DATE"); versions of deleted objects a versioned bucket may not
 delete yet are listed as retained copies (``retained_copies`` in ``--json``).
 
+The manager records its retention policy in the store (:mod:`ckptvault.retention.recorded`);
+gc applies it besides the rules given (a generation either keeps is kept, the longer
+delete delay wins), and with no rule options applies it alone: ``gc --keep-last 3``
+no longer marks the trainer's ``keep_best`` winner. A recorded policy only ever
+keeps more, so a record forged by whoever can write the store costs space, never a
+generation. ``--replace-policy`` replaces it with the rules given: it first shows what
+they alone would do (a dry run), then asks, or needs ``--yes`` when no one can be
+asked (exit 2, nothing changed); with ``--dry-run`` it only shows.
+
 gc trusts exactly what restore trusts: a generation takes a rule's place only if it
 passes restore's checks under the trust options given (``--trusted-key``,
 ``--keystore``, ``--ledger``, as ``verify`` takes them). On a store whose generations
@@ -27,7 +36,9 @@ of another run, copied in, must not take this run's places.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
+import sys
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -55,7 +66,13 @@ from ckptvault.retention import marks
 from ckptvault.retention.apply import AppliedPlan
 from ckptvault.retention.collector import GarbageCollector
 from ckptvault.retention.plan import Decision, RetentionPlan
-from ckptvault.retention.policy import DEFAULT_DELETE_DELAY, Retention, format_seconds
+from ckptvault.retention.policy import (
+    DEFAULT_DELETE_DELAY,
+    Retention,
+    RetentionRule,
+    format_seconds,
+)
+from ckptvault.retention.recorded import read_policy, record_policy, union
 from ckptvault.storage.base import Store
 from ckptvault.trust.checks import VerificationReport, check_trusted
 from ckptvault.trust.context import TrustContext
@@ -65,7 +82,6 @@ from ckptvault.trust.problems import GenerationRejected
 _DURATION_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([smhdw]?)\Z")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _RECORD_OPTIONS = ("--undelete", "--pin", "--unpin")
-_DEFAULT_DELETE_DELAY = format_seconds(DEFAULT_DELETE_DELAY)
 
 
 def parse_duration(text: str, option: str) -> float:
@@ -87,7 +103,22 @@ _Undelete = Annotated[
     int | None, typer.Option(help="Remove the deletion marks of this step (and pin it).")
 ]
 _KeepWithin = Annotated[str | None, typer.Option(help="Keep everything newer than this (e.g. 2d).")]
-_DeleteDelay = Annotated[str, typer.Option(help="Time between marking and deleting (e.g. 1d, 0s).")]
+_DeleteDelay = Annotated[
+    str | None,
+    typer.Option(
+        help="Time between marking and deleting (e.g. 1d, 0s; default: 0s for --keep-last "
+        "alone, else 1d; never shorter than the recorded policy's)."
+    ),
+]
+_ReplacePolicy = Annotated[
+    bool,
+    typer.Option(
+        "--replace-policy",
+        help="Replace the retention policy recorded in the store (the trainer's) with the "
+        "rules given: shows what they would delete first, then asks (or --yes).",
+    ),
+]
+_Yes = Annotated[bool, typer.Option("--yes", help="With --replace-policy: do not ask.")]
 _RunId = Annotated[
     str | None,
     typer.Option(help="Require this run id (default: the one run the store's generations are)."),
@@ -122,7 +153,9 @@ def gc(
     keep_hourly: Annotated[int | None, typer.Option(help="Newest of each of H hours.")] = None,
     keep_daily: Annotated[int | None, typer.Option(help="Newest of each of D days.")] = None,
     keep_weekly: Annotated[int | None, typer.Option(help="Newest of each of W ISO weeks.")] = None,
-    delete_delay: _DeleteDelay = _DEFAULT_DELETE_DELAY,
+    delete_delay: _DeleteDelay = None,
+    replace_policy: _ReplacePolicy = False,
+    yes: _Yes = False,
     run_id: _RunId = None,
     trusted_key: _TrustedKeys = None,
     keystore: KeystoreOption = None,
@@ -133,7 +166,7 @@ def gc(
     """Apply retention: mark, then delete old generations; remove staging leftovers."""
     store = open_store(directory, s3_endpoint_url)
     stale_seconds = parse_duration(stale_after, "--stale-after")
-    delay = parse_duration(delete_delay, "--delete-delay")
+    delay = parse_duration(delete_delay, "--delete-delay") if delete_delay is not None else None
     trust = TrustContext.configure(
         trusted_keys=trusted_key, keystore=keystore, ledger=ledger, audit_log=audit_log
     )
@@ -152,15 +185,94 @@ def gc(
     )
     record_change = _record_change(undelete, pin, unpin, rule_options, dry_run)
     if record_change is not None:
+        if replace_policy:
+            raise UsageError("--replace-policy records rules: not with --undelete/--pin/--unpin")
         option, step = record_change
         _change_records(store, option, step, run_id, events, as_json)
         return
-    retention = _retention(rule_options, mode, delay)
+    given = _retention(rule_options, mode, delay)
+    run = _the_run(store, trust, run_id)
+    if replace_policy:
+        _replace_policy(store, given, run, trust, yes, dry_run, as_json)
+        policy = _Policy.of(given, None, delay)
+    else:
+        policy = _Policy.of(given, read_policy(store, run) if run is not None else None, delay)
     with _writer_lock(store, held=not dry_run):
-        report = _collect(
-            store, retention, delay, stale_seconds, run_id, trust, events, dry_run, as_json
-        )
+        if replace_policy and not dry_run:
+            assert given is not None and run is not None  # _replace_policy checked both
+            record_policy(store, run, given, datetime.now(timezone.utc))
+        report = _collect(store, policy, stale_seconds, run, trust, events, dry_run, as_json)
     _finish(report, as_json)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Policy:
+    """What a gc pass applies: the rules given, the run's recorded policy (only ever
+    added: rules compose by union, the longer delay wins), and how to say so."""
+
+    rules: tuple[RetentionRule, ...]
+    delete_delay: float
+    described: str
+
+    @classmethod
+    def of(
+        cls, given: Retention | None, recorded: Retention | None, delay: float | None
+    ) -> _Policy:
+        rules, delete_delay = union(given, recorded)
+        if delay is not None and given is None:
+            delete_delay = max(delete_delay, delay)  # --delete-delay with no rule options
+        elif given is None and recorded is None:
+            delete_delay = DEFAULT_DELETE_DELAY  # finishing earlier marks, as ever
+        parts = [given.describe() if given is not None else "no rule given"]
+        if recorded is not None:
+            parts.append(f"recorded policy: {recorded.describe()}")
+        if given is not None and recorded is not None:
+            parts.append(f"applied: both, delete_delay={format_seconds(delete_delay)}")
+        elif given is None:
+            parts.append(f"delete_delay={format_seconds(delete_delay)}")
+        return cls(rules, delete_delay, "; ".join(parts))
+
+
+def _replace_policy(
+    store: Store,
+    given: Retention | None,
+    run: str | None,
+    trust: TrustContext,
+    yes: bool,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Check a --replace-policy request; unless --yes (or --dry-run, which is the
+    preview itself), show what the new rules alone would do and ask before going on."""
+    if given is None:
+        raise UsageError("--replace-policy needs the rules to record (--keep-last N, ...)")
+    if run is None:
+        raise UsageError(
+            f"store {store.location} holds no generation these trust options accept, so no "
+            "run whose policy to replace; pass --run-id"
+        )
+    if yes or dry_run:
+        return
+    preview = _collect(
+        store, _Policy.of(given, None, None), 0.0, run, trust, EventBus(()), True, as_json
+    )
+    _print_preview(preview, as_json)
+    recorded = read_policy(store, run, quiet=True)
+    question = (
+        f"replace the recorded policy ({recorded.describe() if recorded else 'none'}) with "
+        f"{given.describe()} and apply it now?"
+    )
+    if not sys.stdin.isatty():
+        raise UsageError(f"nothing changed: {question} Pass --yes to confirm")
+    if not typer.confirm(question, err=True):
+        raise UsageError("nothing changed: the recorded policy stays")
+
+
+def _print_preview(report: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print_json(report)
+    else:
+        _print_report(report)
 
 
 def _record_change(
@@ -186,10 +298,13 @@ def _record_change(
     return asked[0], step
 
 
-def _retention(rule_options: dict[str, Any], mode: str, delay: float) -> Retention | None:
-    """The policy the rule options give; None without any (only marks are finished)."""
+def _retention(rule_options: dict[str, Any], mode: str, delay: float | None) -> Retention | None:
+    """The policy the rule options give (its default delay when --delete-delay is not
+    given); None without any."""
     if all(value is None for value in rule_options.values()):
         return None
+    if delay is None:
+        return Retention(**rule_options, mode=mode)  # the default delay for these rules
     return Retention(**rule_options, mode=mode, delete_delay=delay)
 
 
@@ -221,8 +336,7 @@ def _lock(store: Store) -> None:
 
 def _collect(
     store: Store,
-    retention: Retention | None,
-    delay: float,
+    policy: _Policy,
     stale_seconds: float,
     run_id: str | None,
     trust: TrustContext,
@@ -232,11 +346,10 @@ def _collect(
 ) -> dict[str, Any]:
     """Verify, plan and (unless ``dry_run``) apply, with bars on a terminal."""
     now = datetime.now(timezone.utc)
-    run_id = _the_run(store, trust, run_id)
     collector = GarbageCollector(
         [store],
-        retention.rules if retention is not None else (),
-        retention.delete_delay if retention is not None else delay,
+        policy.rules,
+        policy.delete_delay,
         policy=trust.policy(run_id, None),
         run_id=run_id,
         emit=events.emit,
@@ -257,7 +370,7 @@ def _collect(
         with progress_bar("applying retention", "items", as_json=as_json) as bar:
             applied = collector.apply(plan, bar)
     staging = None if dry_run else store.remove_stale_staging(older_than=stale_seconds)
-    return _report(store, retention, delay, stale_seconds, collector, plan, applied, staging)
+    return _report(store, policy, stale_seconds, collector, plan, applied, staging)
 
 
 def _the_run(store: Store, trust: TrustContext, run_id: str | None) -> str | None:
@@ -289,8 +402,7 @@ def _the_run(store: Store, trust: TrustContext, run_id: str | None) -> str | Non
 
 def _report(
     store: Store,
-    retention: Retention | None,
-    delay: float,
+    policy: _Policy,
     stale_seconds: float,
     collector: GarbageCollector,
     plan: RetentionPlan,
@@ -302,10 +414,9 @@ def _report(
         entry["outcome"] = applied.outcome(d) if applied is not None else None
         return entry
 
-    policy = retention.describe() if retention else f"no rule, delete_delay={format_seconds(delay)}"
     return {
         "store": store.location,
-        "policy": policy,
+        "policy": policy.described,
         "dry_run": applied is None,
         **plan.to_json(),
         "decisions": [decision(d) for d in plan.decisions],

@@ -165,6 +165,17 @@ def _last_good(report: HealthReport) -> str:
     return f"step {report.last_good_step}, {_ago(report.last_good_age_s)}"
 
 
+def _marked(report: HealthReport) -> str:
+    """The space retention marked but has not freed yet (its delete delay runs)."""
+    if not report.marked_generations:
+        return "none"
+    return (
+        f"{human_bytes(report.marked_bytes)} in {report.marked_generations} generation(s), "
+        "freed when their delete delay passes (ls --all shows them; gc --undelete STEP "
+        "brings one back)"
+    )
+
+
 def _print(report: HealthReport) -> None:
     rate = report.success_rate
     fs = report.filesystem
@@ -203,6 +214,7 @@ def _print(report: HealthReport) -> None:
         memory += "" if report.memory_step is None else _ago(report.memory_age_s)
         lines.append(("memory (this node)", memory))
     lines += [(f"storage {tier}", human_bytes(n)) for tier, n in report.storage_bytes.items()]
+    lines.append(("marked for deletion", _marked(report)))
     if fs is not None:
         lines.append(
             ("filesystem used", f"{fs.used_fraction:.1%} of {human_bytes(fs.total_bytes)}")
@@ -241,6 +253,8 @@ def _rows(report: HealthReport) -> list[_Row]:
          tiers.get(report.store), {"tier": "local"}),
         ("ckptvault_storage_used_bytes", "Bytes of generations per tier.",
          sum(replicas) if replicas else None, {"tier": "replica"}),
+        ("ckptvault_storage_marked_bytes", "Bytes of generations marked for deletion.",
+         report.marked_bytes, {"tier": "local"}),
         ("ckptvault_storage_filesystem_used_ratio", "Used fraction of the filesystem.",
          None if fs is None else fs.used_fraction, {"tier": "local"}),
         ("ckptvault_status_warnings", "Alert thresholds crossed.", len(report.warnings), {}),

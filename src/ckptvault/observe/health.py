@@ -126,6 +126,9 @@ class HealthReport:
     save_total_s: Latency = field(default_factory=lambda: Latency(None, None))
     save_stall_s: Latency = field(default_factory=lambda: Latency(None, None))
     storage_bytes: dict[str, int] = field(default_factory=dict)  # tier location -> bytes
+    # Generations retention marked for deletion: their bytes stay until the delete delay.
+    marked_generations: int = 0
+    marked_bytes: int = 0
     filesystem: FilesystemUse | None = None
     replication_lag_s: float | None = None
     last_save_failed: bool = False
@@ -173,6 +176,7 @@ class HealthReport:
             "save_stall_s": self.save_stall_s.to_json(),
             "storage": {
                 "tiers": dict(self.storage_bytes),
+                "marked": {"generations": self.marked_generations, "bytes": self.marked_bytes},
                 "filesystem": None if self.filesystem is None else self.filesystem.to_json(),
             },
             "memory": {
@@ -238,6 +242,8 @@ def check_health(
         report.last_validated_age_s = max(0.0, at - max(validated))
     _save_facts(report, saves, cadence_s, list(published.values()))
     report.storage_bytes = _tier_bytes(store.location, usage.used_bytes, recorded)
+    marked = [info for info in usage.generations if info.marked_at is not None]
+    report.marked_generations, report.marked_bytes = len(marked), sum(i.bytes for i in marked)
     report.filesystem = usage.filesystem
     copied = replicated_ids(store, live) | {g.generation_id for g in recorded if len(g.tiers) > 1}
     report.replication_lag_s = replication_lag(published.items(), copied, at)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Collection, Sequence
+from datetime import datetime, timezone
 
 from ckptvault.errors import AuditError, CheckpointError, UsageError
 from ckptvault.events import Event, Published, Replicated, Restored
@@ -27,6 +28,7 @@ from ckptvault.retention.apply import AppliedPlan
 from ckptvault.retention.collector import GarbageCollector
 from ckptvault.retention.plan import IN_FLIGHT, KEEP, MARKED, Decision, RetentionPlan
 from ckptvault.retention.policy import Retention
+from ckptvault.retention.recorded import record_policy
 from ckptvault.run_context import RunContext
 from ckptvault.storage.base import Store
 
@@ -81,6 +83,7 @@ class RetentionKeeper:
         self.last_applied: AppliedPlan | None = None
         self._pass = threading.Lock()
         self._awaiting: frozenset[str] = frozenset()  # dropped, but waiting for a copy
+        self._recorded = False  # the policy is recorded in the stores once per keeper
 
     @classmethod
     def attach(
@@ -147,7 +150,25 @@ class RetentionKeeper:
                 )
             )
             self.last_plan, self.last_applied = plan, applied
+            self._record_policy()
             return applied
+
+    def _record_policy(self) -> None:
+        """Record the policy in the stores it applies to, once per keeper, so that
+        ``ckptvault gc`` keeps what it keeps (:mod:`ckptvault.retention.recorded`)."""
+        if self._recorded:
+            return
+        self._recorded = True
+        for store in self.collector.applier.stores:
+            try:
+                record_policy(store, self.run.run_id, self.retention, datetime.now(timezone.utc))
+            except (OSError, CheckpointError) as exc:
+                logger.warning(
+                    "could not record the retention policy in %s: %s (ckptvault gc there "
+                    "applies only the rules given to it)",
+                    store.location,
+                    exc,
+                )
 
 
 def _only_in_flight(decision: Decision) -> bool:

@@ -28,6 +28,9 @@ from ckptvault.errors import UsageError
 from ckptvault.format.layout import GenerationName
 
 DEFAULT_DELETE_DELAY = 86400.0  # one day between marking a generation and deleting it
+# delete_delay's default: 0 for a policy of keep_last alone (space back at the next
+# save, as save_total_limit and max_to_keep do), DEFAULT_DELETE_DELAY for any other.
+AUTO_DELETE_DELAY = "auto"
 MODES = ("min", "max")
 _METRIC_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:/-]{0,127}\Z")
 
@@ -206,9 +209,14 @@ class Retention:
     verified (a fallback), pinned generations, the restore floor's generation,
     what is being written and what a reader holds a lease on.
 
-    ``delete_delay`` (default one day; 0 deletes at once): a generation the rules drop
-    is first marked — hidden from restore and ``ls``, but ``ckptvault gc --undelete
-    STEP`` brings it back — and its bytes go once the delay has passed.
+    ``delete_delay`` (seconds; 0 deletes at once): a generation the rules drop is first
+    marked — hidden from restore and ``ls``, but ``ckptvault gc --undelete STEP``
+    brings it back — and its bytes go once the delay has passed. The default,
+    ``"auto"``, is 0 for ``keep_last=N`` alone (space back at the next save, as
+    Hugging Face's ``save_total_limit`` and Orbax's ``max_to_keep`` do) and one day
+    for a policy with any other rule (a metric, a calendar or a time window chosen
+    wrongly should cost a day's undelete, not the checkpoints). The safety net above
+    holds with either delay; ``delete_delay`` holds the resolved number of seconds.
     """
 
     keep_last: int | None = None
@@ -220,16 +228,21 @@ class Retention:
     keep_hourly: int | None = None
     keep_daily: int | None = None
     keep_weekly: int | None = None
-    delete_delay: float = DEFAULT_DELETE_DELAY
+    delete_delay: float = AUTO_DELETE_DELAY  # type: ignore[assignment]  # resolved below
 
     def __post_init__(self) -> None:
         counts = ("keep_last", "keep_every", "keep_best", "keep_hourly", "keep_daily")
         for name in (*counts, "keep_weekly"):
             _count(getattr(self, name), name)
         _seconds(self.keep_within, "keep_within", allow_zero=False)
+        if isinstance(self.delete_delay, str) and self.delete_delay == AUTO_DELETE_DELAY:
+            object.__setattr__(self, "delete_delay", self._default_delay())
         delay = _seconds(self.delete_delay, "delete_delay", allow_zero=True)
         if delay is None:
-            raise UsageError("Retention(delete_delay=...) must be a number of seconds >= 0")
+            raise UsageError(
+                "Retention(delete_delay=...) must be a number of seconds >= 0 (or 'auto')"
+            )
+        object.__setattr__(self, "delete_delay", delay)
         if self.mode not in MODES:
             raise UsageError(f"Retention(mode=...) must be 'min' or 'max', got {self.mode!r}")
         if self.keep_best is not None:
@@ -246,6 +259,11 @@ class Retention:
                 "Retention() with no keep_* rule would keep only the newest generation and its "
                 "fallback; give at least one rule, e.g. Retention(keep_last=3)"
             )
+
+    def _default_delay(self) -> float:
+        others = ("keep_every", "keep_best", "keep_within", "keep_hourly", "keep_daily")
+        only_last = all(getattr(self, name) is None for name in (*others, "keep_weekly"))
+        return 0.0 if self.keep_last is not None and only_last else DEFAULT_DELETE_DELAY
 
     @property
     def rules(self) -> tuple[RetentionRule, ...]:
