@@ -10,6 +10,7 @@ meminfo file.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -223,7 +224,7 @@ def test_nfs_sync_krb5p_noac_pass_and_encryption_answers_clear_text(tmp_path):
 # -- host memory ---------------------------------------------------------------------
 
 
-def test_doctor_says_whether_async_staging_fits_in_memory(tmp_path, store, monkeypatch):
+def test_doctor_says_whether_async_staging_fits_in_memory(tmp_path, store, monkeypatch, capsys):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal: 8388608 kB\nMemAvailable: 4194304 kB\n")  # 4 GiB
     monkeypatch.setattr(memory_available, "MEMINFO", meminfo)
@@ -239,6 +240,12 @@ def test_doctor_says_whether_async_staging_fits_in_memory(tmp_path, store, monke
 
     found = _found(diagnose(open_store(store), Places(), RunPlan(state_bytes=2**30), host))[check]
     assert found["status"] == "ok" and "1.0 GiB" in found["detail"]
+
+    main(["doctor", str(store), "--json", "--state-size", "3GiB", "--max-in-flight", "2"])
+    listed = {f["check"]: f for f in json.loads(capsys.readouterr().out)}
+    assert listed[check]["status"] == "warn" and "6.0 GiB" in listed[check]["detail"]
+    assert main(["doctor", str(store), "--state-size", "lots"]) == 2
+    assert "--state-size 'lots' is not a size" in capsys.readouterr().err
 
     _grow(store, 2**30 + 2**29)  # no size given: the largest generation's
     found = _found(diagnose(open_store(store), Places(), RunPlan(max_in_flight=3), host))[check]
@@ -266,7 +273,9 @@ ABORT = {
 }
 
 
-def test_s3_lifecycle_rules_that_expire_kept_generations_or_keep_parts(s3_endpoint, tmp_path):
+def test_s3_lifecycle_rules_that_expire_kept_generations_or_keep_parts(
+    s3_endpoint, tmp_path, capsys
+):
     bucket = new_bucket(s3_endpoint)
     url = f"s3://{bucket}/run"
     with cv.CheckpointManager(url, run_id="r", ledger=tmp_path / "ledger") as mgr:
@@ -292,7 +301,12 @@ def test_s3_lifecycle_rules_that_expire_kept_generations_or_keep_parts(s3_endpoi
     assert "ckptvault gc" in expiry["fix"]
     assert found["bucket lifecycle aborts uploads"]["status"] == "ok"
     assert "3 days" in found["bucket lifecycle aborts uploads"]["detail"]
-    assert main(["doctor", url, "--ledger", str(tmp_path / "ledger"), "--json"]) == 1
+    # From the command line: the horizon stated, or else the age of the oldest
+    # generation in the store (minutes here: the 7-day rule is then only a warning).
+    for extra, status in ((["--retention-days", "30"], "fail"), ([], "warn")):
+        main(["doctor", url, "--ledger", str(tmp_path / "ledger"), "--json", *extra])
+        listed = {f["check"]: f for f in json.loads(capsys.readouterr().out)}
+        assert listed["bucket lifecycle expiration"]["status"] == status
 
     # Longer than retention, still over the newest generation: a warning.
     _rules(s3_endpoint, bucket, _expire("year", 365, {}), ABORT)

@@ -40,15 +40,15 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, option: str = "--max-shard-size") -> int:
     """``5GB`` (powers of 1000, as Hugging Face), ``500MiB`` (powers of 1024), or a
-    plain byte count; positive. UsageError otherwise."""
+    plain byte count; positive. UsageError (naming ``option``) otherwise."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).upper() if match else ""
     size = int(float(match.group(1)) * _UNITS[unit]) if match and unit in _UNITS else 0
     if size < 1:
         raise UsageError(
-            f"--max-shard-size {text[:40]!r} is not a size: give bytes, or a number with "
+            f"{option} {text[:40]!r} is not a size: give bytes, or a number with "
             "KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB (powers of 1024), e.g. 5GB"
         )
     return size

@@ -16,7 +16,9 @@ from ckptvault.cli._common import (
     print_json,
     print_table,
 )
-from ckptvault.ops.doctor.diagnose import Places, diagnose
+from ckptvault.cli.consolidate import parse_size
+from ckptvault.errors import UsageError
+from ckptvault.ops.doctor.diagnose import Places, RunPlan, diagnose
 from ckptvault.ops.doctor.findings import FAIL, WARN
 
 _STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
@@ -36,15 +38,45 @@ def doctor(
     signing_key: Annotated[
         Path | None, typer.Option(help="The Ed25519 private key that signs manifests.")
     ] = None,
+    state_size: Annotated[
+        str | None,
+        typer.Option(
+            help="What one rank saves, e.g. 40GB or 37GiB, to check that async staging fits "
+            "in memory (default: the largest generation in the store)."
+        ),
+    ] = None,
+    max_in_flight: Annotated[
+        int, typer.Option(min=1, help="Async saves in flight, each one staged copy.")
+    ] = 1,
+    async_mode: Annotated[
+        str, typer.Option(help="Where async saves are staged: thread or process (/dev/shm).")
+    ] = "thread",
+    ranks_per_node: Annotated[
+        int, typer.Option(min=1, help="Ranks on each node, each staging its share.")
+    ] = 1,
+    retention_days: Annotated[
+        float | None,
+        typer.Option(
+            min=0,
+            help="How many days retention keeps generations, to check S3 lifecycle rules "
+            "against (default: the age of the oldest generation in the store).",
+        ),
+    ] = None,
     strict: Annotated[bool, typer.Option(help="Exit 1 on warnings too.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list on stdout.")] = False,
     s3_endpoint_url: S3EndpointUrl = None,
 ) -> None:
     """Check where the store, ledger, audit log, catalog and keys live, who can write
-    them and, for S3, the bucket's protections and the credentials; say what to fix."""
+    them, the store's filesystem (Lustre striping, NFS mount options), whether async
+    saves' staging fits in memory and, for S3, the bucket's protections, lifecycle
+    rules and the credentials; say what to fix."""
+    if async_mode not in ("thread", "process"):
+        raise UsageError(f"--async-mode must be thread or process, not {async_mode[:40]!r}")
+    size = parse_size(state_size, "--state-size") if state_size is not None else None
+    plan = RunPlan(size, max_in_flight, async_mode, ranks_per_node, retention_days)
     store = open_store(directory, s3_endpoint_url)
     places = Places(ledger, audit_log, keystore, signing_key)
-    findings = diagnose(store, places)
+    findings = diagnose(store, places, plan)
     if as_json:
         print_json([f.to_json() for f in findings])
     else:
