@@ -182,7 +182,9 @@ class CheckpointManager:
         when this returns. Asynchronous (``blocking=False``): returns as soon as the
         state is copied into staging buffers; writing and publishing happen in the
         background, and an error surfaces from the handle, the next ``save``,
-        ``wait`` or ``close``.
+        ``wait`` or ``close``. The first asynchronous save (unless ``prepare`` came
+        first) raises ``HostMemoryError``, staging nothing, when ``max_in_flight``
+        staged copies would not fit in this host's available memory.
 
         A save between ``backward()`` and ``optimizer.step()`` drops the accumulated
         gradients, so its resume is not exact: it is warned about (``strict=True``
@@ -279,7 +281,9 @@ class CheckpointManager:
         optimizer step, which creates Adam's moments; again if the layout changes);
         a save that comes before it finishes waits for it. Costs the staging memory
         ``max_in_flight`` saves would hold anyway. ``wait=True`` returns only once the
-        buffers are ready.
+        buffers are ready. Raises ``HostMemoryError`` (saying what is needed and what
+        is available; nothing allocated) when they would not fit in this host's
+        available memory (``/dev/shm`` too with ``async_mode="process"``).
         """
         self._check_open()
         self._scheduler.prepare(self._capture(state).tensors, wait)
