@@ -38,6 +38,10 @@ def test_synthetic_drills_all_pass_or_say_why_not() -> None:
     supervised = by_name["supervised-restart"]
     for key in ("detection_s", "launch_s", "restore_s", "first_step_s", "recovery_s"):
         assert key in supervised, supervised
+    hang = by_name["hang-watchdog"]  # killed by the hang watchdog, resumed from its save
+    assert "ended as hang" in hang["observed"], hang
+    for key in ("detection_s", "restore_s", "recovery_s"):
+        assert key in hang, hang
 
 
 def cv_drill_names() -> tuple[str, ...]:

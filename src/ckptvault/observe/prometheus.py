@@ -17,7 +17,9 @@ time. Only the coordinator (rank 0) of a job keeps metrics, as it alone publishe
 
 Names follow Prometheus conventions (``ckptvault_`` prefix, base units, ``_seconds``,
 ``_bytes``, ``_total``); labels are ``run_id`` and, for storage, ``tier`` (``local`` or
-``replica``). ``contrib/alerts.yml`` holds alerting rules on them.
+``replica``), for step times and stragglers ``rank``
+(:mod:`ckptvault.observe.stragglers` adds those). ``contrib/alerts.yml`` holds
+alerting rules on them.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ expected outcome, checks it and reports a :class:`DrillResult` with its timings
 - :mod:`~ckptvault.ops.drills.storage`: storage full, slow storage;
 - :mod:`~ckptvault.ops.drills.crash`: SIGKILL mid-save, supervised restart (with
   :mod:`~ckptvault.ops.drills.worker`, the child processes);
+- :mod:`~ckptvault.ops.drills.hang`: a deadlocked job under the hang watchdog;
 - :mod:`~ckptvault.ops.drills.runner`: choosing and running them.
 """
 

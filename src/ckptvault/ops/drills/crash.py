@@ -110,7 +110,7 @@ def _sigkill_drill(context: DrillContext) -> Outcome:
     return passed, observed, outcome.timings
 
 
-def _read_lines(path: Path) -> list[dict[str, Any]]:
+def read_lines(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -147,9 +147,9 @@ def _supervised_drill(context: DrillContext) -> Outcome:
     result = subprocess.run(
         command, capture_output=True, text=True, timeout=2 * CHILD_TIMEOUT_S, check=False
     )
-    records = _read_lines(log)
+    records = read_lines(log)
     attempts = [r for r in records if r.get("event") == "attempt"]
-    got = _read_lines(marks)
+    got = read_lines(marks)
     restored = [m for m in got if m["mark"] == "restored"]
     failed_at = [m["step"] for m in got if m["mark"] == "failing"]
     passed = (

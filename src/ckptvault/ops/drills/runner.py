@@ -13,6 +13,7 @@ from ckptvault.ops.drills.base import Drill, DrillResult
 from ckptvault.ops.drills.context import DrillContext
 from ckptvault.ops.drills.crash import CRASH_DRILLS
 from ckptvault.ops.drills.damage import DAMAGE_DRILLS
+from ckptvault.ops.drills.hang import HANG_DRILLS
 from ckptvault.ops.drills.memory import MEMORY_DRILLS
 from ckptvault.ops.drills.storage import STORAGE_DRILLS
 from ckptvault.ops.drills.trust_drills import TRUST_DRILLS
@@ -23,6 +24,7 @@ ALL_DRILLS: tuple[Drill, ...] = (
     *STORAGE_DRILLS,
     *MEMORY_DRILLS,
     *CRASH_DRILLS,
+    *HANG_DRILLS,
 )
 DRILL_NAMES = tuple(drill.name for drill in ALL_DRILLS)
 

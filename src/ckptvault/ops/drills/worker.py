@@ -4,11 +4,12 @@
 before each ``save`` and ``published STEP SECONDS`` after it returns; the SIGKILL
 drill kills it in the middle of a save.
 
-``train STORE MARKS ...``: the supervised drill's tiny training script. It appends
+``train STORE MARKS ...``: the supervised drills' tiny training script. It appends
 one JSON line per milestone (``imported``, ``restored``, ``step``, ``failing``,
 ``done``) with ``time.time()`` to MARKS. Attempt 1 (``CKPTVAULT_ATTEMPT``, set by
-``ckptvault supervise``) saves two steps and then SIGKILLs itself; later attempts
-restore, train and exit 0.
+``ckptvault supervise``) saves two steps and then SIGKILLs itself (``--fail hang``:
+deadlocks instead, two threads taking two locks in opposite orders, for the hang
+watchdog to find); later attempts restore, train and exit 0.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -72,8 +74,28 @@ def train(args: argparse.Namespace) -> None:
             manager.save(step, state)
             if attempt == 1 and step == start + 1:
                 _mark(marks, "failing", attempt=attempt, step=step)
+                if args.fail == "hang":
+                    _deadlock()
                 os.kill(os.getpid(), signal.SIGKILL)
     _mark(marks, "done", attempt=attempt)
+
+
+def _deadlock() -> None:
+    """Never returns: two threads each hold one lock and wait for the other's."""
+    first, second = threading.Lock(), threading.Lock()
+    both_hold = threading.Barrier(2)
+
+    def take(mine: threading.Lock, theirs: threading.Lock) -> None:
+        with mine:
+            both_hold.wait()
+            with theirs:
+                pass
+
+    threads = [threading.Thread(target=take, args=p) for p in ((first, second), (second, first))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--signing-key")
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--ballast", type=int, help="save a plain state of this many bytes")
+    parser.add_argument("--fail", choices=["kill", "hang"], default="kill")
     args = parser.parse_args(argv)
     if args.command == "save-loop":
         save_loop(args)
