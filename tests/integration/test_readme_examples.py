@@ -86,3 +86,14 @@ def test_the_torchrun_example_resumes_and_reshards(tmp_path: Path):
     store = tmp_path / "ckpt-torchrun"
     assert "started fresh; saved steps 1..3 from 2 ranks" in _torchrun(2, store)
     assert "resumed at step 3; saved steps 4..6 from 3 ranks" in _torchrun(3, store)
+
+
+def test_the_save_policy_example_runs_as_written(tmp_path: Path):
+    """The README's save-policy block: saves where its comment says, Planned logs."""
+    code = _python_block_after("### Save policies")
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "[200, 150, 100, 50]"
+    assert "save policy Planned(mtbf_hours=50000, nodes=64): checkpoint interval" in result.stderr
