@@ -194,7 +194,7 @@ class CheckpointManager:
         step = validate_step(step)
         recorded = validate_metrics(metrics)
         self._check_open()
-        self._record_progress(step, exchange=True)
+        self._record_progress(step, collective=False)  # a save's collectives stay its own
         self._gradients.check(step, state, include_grads, strict)
         if include_grads:
             state = with_gradients(state)
@@ -229,8 +229,9 @@ class CheckpointManager:
 
         Cheap: a clock read, and at most twice a second a tiny file that ``ckptvault
         supervise --hang-timeout`` watches (beside the ledger when not supervised).
-        Every 100th beat, and every save, gathers each rank's recent step time on
-        rank 0 for the metrics (``ckptvault_rank_step_seconds``, ``ckptvault_straggler``).
+        The 10th, 25th, 50th and every 100th call (of this and ``should_save``)
+        gathers each rank's recent step time on rank 0 for the metrics
+        (``ckptvault_rank_step_seconds``, ``ckptvault_straggler``).
         ``step_seconds``: this rank's own measure of its step (e.g. compute time up to
         the gradient all-reduce), instead of the wall time between heartbeats
         (:mod:`ckptvault.observe.stragglers` says when that matters).
@@ -265,11 +266,11 @@ class CheckpointManager:
         return self._decider.should_save(step)
 
     def _record_progress(
-        self, step: int, *, exchange: bool = False, step_seconds: float | None = None
+        self, step: int, *, collective: bool = True, step_seconds: float | None = None
     ) -> None:
-        """Progress at ``step`` (heartbeat, save, should_save); ``exchange``: gather
-        the ranks' step times now (a save: every rank is here together)."""
-        self._progress.beat(step, exchange=exchange, step_seconds=step_seconds)
+        """Progress at ``step`` (heartbeat, should_save, save); ``collective``: this
+        call may gather the ranks' step times (False for a save)."""
+        self._progress.beat(step, collective=collective, step_seconds=step_seconds)
 
     def prepare(self, state: Mapping[str, Any], wait: bool = False) -> None:
         """Get asynchronous saves' staging buffers ready for ``state`` (what a save

@@ -1,9 +1,10 @@
 """One rank of a 2-rank job whose rank 1 is slow (``launch(worker=...)``).
 
-``python straggler_worker.py stragglers STORE OUT``: each rank heartbeats a few
-steps (rank 1 sleeping longer per step) and saves, which gathers the step times on
-rank 0; then rank 1 lies about its step time at the next save. Rank 0 reports the
-straggler gauges it exposes after each save; every rank reports its progress file.
+``python straggler_worker.py stragglers STORE OUT``: each rank heartbeats ten
+steps (rank 1 sleeping longer per step); the tenth call gathers the step times on
+rank 0. Then rank 1 lies about its step time at the next exchange (the 25th call).
+Rank 0 reports the straggler gauges it exposes after each exchange; every rank saves
+and reports its progress file.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ckptvault.observe.heartbeat import read_progress
 from support.dcp_worker import run_scenario
 
 RANK = int(os.environ.get("RANK", "0"))
-SLEEP_S = {0: 0.01, 1: 0.12}  # rank 1 is the straggler
+SLEEP_S = {0: 0.005, 1: 0.06}  # rank 1 is the straggler
 
 
 def gauges(mgr: cv.CheckpointManager) -> dict[str, dict[str, float]]:
@@ -38,18 +39,19 @@ def gauges(mgr: cv.CheckpointManager) -> dict[str, dict[str, float]]:
 def stragglers(store: str, out: dict[str, Any]) -> None:
     state = {"w": torch.ones(4)}
     with cv.CheckpointManager(store, run_id="job", collective_timeout_s=20) as mgr:
-        for step in range(8):
+        for step in range(1, 11):  # the 10th call exchanges
             time.sleep(SLEEP_S[RANK])
             mgr.heartbeat(step)
-        mgr.save(8, state)
         if RANK == 0:
-            out["after_save"] = gauges(mgr)
+            out["after_exchange"] = gauges(mgr)
+        mgr.save(10, state)
         if RANK == 1:  # a peer that sends nonsense: rank 0 refuses it and carries on
             mgr._progress.clock.recent = lambda: -5.0  # type: ignore[method-assign]
-        mgr.heartbeat(9)
-        mgr.save(10, state)
+        for step in range(11, 26):  # the 25th call exchanges
+            mgr.heartbeat(step)
         if RANK == 0:
             out["after_lie"] = gauges(mgr)
+        mgr.save(25, state)
         out["saved"] = [g.step for g in mgr.generations()]
         out["progress_rank"] = read_progress(mgr._progress.writer.path).rank
 

@@ -3,10 +3,15 @@ for a watchdog, and now and then gather every rank's step time for the metrics.
 
 ``CheckpointManager.heartbeat(step)``, ``save()`` and ``should_save()`` each call
 :meth:`ProgressReporter.beat`. A beat costs a clock read and, at most twice a
-second, the write of a tiny file (:mod:`ckptvault.observe.heartbeat`). Step times
-are exchanged between ranks (:mod:`ckptvault.observe.stragglers`) at every save and
-every :data:`EXCHANGE_EVERY`-th beat otherwise: a collective, so every rank must
-beat alike (as it saves alike); the exchange's own wait is not counted as step time.
+second, the write of a tiny file (:mod:`ckptvault.observe.heartbeat`).
+
+Step times are exchanged between ranks (:mod:`ckptvault.observe.stragglers`) at the
+10th, 25th and 50th ``heartbeat()``/``should_save()`` call and every
+:data:`EXCHANGE_EVERY`-th after that (early ones fill the metrics soon after a
+start): a collective, so every rank must make these calls alike, as it saves alike.
+``save()`` records progress but never exchanges: a save's collectives stay its own.
+The exchange's own wait is not counted as step time. One process alone needs no
+exchange: its step time goes to the metrics at every beat.
 """
 
 from __future__ import annotations
@@ -26,7 +31,14 @@ from ckptvault.observe.stragglers import (
     exchange_step_times,
 )
 
-EXCHANGE_EVERY = 100  # beats between two exchanges of step times (saves always exchange)
+EXCHANGE_EVERY = 100  # heartbeat()/should_save() calls between two exchanges
+EARLY_EXCHANGES = (10, 25, 50)  # and these calls, so that a new run shows figures soon
+
+
+def exchanges_at(calls: int) -> bool:
+    """Whether the ``calls``-th heartbeat()/should_save() call exchanges step times
+    (the same answer on every rank: it depends on the count alone)."""
+    return calls in EARLY_EXCHANGES or calls % EXCHANGE_EVERY == 0
 
 
 class ProgressReporter:
@@ -38,15 +50,15 @@ class ProgressReporter:
         coordinator: Coordinator,
         directory: Path,
         registry: Any = None,
-        exchange_every: int = EXCHANGE_EVERY,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.run_id, self.coordinator = run_id, coordinator
         self.writer = ProgressWriter(directory, coordinator.rank, clock=clock)
         self.clock = StepClock()
         self.rank_times = RankTimes()
-        self.exchange_every, self._now = exchange_every, clock
-        self.beats = 0
+        self._now = clock
+        self.beats = 0  # every beat (the progress file's counter)
+        self.calls = 0  # beats that may exchange (heartbeat, should_save)
         self._step = 0
         if registry is not None:
             registry.register(RankTimesCollector(run_id, self.rank_times))
@@ -63,13 +75,22 @@ class ProgressReporter:
         default beside the ledger; step-time metrics in ``registry`` (None: none)."""
         return cls(run_id, coordinator, progress_directory(run_id, ledger), registry)
 
-    def beat(self, step: int, *, exchange: bool = False, step_seconds: float | None = None) -> None:
-        """Record progress at ``step``; ``exchange``: gather step times now (a save)."""
+    def beat(
+        self, step: int, *, collective: bool = True, step_seconds: float | None = None
+    ) -> None:
+        """Record progress at ``step``. ``collective``: this call may run the step-time
+        exchange (heartbeat, should_save); False for a save."""
         self.clock.beat(step, self._now(), step_seconds)
         self.beats += 1
         self._step = step
-        if exchange or self.beats % self.exchange_every == 0:
-            self._exchange()
+        if self.coordinator.world_size == 1:
+            recent = self.clock.recent()
+            if recent is not None:
+                self.rank_times.update({0: recent})
+        elif collective:
+            self.calls += 1
+            if exchanges_at(self.calls):
+                self._exchange()
         self.writer.offer(self._record)
 
     def _exchange(self) -> None:

@@ -100,7 +100,11 @@ def exchange_step_times(coordinator: Coordinator, recent: float | None) -> dict[
     """Every rank's recent step time, on the coordinator (ranks that have none yet
     are left out); None on the other ranks, and on the coordinator when a peer's
     message was refused (logged). A collective: every rank calls it together."""
-    gathered = coordinator.gather({"step_s": recent})
+    try:
+        gathered = coordinator.gather({"step_s": recent})
+    except PeerMessageError as exc:  # on rank 0 only; the others carry on alike
+        logger.warning("ckptvault: step times not updated: %s", exc)
+        return None
     if gathered is None:
         return None
     times = {}
@@ -137,11 +141,10 @@ class RankTimes:
     _times: dict[int, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def update(self, times: Mapping[int, float]) -> set[int]:
-        """Replace the step times; the stragglers among them."""
+    def update(self, times: Mapping[int, float]) -> None:
+        """Replace the step times (the stragglers are found when read)."""
         with self._lock:
             self._times = dict(times)
-        return find_stragglers(times, self.factor)
 
     def snapshot(self) -> tuple[dict[int, float], set[int]]:
         with self._lock:
