@@ -133,6 +133,21 @@ def test_the_factor_scales_with_the_reporting_interval_above_its_floor() -> None
     assert HangPolicy(factor=3).limit(1.0) == DEFAULT_FLOOR_S
 
 
+def test_with_a_factor_the_limit_follows_the_reporting_interval(tmp_path: Path) -> None:
+    clock = Clock()
+    policy = HangPolicy(timeout_s=1, factor=4)
+    watch = HangWatch(tmp_path, policy, IntervalHistory(), print, clock)
+    for n in range(1, 6):  # a report every 2 s: the limit becomes 4 x 2 s
+        beat(tmp_path, clock, beats=n)
+        assert watch.check() is None
+        clock.now += 2
+    clock.now += 5.5  # 7.5 s since the last report: under 8 s
+    assert watch.check() is None
+    clock.now += 1
+    verdict = watch.check()
+    assert verdict is not None and "limit 8 s" in verdict
+
+
 @pytest.mark.parametrize(
     "options", [{}, {"timeout_s": 0.1}, {"timeout_s": float("inf")}, {"factor": 0.5}]
 )
