@@ -156,6 +156,14 @@ def test_policy_refuses_nonsense(options: dict) -> None:
         HangPolicy(**options)
 
 
+@pytest.mark.parametrize("option", [["--hang-timeout", "0.1"], ["--hang-factor", "0.5"]])
+def test_a_bad_hang_option_is_one_line_and_exit_2(option: list[str]) -> None:
+    result = run_cli("supervise", *option, "--no-catalog", "--", sys.executable, "-c", "")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("ckptvault: error: " + option[0]), result.stderr
+    assert len(result.stderr.splitlines()) == 1 and "attempt 1" not in result.stderr
+
+
 def test_a_hang_is_a_failure_within_the_budget() -> None:
     hung = Outcome(returncode=-9, hung="no progress for 3 s")
     again = decide(hung, failures=0, preemptions=0, policy=Policy(backoff_s=(0,)))

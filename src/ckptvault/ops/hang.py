@@ -51,11 +51,11 @@ class HangPolicy:
             math.isfinite(self.timeout_s) and self.timeout_s >= MIN_TIMEOUT_S
         ):
             raise UsageError(
-                f"--hang-timeout {self.timeout_s:g}: give {MIN_TIMEOUT_S:g} seconds or more "
+                f"--hang-timeout {self.timeout_s:g}: give at least {MIN_TIMEOUT_S:g} s "
                 f"(progress is recorded at most every {WRITE_INTERVAL_S:g} s)"
             )
         if self.factor is not None and not (math.isfinite(self.factor) and self.factor >= 1):
-            raise UsageError(f"--hang-factor {self.factor:g}: give a number of 1 or more")
+            raise UsageError(f"--hang-factor {self.factor:g}: give a factor of at least 1")
 
     def limit(self, median_interval: float | None) -> float:
         """Seconds without progress that make a hang, given the median interval
