@@ -22,6 +22,7 @@ from ckptvault.cli import main
 from ckptvault.io import memory_available
 from ckptvault.ops.doctor import lustre
 from ckptvault.ops.doctor.diagnose import Host, Places, RunPlan, diagnose
+from ckptvault.ops.doctor.lifecycle import policy_horizon
 from ckptvault.ops.doctor.mounts import Mount, mount_of
 from ckptvault.ops.doctor.nfs import check_nfs
 from ckptvault.storage import open_store
@@ -321,3 +322,21 @@ def test_s3_lifecycle_rules_that_expire_kept_generations_or_keep_parts(
     found = doctor()
     assert found["bucket lifecycle expiration"]["status"] == "ok"
     assert found["bucket lifecycle aborts uploads"]["status"] == "warn"
+
+    # The policy the manager records in the store counts: milestones are kept at any
+    # age, so even a year's expiry deletes generations retention keeps.
+    _rules(s3_endpoint, bucket, _expire("year", 365, {"Prefix": "run/"}), ABORT)
+    keep = cv.Retention(keep_last=2, keep_every=1000)
+    with cv.CheckpointManager(url, run_id="r", ledger=tmp_path / "ledger", retention=keep) as mgr:
+        mgr.save(2, {"x": torch.ones(3)})
+    expiry = _found(diagnose(open_store(url), Places()))["bucket lifecycle expiration"]
+    assert expiry["status"] == "fail" and "unbounded" in expiry["detail"]
+    assert "keep_every=1000" in expiry["detail"]
+
+
+def test_how_far_back_a_retention_policy_keeps_generations():
+    assert policy_horizon(cv.Retention(keep_daily=30, keep_hourly=48)).days == 30
+    assert policy_horizon(cv.Retention(keep_weekly=8, keep_within=86400)).days == 56
+    assert policy_horizon(cv.Retention(keep_last=3)).days == 0  # young while the run saves
+    best = cv.Retention(keep_last=1, keep_best=2, metric="val_loss")
+    assert policy_horizon(best).days == float("inf")

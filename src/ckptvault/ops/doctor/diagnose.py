@@ -25,11 +25,12 @@ from pathlib import Path
 from ckptvault.errors import CheckpointError
 from ckptvault.format.layout import generation_id_time
 from ckptvault.ops.doctor.findings import FAIL, OK, SKIP, WARN, Finding
-from ckptvault.ops.doctor.lifecycle import Horizon, check_lifecycle
+from ckptvault.ops.doctor.lifecycle import Horizon, check_lifecycle, longest, policy_horizon
 from ckptvault.ops.doctor.lustre import check_lustre
 from ckptvault.ops.doctor.memory import check_staging_memory
 from ckptvault.ops.doctor.mounts import MOUNTINFO, Mount, mount_of
 from ckptvault.ops.doctor.nfs import check_nfs
+from ckptvault.retention.recorded import RETENTION_RECORD, parse_record
 from ckptvault.storage.base import Store
 from ckptvault.storage.listing import GenerationInfo, list_generation_infos
 from ckptvault.trust.ledger import default_ledger_path
@@ -90,7 +91,8 @@ def diagnose(
         from ckptvault.ops.doctor.s3 import check_s3
 
         findings += check_s3(store)
-        findings += _lifecycle(store, _horizon(generations, plan.retention_days))
+        horizon = longest(_horizon(generations, plan.retention_days), _recorded_horizon(store))
+        findings += _lifecycle(store, horizon)
     findings.append(_staging_memory(generations, plan))
     ledger = places.ledger or default_ledger_path()
     for what, path in (
@@ -139,6 +141,28 @@ def _horizon(generations: list[GenerationInfo], retention_days: float | None) ->
                 age, f"the oldest generation here, step {generation.step}, is {age:.0f} days old"
             )
     return horizon
+
+
+# Retention records read at most: one per run; a store holds a handful.
+MAX_POLICY_RECORDS = 16
+
+
+def _recorded_horizon(store: Store) -> Horizon:
+    """The longest horizon of the retention policies recorded in the store (one per
+    run; unreadable or invalid records are passed over, as gc does)."""
+    try:
+        records = store.list_records(RETENTION_RECORD, limit=MAX_POLICY_RECORDS)
+    except (OSError, CheckpointError):
+        return Horizon()
+    horizons = [Horizon()]
+    for document in records.values():
+        run_id = document.get("run_id")
+        try:
+            policy = parse_record(document, run_id if isinstance(run_id, str) else "")
+        except CheckpointError:
+            continue
+        horizons.append(policy_horizon(policy))
+    return longest(*horizons)
 
 
 def _lifecycle(store: Store, horizon: Horizon) -> list[Finding]:

@@ -8,9 +8,11 @@ Two things a lifecycle configuration does to a checkpoint store:
   saving for that many days, and data objects of generations retention keeps when
   they are older than that (restore then finds those generations damaged and falls
   back, or finds none). Seed 003: lifecycle rules must preserve the recovery
-  horizon. A rule shorter than the horizon (the age of the oldest generation the
-  store holds, or the retention the operator states) fails; any other covering
-  Expiration is a warning.
+  horizon. A rule shorter than the horizon fails; any other covering Expiration is a
+  warning. The horizon is the longest of: the retention the operator states, the
+  age of the oldest generation the store holds, and what the retention policies the
+  managers recorded in the store keep (:func:`policy_horizon`; a record is store
+  data, so a forged one can only make the doctor stricter).
 - **AbortIncompleteMultipartUpload**: a save killed mid-upload leaves parts S3
   keeps, and bills, until the upload is aborted (seed 001). ckptvault aborts stale
   attempts when a writer opens the store again and in ``ckptvault gc``, but a store
@@ -25,10 +27,12 @@ Disabled rules do nothing.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from ckptvault.ops.doctor.findings import FAIL, OK, SKIP, WARN, Finding
+from ckptvault.retention.policy import Retention
 from ckptvault.storage.s3.client import S3Error
 
 EXPIRY, ABORT = "bucket lifecycle expiration", "bucket lifecycle aborts uploads"
@@ -41,6 +45,27 @@ class Horizon:
 
     days: float = 0.0
     why: str = "unknown"
+
+
+def policy_horizon(policy: Retention) -> Horizon:
+    """How old the generations ``policy`` keeps may be. ``keep_every`` (milestones)
+    and ``keep_best`` (the best of the whole run) keep generations of any age: for
+    ever. Calendar rules and ``keep_within`` keep back that far. ``keep_last`` keeps
+    the newest, young while the run saves (the warning covers a run that stops)."""
+    described = policy.describe()
+    if policy.keep_every is not None or policy.keep_best is not None:
+        return Horizon(math.inf, f"the recorded retention ({described}) keeps them at any age")
+    days = max(
+        (policy.keep_within or 0) / 86400,
+        (policy.keep_hourly or 0) / 24,
+        float(policy.keep_daily or 0),
+        7.0 * (policy.keep_weekly or 0),
+    )
+    return Horizon(days, f"the recorded retention: {described}")
+
+
+def longest(*horizons: Horizon) -> Horizon:
+    return max(horizons, key=lambda h: h.days)
 
 
 def check_lifecycle(client: Any, prefix: str, horizon: Horizon) -> list[Finding]:
@@ -108,12 +133,13 @@ def _expiration(rules: list[dict[str, Any]], where: str, horizon: Horizon) -> Fi
         )
     days = int(expiration["Days"])
     if days < horizon.days:
+        reach = "unbounded" if math.isinf(horizon.days) else f"{horizon.days:.0f} days"
         return Finding(
             EXPIRY,
             FAIL,
             f"{_name(shortest)} expires objects {days} days after they are written, inside "
-            f"the retention horizon of {horizon.days:.0f} days ({horizon.why}): S3 deletes "
-            "generations retention keeps, and restore finds them damaged or gone",
+            f"the retention horizon ({reach}: {horizon.why}): S3 deletes generations "
+            "retention keeps, and restore finds them damaged or gone",
             fix,
         )
     return Finding(
