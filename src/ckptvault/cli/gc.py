@@ -15,10 +15,13 @@ delete yet are listed as retained copies (``retained_copies`` in ``--json``).
 
 The manager records its retention policy in the store (:mod:`ckptvault.retention.recorded`);
 gc applies it besides the rules given (a generation either keeps is kept, the longer
-delete delay wins), and with no rule options applies it alone: ``gc --keep-last 3``
-no longer marks the trainer's ``keep_best`` winner. A recorded policy only ever
-keeps more, so a record forged by whoever can write the store costs space, never a
-generation. ``--replace-policy`` replaces it with the rules given: it first shows what
+delete delay wins): ``gc --keep-last 3`` no longer marks the trainer's ``keep_best``
+winner. A recorded policy only ever keeps more, so a record forged by whoever can
+write the store costs space, never a generation. With no rule options gc applies it
+alone only when given no trust options (``--trusted-key``, ``--keystore``,
+``--ledger``): the record is unsigned store data, and where gc accepts only what those
+options authenticate it must not decide alone what is deleted; gc then finishes
+earlier marks and says which options state the recorded rules. ``--replace-policy`` replaces it with the rules given: it first shows what
 they alone would do (a dry run), then asks, or needs ``--yes`` when no one can be
 asked (exit 2, nothing changed); with ``--dry-run`` it only shows.
 
@@ -37,7 +40,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import re
+import shlex
 import sys
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -72,7 +77,7 @@ from ckptvault.retention.policy import (
     RetentionRule,
     format_seconds,
 )
-from ckptvault.retention.recorded import read_policy, record_policy, union
+from ckptvault.retention.recorded import policy_json, read_policy, record_policy, union
 from ckptvault.storage.base import Store
 from ckptvault.trust.checks import VerificationReport, check_trusted
 from ckptvault.trust.context import TrustContext
@@ -82,6 +87,8 @@ from ckptvault.trust.problems import GenerationRejected
 _DURATION_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([smhdw]?)\Z")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _RECORD_OPTIONS = ("--undelete", "--pin", "--unpin")
+
+logger = logging.getLogger("ckptvault")
 
 
 def parse_duration(text: str, option: str) -> float:
@@ -196,7 +203,8 @@ def gc(
         _replace_policy(store, given, run, trust, yes, dry_run, as_json)
         policy = _Policy.of(given, None, delay)
     else:
-        policy = _Policy.of(given, read_policy(store, run) if run is not None else None, delay)
+        recorded = read_policy(store, run) if run is not None else None
+        policy = _Policy.of(given, _applicable(recorded, given, trust), delay)
     with _writer_lock(store, held=not dry_run):
         if replace_policy and not dry_run:
             assert given is not None and run is not None  # _replace_policy checked both
@@ -231,6 +239,43 @@ class _Policy:
         elif given is None:
             parts.append(f"delete_delay={format_seconds(delete_delay)}")
         return cls(rules, delete_delay, "; ".join(parts))
+
+
+def _applicable(
+    recorded: Retention | None, given: Retention | None, trust: TrustContext
+) -> Retention | None:
+    """The recorded policy this pass may apply. Nothing authenticates the record: it
+    is store data, whoever can write the store can plant one. Beside rules given it
+    only adds keeps (the union), so it always counts there. Alone it would decide what
+    is marked and deleted: that only where gc takes the store's own bytes at their
+    word anyway (no --trusted-key, --keystore or --ledger: a store writer could plant
+    generations or deletion marks as well). Where those options make gc accept only
+    what they authenticate, an unauthenticated record deciding alone would let a store
+    writer delete signed generations (DESIGN rule 7): it is then not applied, and
+    this pass only finishes earlier marks."""
+    if recorded is None or given is not None:
+        return recorded
+    if trust.trusted is None and trust.keystore is None and trust.ledger is None:
+        return recorded
+    logger.warning(
+        "the retention policy recorded in the store (%s) is not applied alone: nothing "
+        "authenticates it, and the trust options given accept only what they "
+        "authenticate; gc only finishes earlier marks. To apply those rules, give them: "
+        "ckptvault gc STORE %s",
+        recorded.describe(),
+        _as_options(recorded),
+    )
+    return None
+
+
+def _as_options(policy: Retention) -> str:
+    """``--keep-last 3 --keep-best 1 --metric loss ...``: the options stating ``policy``."""
+    parts = []
+    for name, value in policy_json(policy).items():
+        if name in ("keep_within", "delete_delay"):  # seconds, as --keep-within reads them
+            value = f"{value:f}".rstrip("0").rstrip(".") + "s"
+        parts.append(f"--{name.replace('_', '-')} {shlex.quote(str(value))}")
+    return " ".join(parts)
 
 
 def _replace_policy(

@@ -1,0 +1,57 @@
+"""Hostile inputs to issue 28's run-time operations: the retention policy recorded in
+the store, the doctor's suggested commands, save policies' numbers, progress files.
+
+Each test is an attack that once worked: whoever can write the store (or the bucket,
+or the job's progress directory) tried to make ckptvault delete, run or hang.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+import ckptvault as cv
+from ckptvault.retention.recorded import RETENTION_RECORD, record_name
+from ckptvault.storage import open_store
+from ckptvault.trust.signing import generate_keypair
+from support.common import run_cli
+
+FORGED_KEEP_ONE = {"keep_last": 1, "delete_delay": 0}
+
+
+def _steps(store: Path) -> list[int]:
+    listed = run_cli("ls", str(store), "--all", "--json")
+    return [g["step"] for g in json.loads(listed.stdout)]
+
+
+def _forge_record(store: Path, policy: dict) -> None:
+    document = {"version": 1, "run_id": "r", "policy": policy, "recorded_at": "x"}
+    open_store(store).put_record(RETENTION_RECORD, record_name("r"), document)
+
+
+def test_a_forged_record_does_not_make_a_bare_gc_delete_signed_generations(tmp_path: Path):
+    """A signed store, gc given the trusted key and the ledger: it accepts only signed
+    generations and ledger-recorded marks, so an unsigned record planted in the store
+    must not decide alone what is marked and deleted (DESIGN rule 7). It once did:
+    `gc STORE --trusted-key K` applied a planted keep_last=1 and deleted steps 1-4."""
+    generate_keypair(tmp_path / "k", tmp_path / "k.pub")
+    store, ledger = tmp_path / "store", tmp_path / "ledger"
+    genuine = cv.Retention(keep_last=6, delete_delay=0)
+    with cv.CheckpointManager(
+        store, run_id="r", signing_key=tmp_path / "k", ledger=ledger, retention=genuine,
+        catalog=False,
+    ) as mgr:  # fmt: skip
+        for step in range(1, 7):
+            mgr.save(step, {"w": torch.full((4,), float(step))})
+    _forge_record(store, FORGED_KEEP_ONE)
+    trust = ["--trusted-key", str(tmp_path / "k.pub"), "--ledger", str(ledger)]
+    result = run_cli("gc", str(store), *trust)
+    assert result.returncode == 0, result.stderr
+    assert _steps(store) == [6, 5, 4, 3, 2, 1]
+    assert "not applied alone" in result.stderr
+    # With rules given the record still only adds keeps (the union), as before.
+    result = run_cli("gc", str(store), *trust, "--keep-last", "4", "--delete-delay", "0s")
+    assert result.returncode == 0, result.stderr
+    assert _steps(store) == [6, 5, 4, 3]
