@@ -55,3 +55,29 @@ def test_a_forged_record_does_not_make_a_bare_gc_delete_signed_generations(tmp_p
     result = run_cli("gc", str(store), *trust, "--keep-last", "4", "--delete-delay", "0s")
     assert result.returncode == 0, result.stderr
     assert _steps(store) == [6, 5, 4, 3]
+
+
+def test_the_doctors_lifecycle_command_quotes_the_store_prefix():
+    """An S3 key prefix may hold any character. The doctor's suggested command once
+    put it inside '...' unescaped: a prefix with a quote broke out, and pasting the
+    command ran what followed (here ``$(touch ...)``)."""
+    import shlex
+
+    from ckptvault.ops.doctor.lifecycle import Horizon, check_lifecycle
+
+    class NoRules:
+        bucket = "b"
+
+        def call(self, operation: str) -> dict:
+            return {"Rules": []}
+
+    prefix = "run'$(touch /tmp/pwned)'; x/"
+    (_, abort) = check_lifecycle(NoRules(), prefix, Horizon())
+    assert abort.fix is not None
+    command = abort.fix[abort.fix.index("aws s3api") : abort.fix.index(" (7 days")]
+    words = shlex.split(command)
+    assert words[:3] == ["aws", "s3api", "put-bucket-lifecycle-configuration"]
+    assert words[words.index("--bucket") + 1] == "b"
+    configuration = json.loads(words[words.index("--lifecycle-configuration") + 1])
+    assert configuration["Rules"][0]["Filter"]["Prefix"] == prefix
+    assert len(words) == 7  # nothing spilled out of the quoted argument

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,6 +170,8 @@ def _abort(rules: list[dict[str, Any]], where: str, bucket: str, prefix: str) ->
         "Filter": {"Prefix": prefix},
         "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 7},
     }
+    # Quoted for a shell: a key prefix may hold any character, a quote included.
+    configuration = shlex.quote(json.dumps({"Rules": [rule]}))
     return Finding(
         ABORT,
         WARN,
@@ -177,6 +180,6 @@ def _abort(rules: list[dict[str, Any]], where: str, bucket: str, prefix: str) ->
         "(ckptvault does when a writer opens the store again, or in ckptvault gc)",
         f"add to the bucket's lifecycle rules (put-bucket-lifecycle-configuration replaces "
         f"them all: merge with the existing ones): aws s3api put-bucket-lifecycle-configuration "
-        f"--bucket {bucket} --lifecycle-configuration '{json.dumps({'Rules': [rule]})}' "
+        f"--bucket {shlex.quote(bucket)} --lifecycle-configuration {configuration} "
         "(7 days: longer than any one save's upload, which must not be aborted)",
     )
