@@ -81,3 +81,14 @@ def test_the_doctors_lifecycle_command_quotes_the_store_prefix():
     configuration = json.loads(words[words.index("--lifecycle-configuration") + 1])
     assert configuration["Rules"][0]["Filter"]["Prefix"] == prefix
     assert len(words) == 7  # nothing spilled out of the quoted argument
+
+
+def test_lfs_output_with_an_endless_or_foreign_stripe_count_is_not_understood():
+    """The doctor promises that lfs output it cannot read is a skipped check, never a
+    raise: a stripe count of 5,000 digits once raised int()'s ValueError (a traceback),
+    and Arabic-Indic digits were read as a count."""
+    from ckptvault.ops.doctor.lustre import parse_stripe_count
+
+    assert parse_stripe_count("stripe_count:  " + "1" * 5000) is None
+    assert parse_stripe_count("stripe_count:  \u0664") is None
+    assert parse_stripe_count("  lmm_stripe_count:  4\n") == 4

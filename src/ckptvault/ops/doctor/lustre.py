@@ -32,7 +32,9 @@ LFS_TIMEOUT_S = 20.0
 BIG_GENERATION_BYTES = 10**9  # above this, one OST per file is the bottleneck
 ALL_OSTS = -1
 # "stripe_count:  4" (a directory's default) or "lmm_stripe_count:  4" (a file's).
-_COUNT_RE = re.compile(r"^\s*(?:lmm_)?stripe_count:\s*(-?\d+)\b", re.MULTILINE)
+# ASCII digits, at most 9 (int() of thousands of digits raises): anything else is not
+# understood, and the check is skipped.
+_COUNT_RE = re.compile(r"^\s*(?:lmm_)?stripe_count:\s*(-?[0-9]{1,9})\b", re.MULTILINE)
 
 
 def parse_stripe_count(output: str) -> int | None:
