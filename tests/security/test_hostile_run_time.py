@@ -92,3 +92,15 @@ def test_lfs_output_with_an_endless_or_foreign_stripe_count_is_not_understood():
     assert parse_stripe_count("stripe_count:  " + "1" * 5000) is None
     assert parse_stripe_count("stripe_count:  \u0664") is None
     assert parse_stripe_count("  lmm_stripe_count:  4\n") == 4
+
+
+def test_an_nfs_option_value_of_odd_digits_falls_back_to_the_default():
+    """str.isdigit() accepts '²' and runs of thousands of digits, which int() then
+    refuses with ValueError: a mount table with odd characters crashed the doctor."""
+    from ckptvault.ops.doctor.mounts import Mount
+    from ckptvault.ops.doctor.nfs import NFS_DEFAULT_ACDIRMAX, attribute_cache_seconds
+
+    for odd in ("\u00b2", "9" * 5000):
+        mount = Mount("/mnt/ckpt", "nfs4", "server:/export", {"acdirmax": odd})
+        assert attribute_cache_seconds(mount) == NFS_DEFAULT_ACDIRMAX
+    assert attribute_cache_seconds(Mount("/m", "nfs4", "s:/e", {"actimeo": "30"})) == 30

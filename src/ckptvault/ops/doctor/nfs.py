@@ -20,6 +20,7 @@ generation is worth there.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from ckptvault.ops.doctor.findings import OK, WARN, Finding
@@ -122,6 +123,7 @@ def attribute_cache_seconds(mount: Mount) -> int:
     if mount.option("noac") is not None:
         return 0
     value = mount.option("acdirmax") or mount.option("actimeo")
-    if value is not None and value.isdigit():
+    # ASCII digits only: str.isdigit() takes '²', and thousands of digits, that int() refuses.
+    if value is not None and re.fullmatch(r"[0-9]{1,9}", value):
         return int(value)
     return NFS_DEFAULT_ACDIRMAX
