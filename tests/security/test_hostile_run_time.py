@@ -104,3 +104,19 @@ def test_an_nfs_option_value_of_odd_digits_falls_back_to_the_default():
         mount = Mount("/mnt/ckpt", "nfs4", "server:/export", {"acdirmax": odd})
         assert attribute_cache_seconds(mount) == NFS_DEFAULT_ACDIRMAX
     assert attribute_cache_seconds(Mount("/m", "nfs4", "s:/e", {"actimeo": "30"})) == 30
+
+
+def test_a_planned_policy_whose_job_mtbf_is_no_number_is_refused_on_every_rank():
+    """cv.Planned(mtbf_hours=1e306) passed its checks, but mtbf x 3600 / nodes is
+    infinite (and 1e-320 h over 10^9 nodes is 0): Daly's interval then raised when the
+    schedule was made, which with several ranks happens on rank 0 alone, so rank 0's
+    manager failed while the others went on to wait for its broadcast. The policy is
+    refused where it is made: the same UsageError on every rank."""
+    import pytest
+
+    from ckptvault.errors import UsageError
+
+    for arguments in ({"mtbf_hours": 1e306}, {"mtbf_hours": 1e-320, "nodes": 10**9}):
+        with pytest.raises(UsageError, match="MTBF"):
+            cv.Planned(**arguments)
+    assert cv.Planned(mtbf_hours=50_000, nodes=64).schedule(0.0).due(1, 0.0) is False

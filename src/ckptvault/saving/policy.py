@@ -186,6 +186,16 @@ class Planned:
         example = "cv.Planned(mtbf_hours=50_000, nodes=64)"
         self.mtbf_hours = _seconds("cv.Planned", "mtbf_hours", mtbf_hours, example)
         self.nodes = _whole_number("cv.Planned", "nodes", nodes, example)
+        # Checked here, where every rank makes the policy: the schedule that would
+        # fail on it is made on rank 0 alone, and one rank failing must not leave the
+        # others waiting for it.
+        job_mtbf_s = self.job_mtbf_s
+        if not (math.isfinite(job_mtbf_s) and job_mtbf_s > 0):
+            raise UsageError(
+                f"cv.Planned(mtbf_hours={self.mtbf_hours:g}, nodes={self.nodes}): the job's MTBF "
+                f"(mtbf_hours x 3600 / nodes) is {job_mtbf_s!r} seconds, not a usable number; "
+                f"give a node's MTBF in hours, e.g. {example}"
+            )
 
     @property
     def job_mtbf_s(self) -> float:
