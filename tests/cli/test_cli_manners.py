@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +99,45 @@ def test_exit_codes_for_what_is_not_there(finished_run, tmp_path):
     empty.mkdir()
     assert run_cli("ls", empty).stdout == f"no generations in {empty}\n"
     assert run_cli("ls", empty, "--json").stdout == "[]\n"
+
+
+def _ckptvault(*args: object, imports: bool = False) -> subprocess.Popen[str]:
+    # -X importtime: the interpreter says (on stderr) each import it finished.
+    options = ["-X", "importtime"] if imports else []
+    command = [sys.executable, *options, "-m", "ckptvault", *map(str, args)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _said(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if not line.startswith("import time:")]
+
+
+def test_ctrl_c_during_start_up_prints_one_line_and_exits_130(tmp_path):
+    process = _ckptvault("ls", tmp_path, imports=True)
+    assert process.stderr is not None
+    for line in process.stderr:  # until ckptvault's entry runs; the CLI is being imported
+        if line.rstrip().endswith("ckptvault._entry"):
+            break
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 130 and _said(err) == ["interrupted"], err[-2000:]
+    assert out == ""
+
+
+def test_ctrl_c_during_an_export_leaves_no_file_behind(tmp_path):
+    store, out = tmp_path / "store", tmp_path / "out"
+    out.mkdir()
+    with cv.CheckpointManager(store, run_id="r", catalog=False) as mgr:
+        mgr.save(1, {"model": {f"w{i}": torch.rand(8 << 20) for i in range(4)}})  # 128 MiB
+    process = _ckptvault("export", store, "--out", out / "w.safetensors")
+    deadline = time.monotonic() + 60
+    while process.poll() is None and not any(out.iterdir()):  # the export began writing
+        assert time.monotonic() < deadline, "the export never began writing"
+        time.sleep(0.001)
+    process.send_signal(signal.SIGSTOP)  # held mid-write while the Ctrl-C is queued
+    process.send_signal(signal.SIGINT)
+    process.send_signal(signal.SIGCONT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130, (process.returncode, _said(err))
+    assert _said(err) == ["interrupted"]
+    assert list(out.iterdir()) == []  # neither the file nor its temporary

@@ -10,12 +10,15 @@ verify.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 
+from ckptvault._entry import Interrupted, interrupted
 from ckptvault.cli import audit, keys
 from ckptvault.cli._common import safe_text
 from ckptvault.cli._wording import cli_wording
@@ -85,6 +88,25 @@ app.add_typer(keys.app, name="keys")
 app.add_typer(audit.app, name="audit")
 
 
+def _interruptible(callback: Callable[..., Any]) -> Callable[..., Any]:
+    """``callback`` with Ctrl-C raised as :class:`Interrupted`, past click's handler."""
+
+    @functools.wraps(callback)  # typer reads the options from the wrapped signature
+    def command(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return callback(*args, **kwargs)
+        except KeyboardInterrupt:
+            raise Interrupted from None
+
+    return command
+
+
+for _typer in (app, keys.app, audit.app):
+    for _info in _typer.registered_commands:
+        if _info.callback is not None:
+            _info.callback = _interruptible(_info.callback)
+
+
 class _SafeLogText(logging.Filter):
     """Warnings quote the store (why a generation was skipped: key ids, run ids,
     names); on a terminal they are escaped like everything else the CLI prints."""
@@ -102,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     logger.addFilter(log_filter)
     try:
         return _main(argv)
+    except (KeyboardInterrupt, Interrupted):
+        return interrupted()  # one line, exit 130; temporary files went on the way out
     finally:
         logger.removeFilter(log_filter)
 
@@ -118,8 +142,8 @@ def _main(argv: list[str] | None) -> int:
         # Usage errors from click (typer may vendor its own copy): show one line.
         exit_code = getattr(exc, "exit_code", None)
         if not isinstance(exit_code, int) or not callable(getattr(exc, "format_message", None)):
-            if type(exc).__name__ == "Abort":
-                return _fail("aborted", 130)
+            if type(exc).__name__ == "Abort":  # Ctrl-C at a prompt, or before a command ran
+                return interrupted()
             return _fail(
                 f"internal error: {type(exc).__name__}: {_one_line(exc)[:500]} "
                 f"(ckptvault {_version()}; this is a bug, please report it with the command "
@@ -161,4 +185,6 @@ def _fail(reason: str, code: int) -> int:
 
 
 def run() -> None:
+    """The console script's entry (``ckptvault.cli:run``); ``ckptvault._entry.run``
+    also catches a Ctrl-C during the imports before it."""
     sys.exit(main())
