@@ -153,6 +153,7 @@ class CheckpointManager:
         self._progress = ProgressReporter.for_manager(
             self.run_id, self.coordinator, options.get("ledger"), self.metrics_registry
         )
+        self._writer.watch(self._progress)  # a save that writes is progress too
         self._closed = False
 
     @property

@@ -8,11 +8,12 @@ import json
 import os
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
 
-from ckptvault.errors import FormatError, UnsafeEntryError, UsageError
+from ckptvault.errors import CheckpointError, FormatError, UnsafeEntryError, UsageError
 from ckptvault.observe.catalog import Catalog
 from ckptvault.observe.catalog_attempts import recent_attempts
 from ckptvault.observe.heartbeat import (
@@ -35,13 +36,20 @@ class Clock:
         return self.now
 
 
-def record(rank: int = 0, beats: int = 1, step: int = 1, pid: int = 42) -> ProgressRecord:
-    return ProgressRecord("r", rank, 2, pid, step, beats, 1.0, None)
+def record(
+    rank: int = 0,
+    beats: int = 1,
+    step: int = 1,
+    pid: int = 42,
+    phase: str = "training",
+    saved_bytes: int = 0,
+) -> ProgressRecord:
+    return ProgressRecord("r", rank, 2, pid, step, beats, 1.0, None, phase, saved_bytes)
 
 
-def beat(directory: Path, clock: Clock, **fields: int) -> None:
-    writer = ProgressWriter(directory, fields.get("rank", 0), interval_s=0, clock=clock)
-    writer.offer(lambda: record(**fields))
+def beat(directory: Path, clock: Clock, **fields: int | str) -> None:
+    writer = ProgressWriter(directory, int(fields.get("rank", 0)), interval_s=0, clock=clock)
+    writer.offer(lambda: record(**fields))  # type: ignore[arg-type]
 
 
 # -- writing: cheap and bounded -------------------------------------------------------
@@ -56,6 +64,39 @@ def test_the_writer_writes_at_most_once_per_interval(tmp_path: Path) -> None:
     assert writer.writes == 2  # at 0 s and at 0.5 s
     assert read_progress(writer.path).beats == 513
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["rank0.json"]
+
+
+def test_threads_writing_at_once_never_leave_half_a_record(tmp_path: Path) -> None:
+    # A save's writer threads report its bytes while the training thread beats.
+    writer = ProgressWriter(tmp_path, 0, interval_s=0)
+    stop, unreadable = threading.Event(), []
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                read_progress(writer.path)
+            except FileNotFoundError:
+                pass
+            except (OSError, CheckpointError) as exc:
+                unreadable.append(exc)
+
+    def offer(rank_of_thread: int) -> None:
+        for beats in range(1, 151):
+            force = beats % 50 == 0
+            writer.offer(lambda beats=beats: record(beats=beats, step=rank_of_thread), force=force)
+
+    threads = [threading.Thread(target=offer, args=(n,)) for n in range(4)]
+    reader = threading.Thread(target=read)
+    reader.start()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    stop.set()
+    reader.join()
+    assert unreadable == [] and writer.writes >= 12  # every forced write at least
+    assert read_progress(writer.path) == writer.last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.json"]
 
 
 def test_a_write_that_fails_never_fails_the_step(tmp_path: Path, caplog) -> None:
@@ -79,6 +120,12 @@ def test_a_write_that_fails_never_fails_the_step(tmp_path: Path, caplog) -> None
         json.dumps({**record().to_json(), "at": "soon"}).encode(),
         json.dumps({**record().to_json(), "extra": 1}).encode(),
         json.dumps({**record().to_json(), "version": 99}).encode(),
+        json.dumps({**record().to_json(), "version": 1}).encode(),  # before phase
+        json.dumps({**record().to_json(), "phase": "eating"}).encode(),
+        json.dumps({**record().to_json(), "phase": ["saving"]}).encode(),
+        json.dumps({**record().to_json(), "saved_bytes": -1}).encode(),
+        json.dumps({**record().to_json(), "saved_bytes": 1.5}).encode(),
+        json.dumps({**record().to_json(), "saved_bytes": 2**63}).encode(),
         b" " * (MAX_RECORD_BYTES + 1),
     ],
 )
@@ -146,6 +193,37 @@ def test_with_a_factor_the_limit_follows_the_reporting_interval(tmp_path: Path) 
     clock.now += 1
     verdict = watch.check()
     assert verdict is not None and "limit 8 s" in verdict
+
+
+def test_a_save_that_writes_is_progress_and_one_that_stops_hangs_during_it(
+    tmp_path: Path,
+) -> None:
+    clock, history = Clock(), IntervalHistory()
+    watch = HangWatch(tmp_path, HangPolicy(timeout_s=2, factor=3), history, print, clock)
+    beat(tmp_path, clock, beats=1, step=7)  # save(7) reports when it starts
+    assert watch.check() is None
+    for n in range(1, 21):  # 10 s of writing, far past the limit, without a heartbeat
+        clock.now += 0.5
+        beat(tmp_path, clock, beats=1, step=7, phase="saving", saved_bytes=n * 1_000_000)
+        assert watch.check() is None
+    assert list(history.intervals) == []  # a save's bytes are not the job's cadence
+    clock.now += 2.5  # then the storage stops answering
+    verdict = watch.check()
+    assert verdict is not None
+    assert "rank 0 last reported step 7, during a save that stopped writing" in verdict
+
+
+def test_a_hang_after_a_save_is_not_blamed_on_it(tmp_path: Path) -> None:
+    clock = Clock()
+    watch = HangWatch(tmp_path, HangPolicy(timeout_s=2), IntervalHistory(), print, clock)
+    beat(tmp_path, clock, beats=1, phase="saving", saved_bytes=10)
+    assert watch.check() is None
+    clock.now += 0.5
+    beat(tmp_path, clock, beats=1, phase="training", saved_bytes=10)  # the save ended
+    assert watch.check() is None
+    clock.now += 2.5
+    verdict = watch.check()
+    assert verdict is not None and verdict.endswith("rank 0 last reported step 1")
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@
 steps (rank 1 sleeping longer per step); the tenth call gathers the step times on
 rank 0. Then rank 1 lies about its step time at the next exchange (the 25th call).
 Rank 0 reports the straggler gauges it exposes after each exchange; every rank saves
-and reports its progress file.
+and reports its progress file and the bytes its saves wrote.
 """
 
 from __future__ import annotations
@@ -51,9 +51,13 @@ def stragglers(store: str, out: dict[str, Any]) -> None:
             mgr.heartbeat(step)
         if RANK == 0:
             out["after_lie"] = gauges(mgr)
+        if RANK == 1:  # the lie told, the rank's own figure is back (its progress file too)
+            del mgr._progress.clock.recent
         mgr.save(25, state)
         out["saved"] = [g.step for g in mgr.generations()]
-        out["progress_rank"] = read_progress(mgr._progress.writer.path).rank
+        progress = read_progress(mgr._progress.writer.path)
+        out["progress"] = [progress.rank, progress.phase, progress.step]
+        out["saved_bytes"] = mgr._progress.saved_bytes  # the collective save's writes
 
 
 SCENARIOS = {"stragglers": stragglers}

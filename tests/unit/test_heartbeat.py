@@ -1,5 +1,5 @@
 """``mgr.heartbeat(step)``: where a manager records progress, what it writes, and what
-it refuses."""
+it refuses; a save records its bytes as it writes them."""
 
 from __future__ import annotations
 
@@ -11,10 +11,15 @@ import torch
 import ckptvault as cv
 from ckptvault.observe.heartbeat import (
     PROGRESS_DIR_ENV,
+    ProgressRecord,
     default_progress_directory,
     read_progress,
     scan_progress,
 )
+from ckptvault.ops.drills.storage import ThrottledStore
+from ckptvault.storage import open_store
+
+MIB = 2**20
 
 
 def test_under_supervise_progress_goes_where_the_supervisor_said(
@@ -64,3 +69,57 @@ def test_a_closed_manager_refuses_heartbeats(tmp_path: Path) -> None:
     mgr.close()
     with pytest.raises(cv.errors.UsageError, match="closed"):
         mgr.heartbeat(1)
+
+
+def watched_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_at: int | None = None
+) -> tuple[list[ProgressRecord], ProgressRecord]:
+    """Save 4 MiB (1 MiB tensors: a write each) into a store that reads the rank's
+    progress file before each write, and raises at the ``fail_at``-th write; the
+    records read, and the one left after the save."""
+    monkeypatch.setenv(PROGRESS_DIR_ENV, str(tmp_path / "progress"))
+    store = ThrottledStore(open_store(tmp_path / "store"))
+    seen: list[ProgressRecord] = []
+    with cv.CheckpointManager(store, run_id="r", catalog=False, threads=1) as mgr:
+        writer = mgr._progress.writer
+        writer.interval_s = 0  # a record at every write, until the third
+
+        def before_write(nbytes: int) -> None:
+            seen.append(read_progress(writer.path))
+            if len(seen) == 3:
+                writer.interval_s = 3600  # from here, only the save's end may write
+            if len(seen) == fail_at:
+                raise OSError(5, "Input/output error")
+
+        store.throttle.consume = before_write  # type: ignore[method-assign]
+        state = {f"layer{i}": torch.ones(MIB // 4) for i in range(4)}
+        try:
+            mgr.save(7, state)
+        finally:
+            store.throttle.consume = lambda nbytes: None  # type: ignore[method-assign]
+            after = read_progress(writer.path)
+    return seen, after
+
+
+def test_a_save_records_its_bytes_as_it_writes_and_training_once_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen, after = watched_save(tmp_path, monkeypatch)
+    started, header, first = seen[:3]
+    # Said as the save starts, before its first byte: a dead store hangs it right there.
+    assert (started.phase, started.step, started.saved_bytes) == ("saving", 7, 0)
+    assert header.phase == first.phase == "saving"
+    assert first.saved_bytes - header.saved_bytes == MIB  # the first tensor's write
+    assert all(r.beats == started.beats for r in seen)  # bytes, not heartbeats
+    # The save's end replaced the last "saving" record, however recent it was.
+    assert after.phase == "training" and after.beats == started.beats
+    assert after.saved_bytes > 4 * MIB
+
+
+def test_a_save_that_fails_leaves_the_training_phase(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises((OSError, cv.errors.CheckpointError)):
+        watched_save(tmp_path, monkeypatch, fail_at=4)
+    (after,), _ = scan_progress(tmp_path / "progress")
+    assert after.phase == "training" and after.saved_bytes > 2 * MIB

@@ -70,6 +70,7 @@ def write_tensors_together(
     coordinator: Coordinator,
     cache: SavePlanCache | None = None,
     indexes: SaveIndexes | None = None,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> VaultStorageWriter:
     """Write this rank's part of ``tensors`` (every rank calls it, collectively) into
     ``staging``, DCP's planner deciding who writes what. Returns the writer: on rank 0
@@ -77,14 +78,16 @@ def write_tensors_together(
     records and wrapped keys. ``cache``: the plans kept between this writer's saves
     (the caller commits or forgets what this save staged in it, once every rank
     knows the save's outcome). ``indexes`` (format 3): every rank but 0 writes its
-    index, and what the save learns of the indexes is kept there. Raises the same
-    SaveFailedError on every rank when any rank failed."""
+    index, and what the save learns of the indexes is kept there. ``on_bytes``: told
+    each piece of this rank's bytes written. Raises the same SaveFailedError on every
+    rank when any rank failed."""
     writer = VaultStorageWriter(
         staging,
         chunk_size=chunk_size,
         threads=threads,
         encryption=encryption,
         rank=coordinator.rank,
+        on_bytes=on_bytes,
     )
     _SaveSteps(writer, coordinator, encryption is not None, cache, indexes).run(tensors)
     if writer.dcp_json is None:  # ranks other than 0: the metadata is rank 0's

@@ -220,6 +220,7 @@ class CollectiveSave:
             self.coordinator,
             self.plans,
             indexes,
+            self.writer.on_bytes,
         )
 
     def _gather(self, captured: CapturedState, tensors: VaultStorageWriter) -> list[Any]:

@@ -78,6 +78,7 @@ def write_tensors(
     rank: int = 0,
     direct: DirectWriter | None = None,
     indexed: bool = True,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> VaultStorageWriter:
     """Write tensors as safetensors files (or encrypted containers of them), named
     after ``rank``; the returned writer holds the DCP metadata JSON, file records and
@@ -88,15 +89,17 @@ def write_tensors(
     :func:`ckptvault.distributed.dcp_save.write_tensors_together` instead. ``direct``
     (the caller's :class:`DirectWriter`, which keeps its layout between saves) writes
     plain tensors without DCP's planner; same files, same metadata (``indexed``, for
-    a manifest of format 3: the index plan in place of the ``dcp`` section)."""
+    a manifest of format 3: the index plan in place of the ``dcp`` section).
+    ``on_bytes`` is told each piece of bytes written (from the writer threads)."""
     if direct is not None:
+        threads = threads or default_threads()
         written = direct.write(
-            tensors, staging, chunk_size, threads or default_threads(), encryption, rank, indexed
+            tensors, staging, chunk_size, threads, encryption, rank, indexed, on_bytes
         )
         if written is not None:
             return written
     writer = VaultStorageWriter(
-        staging, chunk_size=chunk_size, threads=threads, encryption=encryption, rank=rank
+        staging, chunk_size, threads, encryption=encryption, rank=rank, on_bytes=on_bytes
     )
     if tensors:
         try:

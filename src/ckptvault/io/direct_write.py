@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -154,12 +155,14 @@ class DirectWriter:
         encryption: FileEncryption | None,
         rank: int = 0,
         indexed: bool = True,
+        on_bytes: Callable[[int], None] | None = None,
     ) -> VaultStorageWriter | None:
         """Write ``tensors`` into ``staging``; the result carries what the DCP path's
         writer would (file records, wrapped keys, commit times) and, for a manifest
         with indexes (``indexed``, format 3), the layout's index plan (its ``dcp_json``
         lists no chunk), else the ``dcp`` section and ``dcp_bytes``. None, having
-        written nothing, when only DCP can lay them out."""
+        written nothing, when only DCP can lay them out. ``on_bytes``: told each piece
+        of bytes written (from the writer threads)."""
         sizes = {key: t.numel() * t.element_size() for key, t in tensors.items()}
         key = layout_key(tensors, _file_count(sizes, threads), encryption is not None)
         if key is None:
@@ -168,7 +171,7 @@ class DirectWriter:
         reused = layout is not None and layout.key == key
         if layout is None or not reused:
             layout = self._layout = plan_layout(key, threads, rank)
-        result = VaultStorageWriter(staging, chunk_size, threads, encryption, rank)
+        result = VaultStorageWriter(staging, chunk_size, threads, encryption, rank, on_bytes)
         result.reused_plan = reused
         if indexed:
             result.dcp_json, result.index_plan = {"version": None, "tensors": {}}, layout.index_plan
@@ -179,7 +182,7 @@ class DirectWriter:
         def write_one(planned: PlannedFile) -> WrittenFile:
             pieces = ((name, tensor_bytes(tensors[name])) for name in planned.keys)
             return write_tensor_file(
-                staging, planned.name, planned.header, pieces, chunk_size, encryption
+                staging, planned.name, planned.header, pieces, chunk_size, encryption, on_bytes
             )
 
         if len(layout.files) <= 1:  # no tensors at all: no file

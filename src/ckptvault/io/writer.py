@@ -14,7 +14,7 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -73,16 +73,27 @@ class WrittenChunk:
 
 
 class HashingSink:
-    """Writes to a staging file and hashes exactly the bytes stored."""
+    """Writes to a staging file and hashes exactly the bytes stored; ``on_bytes`` is
+    told the size of each write once it returned (a save's progress, for a hang
+    watchdog: :mod:`ckptvault.saving.save_watch`)."""
 
-    def __init__(self, inner: WritableFile, digester: FileDigester) -> None:
+    def __init__(
+        self,
+        inner: WritableFile,
+        digester: FileDigester,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
         self.inner = inner
         self.digester = digester
+        self.on_bytes = on_bytes
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         self.inner.write(data)
         self.digester.update(data)
-        return len(memoryview(data))
+        size = len(memoryview(data))
+        if self.on_bytes is not None:
+            self.on_bytes(size)
+        return size
 
 
 def chunk_name(item: WriteItem) -> str:
@@ -151,9 +162,12 @@ class VaultStorageWriter(StorageWriter):
         threads: int | None = None,
         encryption: FileEncryption | None = None,
         rank: int = 0,
+        on_bytes: Callable[[int], None] | None = None,
     ) -> None:
+        """``on_bytes``: told each piece of bytes written (from the writer threads)."""
         super().__init__()
         self.staging = staging
+        self.on_bytes = on_bytes
         self.chunk_size = chunk_size
         self.threads = threads or default_threads()
         self.encryption = encryption
@@ -251,7 +265,7 @@ class VaultStorageWriter(StorageWriter):
         self.own_files.append(name)
         pieces = ((chunk_name(item), _resolved_bytes(item, planner)) for item in items)
         written = write_tensor_file(
-            self.staging, name, header, pieces, self.chunk_size, self.encryption
+            self.staging, name, header, pieces, self.chunk_size, self.encryption, self.on_bytes
         )
         self.commit_seconds[name] = written.commit_seconds
         return _results(name, items, header, written.record, written.wrapped_key)
@@ -273,15 +287,18 @@ def write_tensor_file(
     pieces: Iterable[tuple[str, memoryview]],
     chunk_size: int,
     encryption: FileEncryption | None,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> WrittenFile:
     """Write one tensor file into ``staging``: ``header``, then each ``(entry name,
     bytes)`` of ``pieces`` in the header's order (a file name ending in
     ``ENCRYPTED_SUFFIX`` with ``encryption``: a container of it under a fresh data
-    key), hashed as written, then committed (fsync). A failure aborts the file."""
+    key), hashed as written, then committed (fsync). A failure aborts the file.
+    ``on_bytes`` is told each piece written to the store (see :class:`HashingSink`)."""
     digester = FileDigester(chunk_size)
     sink = staging.create_file(name)
     try:
-        out, wrapped_key = _open_output(HashingSink(sink, digester), name, header, encryption)
+        hashing = HashingSink(sink, digester, on_bytes)
+        out, wrapped_key = _open_output(hashing, name, header, encryption)
         out.write(header.header_bytes)
         _write_pieces(out, header, pieces)
         if isinstance(out, EncryptingWriter):

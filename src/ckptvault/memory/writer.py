@@ -29,6 +29,7 @@ from ckptvault.events import MemorySkipped
 from ckptvault.format.layout import GenerationName
 from ckptvault.memory.nodes import NodeMemoryStore, complete_locally, copy_to_peers
 from ckptvault.replication.replicator import copy_generation, find_generation
+from ckptvault.saving.save_watch import SaveWatcher, progress_of, watched
 from ckptvault.storage.listing import GenerationInfo
 from ckptvault.trust.checks import TrustPolicy
 
@@ -63,6 +64,14 @@ class TieredWriter:
         self.durable_ids: set[str] = set()  # generation ids copied into the store
         self._forced: set[int] = set()  # steps whose save must reach the store
         self._next_durable = False  # the next save reaches the store (after a restore)
+        self.watcher: SaveWatcher | None = None
+
+    def watch(self, watcher: SaveWatcher | None) -> None:
+        """Tell ``watcher`` what each save writes, the durable copy included
+        (:mod:`ckptvault.saving.save_watch`)."""
+        self.watcher = watcher
+        self.memory.watch(watcher)
+        self.durable.watch(watcher)
 
     # The generation last saved or restored, and the contract: both writers' own.
     @property
@@ -82,6 +91,12 @@ class TieredWriter:
     ) -> WrittenGeneration | None:
         """One save: into memory (unless it does not fit), and on every
         ``durable_every``-th into the store. None when nothing was written."""
+        with watched(self.watcher):  # one save, from the memory write to the copy
+            return self._write(step, captured, metrics)
+
+    def _write(
+        self, step: int, captured: CapturedState, metrics: dict[str, int | float] | None
+    ) -> WrittenGeneration | None:
         self.saves += 1
         durable = (
             self.saves % self.tier.durable_every == 0 or step in self._forced or self._next_durable
@@ -245,7 +260,12 @@ class TieredWriter:
                 trust = self.memory.trust
                 policy = TrustPolicy(run_id=self.memory.run_id, trusted_keys=trust.trusted)
                 copied = copy_generation(
-                    self.memory.store, ref, self.durable.store, policy, trust.keystore
+                    self.memory.store,
+                    ref,
+                    self.durable.store,
+                    policy,
+                    trust.keystore,
+                    progress_of(self.watcher),
                 )
                 outcome = {"location": copied.location}
             except Exception as exc:  # every rank raises it below

@@ -2,7 +2,9 @@
 
 Every ``save()``, ``should_save()`` and ``heartbeat(step)`` of a manager records
 progress: the step, the wall time, the process id, the rank and the rank's recent
-time per step. :class:`ProgressWriter` keeps it in one tiny JSON file per rank,
+time per step. While a save writes, the record says so (``phase`` ``"saving"``) and
+counts the bytes this process's saves have written (``saved_bytes``): a save that
+writes is progress, one whose writes stopped is not. :class:`ProgressWriter` keeps it in one tiny JSON file per rank,
 ``rank<R>.json``, in a directory that ``ckptvault supervise`` names through
 :data:`PROGRESS_DIR_ENV` (a fresh one for each attempt), or else in
 ``progress/<run>/`` beside the ledger (:func:`default_progress_directory`).
@@ -34,6 +36,7 @@ import math
 import os
 import re
 import stat
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -48,19 +51,23 @@ logger = logging.getLogger("ckptvault")
 
 PROGRESS_DIR_ENV = "CKPTVAULT_PROGRESS_DIR"  # set by ``ckptvault supervise`` per attempt
 RECORD_KIND = "ckptvault.progress"
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: phase and saved_bytes
 WRITE_INTERVAL_S = 0.5  # at most two writes a second per rank
 MAX_RECORD_BYTES = 4096  # a record is ~250 bytes
 MAX_RANK_FILES = 4096  # ranks of one node a watchdog reads; more are ignored
 MAX_RUN_ID_CHARS = 256
+MAX_SAVED_BYTES = 2**63 - 1
+PHASES = ("training", "saving")  # what the rank was doing when it last reported
 _RANK_FILE = re.compile(r"rank(\d{1,7})\.json")
 
 
 @dataclass(frozen=True)
 class ProgressRecord:
     """One rank's last heartbeat. ``beats`` counts this process's heartbeats (a
-    watchdog sees progress when it changes); ``at`` is the writer's wall clock;
-    ``step_seconds`` its recent time per step (None before two steps)."""
+    watchdog sees progress when it, or ``saved_bytes``, changes); ``at`` is the
+    writer's wall clock; ``step_seconds`` its recent time per step (None before two
+    steps); ``phase`` is ``"saving"`` while a save of this process writes, and
+    ``saved_bytes`` counts the bytes its saves have written so far."""
 
     run_id: str
     rank: int
@@ -70,6 +77,8 @@ class ProgressRecord:
     beats: int
     at: float
     step_seconds: float | None = None
+    phase: str = "training"
+    saved_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": RECORD_KIND, "version": RECORD_VERSION, **asdict(self)}
@@ -97,7 +106,7 @@ class ProgressRecord:
         return record
 
     def _type_problem(self) -> str | None:
-        for name in ("rank", "world_size", "pid", "step", "beats"):
+        for name in ("rank", "world_size", "pid", "step", "beats", "saved_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 return f"field {name} must be a non-negative integer, not {value!r}"
@@ -111,6 +120,10 @@ class ProgressRecord:
                 return f"field {name} must be a number, not {value!r}"
             if not math.isfinite(value) or value < 0:
                 return f"field {name} must be finite and not negative, not {value!r}"
+        if self.phase not in PHASES:
+            return f"field phase must be one of {', '.join(PHASES)}, not {str(self.phase)[:40]!r}"
+        if self.saved_bytes > MAX_SAVED_BYTES:
+            return f"field saved_bytes must be at most {MAX_SAVED_BYTES}"
         return None
 
 
@@ -139,8 +152,11 @@ def progress_directory(run_id: str, ledger: str | os.PathLike[str] | None) -> Pa
 class ProgressWriter:
     """Writes one rank's :class:`ProgressRecord`, at most once per ``interval_s``.
 
-    :meth:`offer` is called at every heartbeat and writes only when the last write
-    is ``interval_s`` old (the first always). ``clock`` is monotonic seconds.
+    :meth:`offer` is called at every heartbeat, and by a save's writer threads as
+    they write; it writes only when the last write is ``interval_s`` old (the first
+    always). Safe from any thread: one writes at a time, and a call that finds
+    another writing returns at once (a record is being written right then).
+    ``clock`` is monotonic seconds.
     """
 
     def __init__(
@@ -154,30 +170,43 @@ class ProgressWriter:
         self.interval_s, self._clock = interval_s, clock
         self._last_write: float | None = None
         self._warned = False
+        self._lock = threading.Lock()
+        self.last: ProgressRecord | None = None  # the record last written
         self.writes = 0  # files written (tests count them)
 
-    def offer(self, record: Callable[[], ProgressRecord]) -> bool:
-        """Write ``record()`` if the last write is old enough; whether it wrote.
-        A failure is logged (once) and returns False: progress is never worth a
-        failed training step."""
-        now = self._clock()
-        if self._last_write is not None and now - self._last_write < self.interval_s:
-            return False
-        self._last_write = now
+    def offer(self, record: Callable[[], ProgressRecord], *, force: bool = False) -> bool:
+        """Write ``record()`` if the last write is old enough (``force``: whatever its
+        age, waiting for a write in progress); whether it wrote. A failure is logged
+        (once) and returns False: progress is never worth a failed training step."""
+        if not self._lock.acquire(blocking=force):
+            return False  # another thread is writing a record right now
         try:
-            self._replace(_encode(record()))
-        except OSError as exc:
-            if not self._warned:
-                self._warned = True
-                logger.warning(
-                    "ckptvault: cannot record progress in %s (%s); a hang watchdog "
-                    "(ckptvault supervise --hang-timeout) will not see this rank progress",
-                    self.path,
-                    exc.strerror or exc,
-                )
-            return False
-        self.writes += 1
-        return True
+            now = self._clock()
+            last = self._last_write
+            if not force and last is not None and now - last < self.interval_s:
+                return False
+            self._last_write = now
+            written = record()
+            try:
+                self._replace(_encode(written))
+            except OSError as exc:
+                self._warn(exc)
+                return False
+            self.last = written
+            self.writes += 1
+            return True
+        finally:
+            self._lock.release()
+
+    def _warn(self, exc: OSError) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "ckptvault: cannot record progress in %s (%s); a hang watchdog "
+                "(ckptvault supervise --hang-timeout) will not see this rank progress",
+                self.path,
+                exc.strerror or exc,
+            )
 
     def _replace(self, data: bytes) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)

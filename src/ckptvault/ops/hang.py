@@ -12,7 +12,11 @@ reporting for longer than the limit:
   ``timeout_s`` (the floor; :data:`DEFAULT_FLOOR_S` when not given).
 
 The job's own clock is never trusted: progress is when the supervisor sees a
-rank's record change. Start-up is not watched: until the first report (imports,
+rank's record change: a heartbeat, or a save that wrote more bytes (its record says
+``phase: "saving"`` and counts ``saved_bytes``), so a save that writes for longer
+than the limit is not a hang, and one whose storage stopped answering is (the
+verdict says it stopped during a save). Only heartbeats make the intervals a factor
+scales. Start-up is not watched: until the first report (imports,
 a restore, compilation) nothing can be measured, so a job that hangs before its
 first ``save()``/``heartbeat()`` is not caught. A record the watch cannot read is
 ignored with one warning each.
@@ -29,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptvault.errors import UsageError
-from ckptvault.observe.heartbeat import WRITE_INTERVAL_S, scan_progress
+from ckptvault.observe.heartbeat import WRITE_INTERVAL_S, ProgressRecord, scan_progress
 
 DEFAULT_FLOOR_S = 120.0  # the least a factor-based limit waits (start-up aside)
 MIN_TIMEOUT_S = 2 * WRITE_INTERVAL_S  # a report can lag the last heartbeat this much
@@ -83,6 +87,39 @@ class IntervalHistory:
         return statistics.median(self.intervals) if self.intervals else None
 
 
+@dataclass(frozen=True)
+class _Seen:
+    """What the watch last saw of one rank, and when (the supervisor's clock)."""
+
+    record: ProgressRecord
+    changed_at: float  # the record last changed: any progress
+    beat_at: float  # its heartbeat counter last changed
+
+    def progressed(self, record: ProgressRecord) -> bool:
+        return _progress_of(record) != _progress_of(self.record)
+
+    def new_beat(self, record: ProgressRecord) -> bool:
+        return (record.pid, record.beats) != (self.record.pid, self.record.beats)
+
+
+def _progress_of(record: ProgressRecord) -> tuple[int, int, str, int]:
+    """What changes when a rank progresses: a heartbeat, a save's bytes, its phase
+    (a restarted process is a new pid)."""
+    return (record.pid, record.beats, record.phase, record.saved_bytes)
+
+
+def _where(seen: _Seen, rank: int) -> str:
+    """Where a stalled rank was, for the verdict."""
+    record = seen.record
+    where = f"rank {rank} last reported step {record.step}"
+    if record.phase != "saving":
+        return where
+    return (
+        f"{where}, during a save that stopped writing (the checkpoint storage, or a rank "
+        "the save waits for, stopped answering)"
+    )
+
+
 class HangWatch:
     """Watches one attempt's progress directory; :meth:`check` returns why the job
     hangs, or None. ``clock``: monotonic seconds; ``warn``: told each distinct
@@ -98,7 +135,7 @@ class HangWatch:
     ) -> None:
         self.directory, self.policy, self.history = directory, policy, history
         self._warn, self._clock = warn, clock
-        self._seen: dict[int, tuple[tuple[int, int], float, int]] = {}  # rank: (id, when, step)
+        self._seen: dict[int, _Seen] = {}
         self._read_at: float | None = None
         self._warned: set[str] = set()
 
@@ -109,13 +146,13 @@ class HangWatch:
             self._read(now)
         if not self._seen:
             return None  # nothing reported yet: start-up is not watched
-        rank, (_, when, step) = min(self._seen.items(), key=lambda item: item[1][1])
-        idle, limit = now - when, self.policy.limit(self.history.median())
+        rank, seen = min(self._seen.items(), key=lambda item: item[1].changed_at)
+        idle, limit = now - seen.changed_at, self.policy.limit(self.history.median())
         if idle <= limit:
             return None
         return (
             f"no progress for {idle:.1f} s (limit {limit:g} s: {self.policy.describe()}); "
-            f"rank {rank} last reported step {step}"
+            f"{_where(seen, rank)}"
         )
 
     def _read(self, now: float) -> None:
@@ -125,10 +162,12 @@ class HangWatch:
                 self._warned.add(problem)
                 self._warn(f"hang watchdog: ignoring a progress record: {problem}")
         for record in records:
-            identity = (record.pid, record.beats)
             seen = self._seen.get(record.rank)
-            if seen is not None and seen[0] == identity:
-                continue
-            if seen is not None:
-                self.history.intervals.append(now - seen[1])
-            self._seen[record.rank] = (identity, now, record.step)
+            if seen is None:
+                self._seen[record.rank] = _Seen(record, now, now)
+            elif seen.progressed(record):
+                beat_at = seen.beat_at
+                if seen.new_beat(record):  # a save's bytes are not the job's cadence
+                    self.history.intervals.append(now - seen.beat_at)
+                    beat_at = now
+                self._seen[record.rank] = _Seen(record, now, beat_at)

@@ -38,6 +38,7 @@ from ckptvault.io.state_file import ENCRYPTED_STATE_TAG, write_state_file
 from ckptvault.io.writer import VaultStorageWriter
 from ckptvault.run_context import RunContext
 from ckptvault.saving.indexes import IndexWriter
+from ckptvault.saving.save_watch import SaveWatcher, watched
 from ckptvault.state.capture import CapturedState
 from ckptvault.storage.base import StagingArea
 from ckptvault.storage.listing import GenerationInfo
@@ -116,6 +117,17 @@ class GenerationWriter:
         # False in a writer process: the training process holds the writer lock and
         # removes staging leftovers before each save it sends (saving.writer_process).
         self.clean_staging = True
+        self.watcher: SaveWatcher | None = None  # told as saves write (saving.save_watch)
+
+    def watch(self, watcher: SaveWatcher | None) -> None:
+        """Tell ``watcher`` when each save starts and ends and what it writes (a hang
+        watchdog's progress: :mod:`ckptvault.saving.save_watch`)."""
+        self.watcher = watcher
+
+    @property
+    def on_bytes(self) -> Callable[[int], None] | None:
+        """What a save's writers tell each piece of bytes written (None: nobody)."""
+        return self.watcher.wrote if self.watcher is not None else None
 
     def write(
         self,
@@ -125,7 +137,14 @@ class GenerationWriter:
     ) -> WrittenGeneration:
         """Write, sign and publish one generation (the caller holds the writer lock);
         ``metrics`` (validated) go into the manifest. In a job of several ranks this
-        is collective (:mod:`ckptvault.distributed.save`)."""
+        is collective (:mod:`ckptvault.distributed.save`). The watcher, if any, is
+        told the save's bytes as they are written."""
+        with watched(self.watcher):
+            return self._write(step, captured, metrics)
+
+    def _write(
+        self, step: int, captured: CapturedState, metrics: dict[str, int | float] | None
+    ) -> WrittenGeneration:
         if self.coordinator.world_size > 1:
             if self.collective is None:
                 raise UsageError(
@@ -260,6 +279,7 @@ class GenerationWriter:
             rank=self.coordinator.rank,
             direct=self._direct,
             indexed=self.format_version >= INDEXED_SINCE_FORMAT,
+            on_bytes=self.on_bytes,
         )
 
     def write_state(
