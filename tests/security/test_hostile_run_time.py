@@ -120,3 +120,35 @@ def test_a_planned_policy_whose_job_mtbf_is_no_number_is_refused_on_every_rank()
         with pytest.raises(UsageError, match="MTBF"):
             cv.Planned(**arguments)
     assert cv.Planned(mtbf_hours=50_000, nodes=64).schedule(0.0).due(1, 0.0) is False
+
+
+def test_a_peers_step_time_no_float_holds_is_refused_on_rank_0_not_raised(caplog):
+    """A rank sends ``{"step_s": 10**400}`` in the step-time exchange: bounded JSON
+    allows 400 digits, and ``math.isfinite`` then raised OverflowError on rank 0 alone,
+    an untyped error out of its heartbeat while the other ranks went on. It is a
+    refused message: logged on rank 0, the last figures kept, every rank carries on."""
+    from ckptvault.observe.stragglers import exchange_step_times
+
+    class Rank0:
+        rank, world_size, is_coordinator = 0, 2, True
+
+        def gather(self, value: object) -> list:
+            return [value, {"step_s": 10**400}]
+
+    assert exchange_step_times(Rank0(), 1.0) is None  # type: ignore[arg-type]
+    assert "out of range" in caplog.text or "not a number" in caplog.text
+
+
+def test_a_step_time_no_float_holds_is_a_usage_error(tmp_path: Path):
+    """heartbeat(step, step_seconds=10**400) raised OverflowError, not the UsageError
+    that every other bad step time gets."""
+    import pytest
+
+    from ckptvault.errors import UsageError
+
+    store = tmp_path / "store"
+    with (
+        cv.CheckpointManager(store, run_id="r", catalog=False) as mgr,
+        pytest.raises(UsageError, match="step_seconds"),
+    ):
+        mgr.heartbeat(1, step_seconds=10**400)

@@ -83,7 +83,8 @@ class StepClock:
 def _checked_seconds(value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise UsageError(f"step_seconds={value!r}: give the step's duration in seconds")
-    if not (math.isfinite(value) and 0 <= value <= MAX_STEP_SECONDS):
+    # The range first: comparing an int to a float is exact, math.isfinite(10**400) raises.
+    if not (0 <= value <= MAX_STEP_SECONDS and math.isfinite(value)):
         raise UsageError(f"step_seconds={value!r}: give a finite number of seconds >= 0")
     return float(value)
 
@@ -127,7 +128,8 @@ def _peer_seconds(message: Any, rank: int) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise PeerMessageError(f"rank {rank} sent a step time {value!r} that is not a number")
-    if not (math.isfinite(value) and 0 <= value <= MAX_STEP_SECONDS):
+    # The range first: a peer's 10**400 is valid JSON, and math.isfinite would raise on it.
+    if not (0 <= value <= MAX_STEP_SECONDS and math.isfinite(value)):
         raise PeerMessageError(f"rank {rank} sent a step time {value!r} out of range")
     return float(value)
 
