@@ -152,3 +152,16 @@ def test_a_step_time_no_float_holds_is_a_usage_error(tmp_path: Path):
         pytest.raises(UsageError, match="step_seconds"),
     ):
         mgr.heartbeat(1, step_seconds=10**400)
+
+
+def test_a_policy_number_no_float_holds_is_a_usage_error():
+    """cv.Every(seconds=10**400) raised OverflowError (math.isfinite of the int), not
+    the UsageError every other bad number gets."""
+    import pytest
+
+    from ckptvault.errors import UsageError
+
+    with pytest.raises(UsageError, match="seconds"):
+        cv.Every(seconds=10**400)
+    with pytest.raises(UsageError, match="mtbf_hours"):
+        cv.Planned(mtbf_hours=10**400)

@@ -88,16 +88,17 @@ def _whole_number(owner: str, name: str, value: object, example: str) -> int:
 
 
 def _seconds(owner: str, name: str, value: object, example: str) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise UsageError(
-            f"{owner}: {name}={value!r} is not a finite number above zero; give e.g. {example}"
-        )
-    return float(value)
+    number = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an int past float's range: math.isfinite would raise too
+            number = math.inf
+    if not math.isfinite(number) or number <= 0:
+        huge = isinstance(value, int) and number == math.inf  # its repr may raise too
+        shown = f"{name}=(an integer past float's range)" if huge else f"{name}={value!r}"
+        raise UsageError(f"{owner}: {shown} is not a finite number above zero; give e.g. {example}")
+    return number
 
 
 def _duration(seconds: float) -> str:
