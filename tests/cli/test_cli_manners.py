@@ -5,6 +5,7 @@ that agrees with the defaults it shows, exit codes for things that are not there
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -141,3 +142,30 @@ def test_ctrl_c_during_an_export_leaves_no_file_behind(tmp_path):
     assert process.returncode == 130, (process.returncode, _said(err))
     assert _said(err) == ["interrupted"]
     assert list(out.iterdir()) == []  # neither the file nor its temporary
+
+
+def test_s3_without_credentials_says_where_boto3_looks(s3_bucket, s3_endpoint):
+    """A real S3 server answers; boto3 has no credentials to sign with."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_EC2_METADATA_DISABLED="true", AWS_DEFAULT_REGION="us-east-1")
+    env.update(AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull)
+    result = subprocess.run(
+        [sys.executable, "-m", "ckptvault", "ls", f"s3://{s3_bucket}/run",
+         "--s3-endpoint-url", s3_endpoint],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert result.returncode == 2 and result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("ckptvault: error: ") and "[Errno" not in line
+    for place in (
+        "NoCredentialsError",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_PROFILE",
+        "~/.aws/credentials",
+        "metadata",
+        "--s3-endpoint-url",
+        "AWS_ENDPOINT_URL",
+        f"(now {s3_endpoint})",
+    ):
+        assert place in line, (place, line)

@@ -166,7 +166,12 @@ def _is_cloud_error(exc: BaseException) -> bool:
 
 
 def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
+    """The error's message on one line; an OSError without its ``[Errno N]`` prefix
+    (the message says what failed; the number tells a user nothing)."""
+    text = str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        text = exc.strerror if exc.filename is None else f"{exc.strerror}: {exc.filename}"
+    return " ".join(text.split())
 
 
 def _version() -> str:

@@ -51,11 +51,41 @@ def _boto_errors() -> tuple[type[Exception], ...]:
     return (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError)
 
 
-def translate(exc: Exception, what: str) -> S3Error:
-    """``exc`` (a boto3 exception) as an :class:`S3Error` saying ``what`` failed."""
+# What to check when boto3 had no answer from S3 because of the environment, by the
+# botocore exception's name: where boto3 looks, and how ckptvault names the endpoint.
+_CREDENTIALS = (
+    "boto3 found no usable AWS credentials; it looks, in order, at the environment "
+    "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, with AWS_SESSION_TOKEN for temporary "
+    "ones), the profile AWS_PROFILE names (else [default]) in ~/.aws/credentials and "
+    "~/.aws/config (AWS_SHARED_CREDENTIALS_FILE, AWS_CONFIG_FILE move them), and the "
+    "instance or container metadata service (an IAM role)"
+)
+_ENDPOINT = (
+    "the endpoint is s3_endpoint_url= (--s3-endpoint-url) or AWS_ENDPOINT_URL, else AWS's "
+    "own for the region"
+)
+_HINTS = {
+    "NoCredentialsError": _CREDENTIALS,
+    "PartialCredentialsError": _CREDENTIALS,
+    "CredentialRetrievalError": _CREDENTIALS,
+    "NoRegionError": "set AWS_DEFAULT_REGION (or region in the profile's ~/.aws/config)",
+    "EndpointConnectionError": "nothing answered at the endpoint: check it",
+    "ConnectTimeoutError": "nothing answered at the endpoint: check it",
+}
+
+
+def translate(exc: Exception, what: str, endpoint: str | None = None) -> S3Error:
+    """``exc`` (a boto3 exception) as an :class:`S3Error` saying ``what`` failed (at
+    ``endpoint``, when known); an error of the environment (credentials, region, an
+    endpoint that does not answer) says where boto3 looks for what is missing."""
     response = getattr(exc, "response", None)
     if not isinstance(response, dict):  # no answer from S3: network, credentials
-        return S3Error(errno.EIO, f"{what}: {type(exc).__name__}: {exc}", type(exc).__name__)
+        name = type(exc).__name__
+        hint = _HINTS.get(name)
+        if hint is None:
+            return S3Error(errno.EIO, f"{what}: {name}: {exc}", name)
+        used = f" (now {endpoint})" if endpoint else ""
+        return S3Error(errno.EIO, f"{what}: {exc} ({name}): {hint}; {_ENDPOINT}{used}", name)
     error = response.get("Error") or {}
     status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
     code = str(error.get("Code") or status or "unknown")
@@ -99,6 +129,10 @@ class S3Client:
     def url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
 
+    def translate(self, exc: Exception, what: str) -> S3Error:
+        endpoint = getattr(getattr(self.raw, "meta", None), "endpoint_url", None)
+        return translate(exc, what, endpoint if isinstance(endpoint, str) else None)
+
     def call(self, operation: str, key: str | None = None, **params: Any) -> dict[str, Any]:
         """``operation`` (a boto3 client method name) on ``key`` of this bucket."""
         if key is not None:
@@ -107,7 +141,7 @@ class S3Client:
             result: dict[str, Any] = getattr(self.raw, operation)(Bucket=self.bucket, **params)
         except _boto_errors() as exc:
             where = self.url(key) if key is not None else f"s3://{self.bucket}"
-            raise translate(exc, f"{operation} {where}") from exc
+            raise self.translate(exc, f"{operation} {where}") from exc
         return result
 
     def get_bytes(self, key: str, **params: Any) -> tuple[bytes, dict[str, Any]]:
@@ -116,7 +150,7 @@ class S3Client:
         try:
             return response["Body"].read(), response
         except _boto_errors() as exc:
-            raise translate(exc, f"reading {self.url(key)}") from exc
+            raise self.translate(exc, f"reading {self.url(key)}") from exc
         finally:
             response["Body"].close()
 
@@ -127,7 +161,7 @@ class S3Client:
             for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
                 yield from page.get("Contents", ())
         except _boto_errors() as exc:
-            raise translate(exc, f"listing {self.url(prefix)}") from exc
+            raise self.translate(exc, f"listing {self.url(prefix)}") from exc
 
     def list_uploads(self, prefix: str) -> Iterator[dict[str, Any]]:
         """Incomplete multipart uploads under ``prefix`` (``Key``, ``UploadId``, ``Initiated``)."""
@@ -136,7 +170,7 @@ class S3Client:
             for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
                 yield from page.get("Uploads", ())
         except _boto_errors() as exc:
-            raise translate(exc, f"listing uploads under {self.url(prefix)}") from exc
+            raise self.translate(exc, f"listing uploads under {self.url(prefix)}") from exc
 
     def list_parts(self, key: str, upload_id: str) -> Iterator[dict[str, Any]]:
         paginator = self.raw.get_paginator("list_parts")
@@ -144,7 +178,7 @@ class S3Client:
             for page in paginator.paginate(Bucket=self.bucket, Key=key, UploadId=upload_id):
                 yield from page.get("Parts", ())
         except _boto_errors() as exc:
-            raise translate(exc, f"listing the parts of an upload to {self.url(key)}") from exc
+            raise self.translate(exc, f"listing the parts of an upload to {self.url(key)}") from exc
 
     def delete_keys(self, keys: list[str]) -> None:
         """Delete ``keys`` in batches of at most 1000; already missing is fine."""
@@ -174,7 +208,7 @@ class S3Client:
                 for marker in page.get("DeleteMarkers", ()):
                     yield {**marker, "DeleteMarker": True}
         except _boto_errors() as exc:
-            raise translate(exc, f"listing the versions under {self.url(prefix)}") from exc
+            raise self.translate(exc, f"listing the versions under {self.url(prefix)}") from exc
 
     def delete_versions(self, versions: list[tuple[str, str]]) -> dict[str, str]:
         """Delete ``(key, version id)`` pairs in batches of at most 1000; returns, by
