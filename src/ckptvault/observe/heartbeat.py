@@ -36,6 +36,7 @@ import math
 import os
 import re
 import stat
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -118,7 +119,9 @@ class ProgressRecord:
                 continue
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 return f"field {name} must be a number, not {value!r}"
-            if not math.isfinite(value) or value < 0:
+            # The range first: comparing an int to a float is exact, while math.isfinite
+            # of a JSON integer past float's range (10**400) raises OverflowError.
+            if not 0 <= value <= sys.float_info.max or not math.isfinite(value):
                 return f"field {name} must be finite and not negative, not {value!r}"
         if self.phase not in PHASES:
             return f"field phase must be one of {', '.join(PHASES)}, not {str(self.phase)[:40]!r}"
