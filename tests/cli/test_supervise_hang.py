@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -314,3 +315,78 @@ def test_a_deadlocked_job_is_killed_recorded_as_a_hang_and_restarted(tmp_path: P
     assert "rank 0 last reported step" in attempts[0].reason
     logged = [json.loads(line) for line in log.read_text().splitlines()]
     assert logged[0]["hung"].startswith("no progress for")
+
+
+# -- a real job whose save outlasts the limit -------------------------------------------
+
+
+SAVING_JOB = """
+    import sys, time
+    import torch
+    import ckptvault as cv
+    from ckptvault.ops.drills.storage import ThrottledStore
+    from ckptvault.storage import open_store
+
+    MIB = 2**20
+    # 24 writes of 1 MiB at 8 MiB/s: a synchronous save of about 3 s, writing all along.
+    store = ThrottledStore(open_store(sys.argv[1]), bytes_per_s=8 * MIB)
+    if sys.argv[2] == "stall":
+        throttle, writes = store.throttle.consume, []
+
+        def consume(nbytes):
+            writes.append(nbytes)
+            if len(writes) == 12:
+                time.sleep(60)  # the storage stops answering in the middle of the save
+            throttle(nbytes)
+
+        store.throttle.consume = consume
+    state = {f"layer{i}": torch.ones(MIB // 4) for i in range(24)}
+    with cv.CheckpointManager(store, run_id="slow-save", catalog=False, threads=1) as mgr:
+        for step in range(3):
+            mgr.heartbeat(step)
+            time.sleep(0.05)
+        started = time.monotonic()
+        mgr.save(3, state)
+        print(f"saved in {time.monotonic() - started:.1f} s", flush=True)
+        mgr.heartbeat(4)
+"""
+
+
+def supervise_saving_job(tmp_path: Path, mode: str) -> tuple[Any, list[dict[str, Any]]]:
+    """``supervise --hang-timeout 1.5`` of :data:`SAVING_JOB` (no restart); what it
+    returned and its attempt log. (1 s, the least allowed, would hold too: a record
+    changes at least every 0.5 s while bytes flow and is read every 0.25 s; the
+    margin is for a machine loaded by parallel tests.)"""
+    script, log = tmp_path / "job.py", tmp_path / "attempts.jsonl"
+    script.write_text(textwrap.dedent(SAVING_JOB))
+    result = run_cli(
+        "supervise",
+        "--hang-timeout", "1.5",
+        "--grace-seconds", "0.5",
+        "--max-restarts", "0",
+        "--no-catalog",
+        "--log", str(log),
+        "--",
+        sys.executable, str(script), str(tmp_path / "store"), mode,
+        timeout=120,
+    )  # fmt: skip
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    return result, [entry for entry in logged if entry.get("event") == "attempt"]
+
+
+def test_a_save_writing_longer_than_the_limit_is_not_a_hang(tmp_path: Path) -> None:
+    result, attempts = supervise_saving_job(tmp_path, "steady")
+    assert result.returncode == 0, result.stderr
+    assert "hang:" not in result.stderr
+    assert [(a["attempt"], a["kind"]) for a in attempts] == [(1, "success")]
+    seconds = float(result.stdout.split("saved in ")[1].split(" s")[0])
+    assert seconds > 2.5, result.stdout  # the save did outlast the limit: what is tested
+
+
+def test_a_save_whose_writes_stop_is_a_hang_during_the_save(tmp_path: Path) -> None:
+    result, attempts = supervise_saving_job(tmp_path, "stall")
+    assert result.returncode != 0 and "saved in" not in result.stdout
+    assert [(a["attempt"], a["kind"]) for a in attempts] == [(1, "hang")]
+    assert attempts[0]["hung"].startswith("no progress for")
+    assert "rank 0 last reported step 3, during a save that stopped writing" in attempts[0]["hung"]
+    assert "during a save" in result.stderr
