@@ -29,3 +29,23 @@ def test_a_progress_record_with_a_number_no_float_holds_is_refused_not_raised(tm
     warned: list[str] = []
     watch = HangWatch(tmp_path, HangPolicy(timeout_s=60), IntervalHistory(), warned.append)
     assert watch.check() is None and len(warned) == 2
+
+
+def test_a_directory_for_a_rank_file_leaks_no_descriptor(tmp_path: Path):
+    """A process of the job makes ``rank0.json`` a directory. Opening it succeeded,
+    ``os.fdopen`` then raised IsADirectoryError and the descriptor was never closed:
+    one leaked per read, four reads a second, until the supervisor could open nothing
+    (EMFILE: no listing, no restart). It is refused as not a plain file, and closed."""
+    import os
+
+    import pytest
+
+    from ckptvault.errors import UnsafeEntryError
+    from ckptvault.observe.heartbeat import read_progress
+
+    (tmp_path / "rank0.json").mkdir()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        with pytest.raises(UnsafeEntryError, match="not a plain file"):
+            read_progress(tmp_path / "rank0.json")
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -243,10 +243,14 @@ def read_progress(path: Path) -> ProgressRecord:
                 f"{where} is a symlink; the watchdog does not follow it"
             ) from None
         raise
-    with os.fdopen(fd, "rb", buffering=0) as handle:
+    # The descriptor itself, closed whatever happens: os.fdopen of a directory raises
+    # and leaves it open, one leaked per read until the supervisor can open nothing.
+    try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise UnsafeEntryError(f"{where} is not a plain file; the watchdog ignores it")
-        data = handle.read(MAX_RECORD_BYTES + 1) or b""
+        data = os.read(fd, MAX_RECORD_BYTES + 1)
+    finally:
+        os.close(fd)
     raw = loads_bounded(data, where, max_depth=4, max_bytes=MAX_RECORD_BYTES)
     return ProgressRecord.from_json(raw, where)
 
