@@ -169,3 +169,22 @@ def test_s3_without_credentials_says_where_boto3_looks(s3_bucket, s3_endpoint):
         f"(now {s3_endpoint})",
     ):
         assert place in line, (place, line)
+
+
+@pytest.mark.parametrize(
+    ("args", "said", "unsaid"),
+    [
+        (["gc", "{store}", "--keep-last", "0"], ["--keep-last", "1 or more"], ["int", "None"]),
+        (["export", "{store}", "--out", "{tmp}"], ["--out", "is a directory"], [".tmp", "out="]),
+        (["consolidate", "{store}", "{store}/hf"], ["outside it"], ["out_dir", "out="]),
+    ],
+    ids=["keep-last", "export-out", "consolidate-out"],
+)
+def test_errors_in_plain_words(finished_run, tmp_path, args, said, unsaid):
+    store = finished_run[0]
+    result = run_cli(*(a.format(store=store, tmp=tmp_path) for a in args))
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    for words in said:
+        assert words in result.stderr, (words, result.stderr)
+    for words in unsaid:
+        assert words not in result.stderr, (words, result.stderr)

@@ -37,6 +37,10 @@ FLAGS = {
     "metric": "--metric",
     "mode": "--mode",
     "delete_delay": "--delete-delay",
+    "out": "--out",
+    "max_shard_size": "--max-shard-size",
+    "prefix": "--prefix",
+    "generations": "--generations",
 }
 
 _SPELLING = re.compile(

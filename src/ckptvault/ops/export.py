@@ -133,6 +133,11 @@ def _write_entry(
     where = f"generation {manifest.generation_id}"
     aliases = tensor_aliases(view, key, manifest.dcp["tensors"], where)  # tied weights
     tensors = prefixed_tensors(manifest, prefix, target, aliases)
+    if out_path.is_dir():  # else the rename at the end fails, naming a temporary file
+        raise UsageError(
+            f"out={out_path} is a directory; give the file to write, e.g. "
+            f"{out_path / 'model.safetensors'}"
+        )
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _ensure_room(out_path, sum(t.nbytes for t in tensors), len(aliases))
     metadata = _file_metadata(manifest, ckptvault_entry=key)
@@ -270,12 +275,15 @@ def consolidate_weights(
     ``layer.weight``). The generation is chosen and checked, and its bytes verified,
     as by :func:`export_weights`; on failure nothing is left. Audited."""
     if max_shard_size < 1:
-        raise UsageError(f"max_shard_size must be a positive byte count, not {max_shard_size}")
+        raise UsageError(f"max_shard_size={max_shard_size} must be a positive byte count")
     target = _cast_to(dtype)
     trust, store = _open(store_dir, s3, None, trusted_keys, keystore, ledger, audit_log)
     directory = Path(os.path.abspath(os.fspath(out)))
     if store.holds_path(directory):
-        raise UsageError(f"{directory} is inside the checkpoint store {store.location}")
+        raise UsageError(
+            f"{directory} is inside the checkpoint store {store.location}: nothing may be "
+            "written into a store but generations; give an output directory outside it"
+        )
 
     def write(manifest: Manifest, tree: Any, source: VerifiedRanges) -> ConsolidateResult:
         tensors = prefixed_tensors(manifest, prefix, target, _entry_aliases(manifest, tree, prefix))

@@ -162,7 +162,10 @@ def _count(value: object, what: str) -> int | None:
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise UsageError(f"Retention({what}=...) must be a positive int or None, got {value!r}")
+        raise UsageError(
+            f"Retention({what}=...) must be a whole number of 1 or more, got {value!r} "
+            "(leave it out for no such rule)"
+        )
     return value
 
 
