@@ -3,6 +3,8 @@ it refuses; a save records its bytes as it writes them."""
 
 from __future__ import annotations
 
+import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,30 @@ def test_a_save_that_fails_leaves_the_training_phase(
         watched_save(tmp_path, monkeypatch, fail_at=4)
     (after,), _ = scan_progress(tmp_path / "progress")
     assert after.phase == "training" and after.saved_bytes > 2 * MIB
+
+
+def test_a_preemptions_final_save_reports_as_it_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(PROGRESS_DIR_ENV, str(tmp_path / "progress"))
+    preemptible = cv.CheckpointManager(
+        tmp_path / "store", run_id="r", catalog=False, save_on_signal=(signal.SIGUSR1,)
+    )
+    with preemptible as mgr:
+        writer = mgr._progress.writer
+        written: list[tuple[str, int]] = []
+        replace = writer._replace
+
+        def spy(data: bytes) -> None:
+            record = json.loads(data)
+            written.append((record["phase"], record["saved_bytes"]))
+            replace(data)
+
+        monkeypatch.setattr(writer, "_replace", spy)
+        mgr.heartbeat(1)
+        signal.raise_signal(signal.SIGUSR1)  # the scheduler's notice
+        with pytest.raises(cv.Preempted):
+            mgr.save(2, {"w": torch.ones(MIB // 4)})
+    # Said as the final save began and once it ended, whatever the throttle.
+    assert ("saving", 0) in written
+    assert written[-1][0] == "training" and written[-1][1] > MIB
