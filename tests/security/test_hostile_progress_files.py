@@ -49,3 +49,22 @@ def test_a_directory_for_a_rank_file_leaks_no_descriptor(tmp_path: Path):
         with pytest.raises(UnsafeEntryError, match="not a plain file"):
             read_progress(tmp_path / "rank0.json")
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_done_record_that_is_a_directory_is_refused_by_name_and_closed(tmp_path: Path):
+    """The supervisor and ``status --done-file`` read the DONE record the job writes.
+    A directory there raised IsADirectoryError ('Is a directory: 3', the descriptor's
+    number, not the path) and leaked the descriptor, as progress files did."""
+    import os
+
+    import pytest
+
+    from ckptvault.errors import UnsafeEntryError
+    from ckptvault.ops.done import read_done_record
+
+    (tmp_path / "DONE").mkdir()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with pytest.raises(UnsafeEntryError, match="not a plain file"):
+            read_done_record(tmp_path / "DONE")
+    assert len(os.listdir("/proc/self/fd")) == before

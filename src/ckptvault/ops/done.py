@@ -187,14 +187,18 @@ def _read_plain_file(where: str, limit: int) -> bytes:
                 "must write the record itself (ckptvault.ops.done.write_done_record)"
             ) from exc
         raise
-    with os.fdopen(fd, "rb", buffering=0) as handle:
+    # The descriptor itself, closed whatever happens: os.fdopen of a directory raises
+    # (naming the descriptor's number, not the path) and leaves it open.
+    try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise UnsafeEntryError(
                 f"DONE record {where} is not a plain file (a FIFO, device or directory); "
                 "refusing to read it: the job must write the record with write_done_record"
             )
         os.set_blocking(fd, True)
-        return handle.read(limit) or b""
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
 
 
 def check_done_record(
