@@ -152,3 +152,16 @@ def test_a_preemptions_final_save_reports_as_it_writes(
     # Said as the final save began and once it ended, whatever the throttle.
     assert ("saving", 0) in written
     assert written[-1][0] == "training" and written[-1][1] > MIB
+
+
+def test_a_memory_tiers_durable_copy_reports_its_bytes_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(PROGRESS_DIR_ENV, str(tmp_path / "progress"))
+    tier = cv.MemoryTier(path=tmp_path / "memory", keep=1, durable_every=1)
+    with cv.CheckpointManager(
+        tmp_path / "store", run_id="r", catalog=False, memory_tier=tier
+    ) as mgr:
+        mgr.save(1, {"w": torch.ones(MIB // 4)})
+        saved = mgr._progress.saved_bytes
+    assert saved > 2 * MIB  # written into memory, then copied into the store
