@@ -165,3 +165,14 @@ def test_a_memory_tiers_durable_copy_reports_its_bytes_too(
         mgr.save(1, {"w": torch.ones(MIB // 4)})
         saved = mgr._progress.saved_bytes
     assert saved > 2 * MIB  # written into memory, then copied into the store
+
+
+def test_a_background_save_reports_its_bytes_and_ends_in_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(PROGRESS_DIR_ENV, str(tmp_path / "progress"))
+    with cv.CheckpointManager(tmp_path / "store", run_id="r", catalog=False) as mgr:
+        mgr.save(1, {"w": torch.ones(MIB // 4)}, blocking=False)
+        mgr.wait()
+        after = read_progress(mgr._progress.writer.path)
+    assert after.phase == "training" and after.saved_bytes > MIB
