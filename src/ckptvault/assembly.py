@@ -26,6 +26,7 @@ from ckptvault.memory.attach import attach_memory_tier
 from ckptvault.memory.tier import MemoryTier
 from ckptvault.memory.writer import TieredWriter
 from ckptvault.observe.catalog import validated_generations
+from ckptvault.observe.catalog_prune import DEFAULT_KEEP_DAYS
 from ckptvault.observe.catalog_recorder import (
     CatalogOption,
     resolve_catalog_path,
@@ -65,6 +66,7 @@ class ManagerOptions(TypedDict, total=False):
     ledger: str | os.PathLike[str] | None
     audit_log: str | os.PathLike[str] | None
     catalog: CatalogOption
+    catalog_keep_days: float | None
     max_fallback: int | None
     async_save: bool
     async_mode: str
@@ -125,7 +127,12 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
     coordinator = options.get("coordinator") or _default_coordinator(options)
     events = EventBus(trust.subscribers())
     recorder = subscribe_catalog(
-        events, store, coordinator, options.get("catalog"), options.get("ledger")
+        events,
+        store,
+        coordinator,
+        options.get("catalog"),
+        options.get("ledger"),
+        options.get("catalog_keep_days", DEFAULT_KEEP_DAYS),
     )
     replicator = Replicator.attach(
         store, replicate_to, events, trust, config.run_id, s3 if _is_s3(replicate_to) else None

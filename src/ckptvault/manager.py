@@ -77,6 +77,9 @@ class CheckpointManager:
             whenever any trust feature is on.
         catalog: the SQLite catalog of generations, save and restore timings and
             failures (default beside the ledger; ``False``: off). See ``ckptvault catalog``.
+        catalog_keep_days: rows of saves, restores, validations and attempts older than
+            this many days are pruned from the catalog when the manager first writes it
+            (default 90; ``None``: never). ``ckptvault catalog --prune-older-than DAYS``.
         max_fallback: how many newer generations that fail verification restore may
             skip before it raises ``RollbackError`` (``None``: any; 2 is recommended).
         async_save: make ``save`` asynchronous by default (copy, return, write in the

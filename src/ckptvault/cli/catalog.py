@@ -6,12 +6,15 @@ ledger; ``--catalog PATH`` that file. ``--json`` prints one object with the list
 ``saves``, ``restores``, ``failures``, ``generations`` and ``attempts`` (starts of
 jobs under ``ckptvault supervise``; not with ``--store``: attempts are not recorded
 per store). ``--store`` naming a store the catalog records nothing of is an error
-(exit 2) that names the stores it does record.
+(exit 2) that names the stores it does record. ``--prune-older-than DAYS`` first
+deletes the rows of events older than DAYS (:mod:`ckptvault.observe.catalog_prune`;
+a manager prunes at 90 days by default, ``catalog_keep_days=``).
 """
 
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -20,6 +23,7 @@ from ckptvault.cli._common import (
     CatalogLedgerOption,
     CatalogPathOption,
     catalog_file,
+    err,
     human_bytes,
     out,
     print_json,
@@ -35,6 +39,7 @@ from ckptvault.observe.catalog import (
     store_key,
 )
 from ckptvault.observe.catalog_attempts import AttemptRecord, recent_attempts
+from ckptvault.observe.catalog_prune import DEFAULT_KEEP_DAYS, check_keep_days, prune
 
 _STORES_SHOWN = 5  # stores named when --store names one the catalog does not know
 SAVE_STAGES = ("stage", "write", "fsync", "publish")
@@ -50,10 +55,21 @@ def catalog(
     run_id: Annotated[str | None, typer.Option("--run-id", help="Only this run.")] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, help="Rows per list.")] = 20,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False,
+    prune_older_than: Annotated[
+        float | None,
+        typer.Option(
+            "--prune-older-than",
+            metavar="DAYS",
+            help="First delete rows of saves, restores, validations and attempts older than "
+            f"DAYS (a manager does this at {DEFAULT_KEEP_DAYS:g} days by default).",
+        ),
+    ] = None,
 ) -> None:
     """Show recent saves (with stage timings), restores and failures from the catalog."""
     path = catalog_file(ledger, catalog_path, required=True)
     assert path is not None  # required: an error otherwise
+    if prune_older_than is not None:
+        _prune(path, prune_older_than, as_json)
     key = store_key(store) if store is not None else None
     with Catalog(path) as book:
         saves = book.recent_saves(key, run_id, limit)
@@ -81,6 +97,14 @@ def catalog(
     _print_restores(restores)
     _print_failures(failures)
     _print_attempts(attempts)
+
+
+def _prune(path: Path, days: float, as_json: bool) -> None:
+    check_keep_days(days, "--prune-older-than")
+    with Catalog(path) as book:
+        removed = prune(book, days)
+    note = ", ".join(f"{count} {table}" for table, count in removed.items())
+    (err if as_json else out).print(f"pruned rows older than {days:g} days: {note}")
 
 
 def _unknown_store(book: Catalog, store: str, path: object) -> None:

@@ -33,6 +33,7 @@ from ckptvault.events import (
     Validated,
 )
 from ckptvault.observe.catalog import Catalog, default_catalog_path
+from ckptvault.observe.catalog_prune import DEFAULT_KEEP_DAYS, check_keep_days, prune
 from ckptvault.storage.base import Store
 from ckptvault.trust.ledger import default_ledger_path
 
@@ -74,8 +75,9 @@ class CatalogRecorder:
     recorder holds nothing open between saves and needs no closing; it is called
     from the save worker and replication threads as well as the caller's."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, keep_days: float | None = DEFAULT_KEEP_DAYS) -> None:
         self.path = path
+        self.keep_days = keep_days  # prune older rows at the first write (None: never)
 
     def __call__(self, event: Event) -> None:
         if not isinstance(event, RECORDED):
@@ -83,6 +85,9 @@ class CatalogRecorder:
         try:
             with Catalog(self.path) as catalog:
                 catalog.record(event)
+                if self.keep_days is not None:
+                    keep_days, self.keep_days = self.keep_days, None  # once per manager
+                    prune(catalog, keep_days)
         except Exception as exc:  # a record of what happened; never worth failing for
             logger.warning(
                 "%s, but recording it in the catalog %s failed: %s: %s (the catalog misses "
@@ -100,6 +105,7 @@ def subscribe_catalog(
     coordinator: Coordinator,
     option: CatalogOption,
     ledger: str | os.PathLike[str] | None,
+    keep_days: float | None = DEFAULT_KEEP_DAYS,
 ) -> CatalogRecorder | None:
     """Subscribe the catalog the options ask for to ``events`` (on the coordinator
     only); returns it, or None when it is off or this rank does not write it.
@@ -118,6 +124,6 @@ def subscribe_catalog(
         )
     if not coordinator.is_coordinator:
         return None
-    recorder = CatalogRecorder(path)
+    recorder = CatalogRecorder(path, check_keep_days(keep_days))
     events.subscribe(recorder)
     return recorder
