@@ -2,18 +2,20 @@
 
 Every ``save()``, ``should_save()`` and ``heartbeat(step)`` of a manager records
 progress: the step, the wall time, the process id, the rank and the rank's recent
-time per step. While a save writes, the record says so (``phase`` ``"saving"``) and
+time per step. While a save runs, the record says so (``phase`` ``"saving"``) and
 counts the bytes this process's saves have written (``saved_bytes``): a save that
-writes is progress, one whose writes stopped is not. :class:`ProgressWriter` keeps it in one tiny JSON file per rank,
-``rank<R>.json``, in a directory that ``ckptvault supervise`` names through
-:data:`PROGRESS_DIR_ENV` (a fresh one for each attempt), or else in
-``progress/<run>/`` beside the ledger (:func:`default_progress_directory`).
+writes is progress, one whose writes stopped is not. :class:`ProgressWriter` keeps
+it in one tiny JSON file per rank, ``rank<R>.json``, in a directory that ``ckptvault
+supervise`` names through :data:`PROGRESS_DIR_ENV` (a fresh one for each attempt),
+or else in ``progress/<run>/`` beside the ledger (:func:`default_progress_directory`).
 
 Writing is cheap by construction: at most one write per :data:`WRITE_INTERVAL_S`
-seconds, whatever the step rate; each write is a whole new file renamed over the
-old one (a reader never sees half a record), and never fsynced: a record lost in
-a power cut is progress nobody is waiting for any more. A write that fails is
-logged once and never fails the training step.
+seconds, whatever the step rate or the bytes a save writes (plus one as a save
+starts and one as it ends: :mod:`ckptvault.observe.progress_reporter`); each write
+is a whole new file renamed over the old one (a reader never sees half a record;
+one thread writes at a time), and never fsynced: a record lost in a power cut is
+progress nobody is waiting for any more. A write that fails is logged once and
+never fails the training step.
 
 Reading is for a watchdog in another process, and the file is untrusted input:
 whoever runs the job can put anything there. :func:`read_progress` opens plain
