@@ -18,9 +18,9 @@ from typing import Annotated, Any
 
 import typer
 
-from ckptvault._entry import Interrupted, interrupted
 from ckptvault.cli import audit, keys
 from ckptvault.cli._common import safe_text
+from ckptvault.cli._interrupt import Interrupted, interrupted
 from ckptvault.cli._wording import cli_wording
 from ckptvault.cli.catalog import catalog
 from ckptvault.cli.consolidate import consolidate
@@ -190,6 +190,6 @@ def _fail(reason: str, code: int) -> int:
 
 
 def run() -> None:
-    """The console script's entry (``ckptvault.cli:run``); ``ckptvault._entry.run``
+    """Exit with :func:`main`'s status; ``ckptvault.__main__.run`` (the console script)
     also catches a Ctrl-C during the imports before it."""
     sys.exit(main())

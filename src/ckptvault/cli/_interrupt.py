@@ -1,7 +1,11 @@
-"""The ``ckptvault`` command's entry point, kept tiny: a Ctrl-C that arrives while the
-command-line tool is still being imported (typer, rich, the commands) ends it like one
-that arrives later — one line, ``interrupted``, on stderr and exit status 130 —
-instead of a traceback from the middle of an import."""
+"""Ctrl-C in the command line: one line, ``interrupted``, on stderr and exit status 130.
+
+A ``KeyboardInterrupt`` inside a command would reach click, which prints a blank line
+and raises ``Abort``; each command's callback raises :class:`Interrupted` instead,
+which click lets pass, and the command line's ``main`` says it in one line. Ctrl-C
+while the command line is still being imported is caught by ``ckptvault.__main__``
+(the console script's entry too), the same way.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +15,9 @@ INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
 class Interrupted(BaseException):
-    """Ctrl-C inside a command, carried past click (which would turn a
-    ``KeyboardInterrupt`` into an ``Abort`` after printing a blank line) to the
-    command line's main, which prints ``interrupted`` and exits 130. A
-    ``BaseException``: no ``except Exception`` on the way swallows it, every
-    ``finally`` on the way runs (temporary files are removed)."""
+    """Ctrl-C inside a command, carried past click to the command line's main. A
+    ``BaseException``: no ``except Exception`` on the way swallows it, and every
+    ``finally`` on the way runs (temporary output files are removed)."""
 
 
 def interrupted() -> int:
@@ -26,14 +28,3 @@ def interrupted() -> int:
     except (OSError, ValueError):  # stderr closed or gone: the status says it
         pass
     return INTERRUPTED
-
-
-def run() -> None:
-    """Import and run the command line; exit with its status."""
-    try:
-        from ckptvault.cli import main
-
-        code = main()
-    except (KeyboardInterrupt, Interrupted):
-        code = interrupted()
-    sys.exit(code)
