@@ -199,3 +199,21 @@ def test_a_malformed_lineage_file_list_is_not_carried(files: object):
     assert cv.restoring.lineage.Lineage.from_contract({"lineage": record}) is None
     record["files"] = [["a.safetensors", "ab" * 32]]
     assert cv.restoring.lineage.Lineage.from_contract({"lineage": record}) is not None
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_file_swapped_after_its_check_is_refused_without_blocking_or_leaking(
+    tmp_path: Path, kind: str
+):
+    """What the read meets when a checked weights file is swapped (for a FIFO no
+    writer will ever open, or a directory) before it is opened: refused as not a
+    regular file, without blocking, and its descriptor closed."""
+    from ckptvault.restoring.hf_weights import _read_file
+
+    path = tmp_path / "model.safetensors"
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    open_before = len(os.listdir("/proc/self/fd"))
+    for follow in (True, False, True):
+        with pytest.raises(FormatError, match="not a regular file"):
+            _read_file(path, follow=follow)
+    assert len(os.listdir("/proc/self/fd")) == open_before

@@ -125,15 +125,20 @@ def _read_file(path: Path, follow: bool) -> tuple[dict[str, torch.Tensor], Sourc
     """A safetensors file's tensors (views of its bytes, read once) and its digest.
     The header is parsed before the data is read: its tensors must tile exactly the
     bytes the file holds, and a sparse file (sizes it does not hold) is refused."""
-    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (0 if follow else os.O_NOFOLLOW)
+    # O_NONBLOCK: a FIFO swapped in after the caller's check must not block the open.
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
     try:
         descriptor = os.open(path, flags)
     except OSError as exc:
         raise FormatError(f"{path}: cannot be opened as a regular file ({exc.strerror})") from exc
+    info = os.fstat(descriptor)
+    if not stat.S_ISREG(info.st_mode):
+        # Checked on the bare descriptor: os.fdopen of a directory raises and would
+        # leave it open, one descriptor leaked per attempt.
+        os.close(descriptor)
+        raise FormatError(f"{path}: not a regular file")
+    os.set_blocking(descriptor, True)
     with os.fdopen(descriptor, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise FormatError(f"{path}: not a regular file")
         size = info.st_size
         if size > 1 << 20 and info.st_blocks * 512 < size // 2:
             raise FormatError(f"{path}: a sparse file ({size} bytes, most not stored), refused")
