@@ -31,6 +31,7 @@ No torch here: the supervisor (and the CLI) import this module.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
@@ -214,7 +215,7 @@ class ProgressWriter:
             )
 
     def _replace(self, data: bytes) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _make_private_dirs(self.path.parent)
         temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(temporary, flags, 0o600)
@@ -286,3 +287,20 @@ def scan_progress(directory: Path) -> tuple[list[ProgressRecord], list[str]]:
             continue
         records.append(record)
     return records, problems
+
+
+def _make_private_dirs(directory: Path) -> None:
+    """``directory`` and every missing ancestor, each made ``0o700``.
+
+    ``Path.mkdir(parents=True, mode=...)`` gives missing parents the default mode: the
+    progress directory sits in the per-user state directory, which it may create
+    first, and that directory (ledger, catalog, audit log) must be private."""
+    missing = []
+    while not directory.exists():
+        missing.append(directory)
+        if directory.parent == directory:
+            break
+        directory = directory.parent
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another rank made it meanwhile
+            path.mkdir(mode=0o700)
