@@ -106,8 +106,8 @@ def test_load_checkpoint_moves_tensors_and_refuses_what_it_cannot_honour(tmp_pat
 
 def test_ckptvault_imports_lightning_only_in_its_integration():
     """``import ckptvault`` and the CLI never load Lightning: only the integration's
-    own modules import it (the plugin, its asynchronous wrapper and the multi-rank
-    strategies; the pointer, pruning and per-rank modules do not)."""
+    own modules import it (the plugin, its asynchronous wrapper, the policy's
+    checkpoint callback and the multi-rank strategies; the pointer, pruning and per-rank modules do not)."""
     package = REPO / "src" / "ckptvault"
     importers = []
     for path in package.rglob("*.py"):
@@ -127,5 +127,6 @@ def test_ckptvault_imports_lightning_only_in_its_integration():
     assert sorted(set(importers)) == [
         "integrations/lightning.py",
         "integrations/lightning_async.py",
+        "integrations/lightning_policy.py",
         "integrations/lightning_strategies.py",
     ]

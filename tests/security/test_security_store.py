@@ -36,7 +36,9 @@ def manager(store: Path, plane: dict[str, Path], **kwargs) -> cv.CheckpointManag
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+    """Every file under ``directory`` (the progress files sit in a folder there)."""
+    files = (p for p in sorted(directory.rglob("*")) if p.is_file())
+    return {str(p.relative_to(directory)): p.read_bytes() for p in files}
 
 
 def test_a_staging_symlink_cannot_make_a_save_delete_the_ledger(store: Path, control_plane):
