@@ -450,3 +450,15 @@ def test_marks_and_deletions_reach_every_tier_and_an_unfinished_deletion_is_fini
     for tier in (local, remote):
         assert steps(tier, "--all") == [4, 3]
         assert list(open_store(tier).list_records(DELETION_MARK)) == []
+
+
+def test_a_keep_within_past_any_date_is_one_line_and_exit_2(tmp_path):
+    """``--keep-within 99999999999d`` leaves datetime's range: a usage error in plain
+    words (it was an internal error's OverflowError)."""
+    store = tmp_path / "store"
+    with cv.CheckpointManager(store, run_id="r") as mgr:
+        mgr.save(1, {"w": torch.ones(2)})
+    result = run_cli("gc", str(store), "--keep-within", "99999999999d", process=True)
+    assert result.returncode == 2, result.stderr
+    assert "thousand years" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

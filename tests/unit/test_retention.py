@@ -152,6 +152,8 @@ def test_retention_is_a_frozen_validated_public_dataclass():
         ({"keep_last": 1, "delete_delay": -1}, "delete_delay"),
         ({"keep_last": 1, "delete_delay": float("nan")}, "delete_delay"),
         ({"keep_last": 1, "delete_delay": None}, "delete_delay"),
+        ({"keep_within": 1e12}, "at most a thousand years"),  # past datetime's range
+        ({"keep_last": 1, "delete_delay": 1e12}, "at most a thousand years"),
     ],
 )
 def test_retention_refuses_bad_options(options, fragment):

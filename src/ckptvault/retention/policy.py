@@ -169,6 +169,11 @@ def _count(value: object, what: str) -> int | None:
     return value
 
 
+# A thousand years: a longer window or delay is no policy, and past it the dates it
+# implies leave datetime's range (an OverflowError deep in a plan, not a UsageError).
+MAX_SECONDS = 1000 * 365 * 86400.0
+
+
 def _seconds(value: object, what: str, allow_zero: bool) -> float | None:
     if value is None:
         return None
@@ -178,9 +183,13 @@ def _seconds(value: object, what: str, allow_zero: bool) -> float | None:
         or not math.isfinite(value)
         or value < 0
         or (value == 0 and not allow_zero)
+        or value > MAX_SECONDS
     ):
         least = "a number of seconds >= 0" if allow_zero else "a number of seconds > 0"
-        raise UsageError(f"Retention({what}=...) must be {least}, got {value!r}")
+        raise UsageError(
+            f"Retention({what}=...) must be {least} and at most a thousand years "
+            f"({MAX_SECONDS:.0f}), got {value!r}"
+        )
     return float(value)
 
 

@@ -30,7 +30,7 @@ from blake3 import blake3
 
 from ckptvault.errors import CheckpointError, UsageError
 from ckptvault.format.layout import format_timestamp
-from ckptvault.retention.policy import Retention
+from ckptvault.retention.policy import MAX_SECONDS, Retention
 from ckptvault.storage.base import Store
 
 logger = logging.getLogger("ckptvault")
@@ -43,7 +43,6 @@ _TEXT = ("metric", "mode")
 _FIELDS = frozenset((*_COUNTS, *_SECONDS, *_TEXT))
 _MAX_RUN_ID = 1024
 _MAX_COUNT = 2**63 - 1
-_MAX_SECONDS = 1000 * 365 * 86400.0  # a thousand years: more is not a policy
 
 
 def record_name(run_id: str) -> str:
@@ -124,7 +123,7 @@ def _well_typed(key: str, value: object) -> bool:
         return False
     if key in _COUNTS:
         return isinstance(value, int) and 0 < value <= _MAX_COUNT
-    return isinstance(value, (int, float)) and 0 <= value <= _MAX_SECONDS
+    return isinstance(value, (int, float)) and 0 <= value <= MAX_SECONDS
 
 
 def _ignored(store: Store, why: str, quiet: bool) -> None:
