@@ -334,6 +334,29 @@ def test_s3_lifecycle_rules_that_expire_kept_generations_or_keep_parts(
     assert "keep_every=1000" in expiry["detail"]
 
 
+def test_s3_lifecycle_transitions_to_an_archive_class(s3_endpoint, tmp_path):
+    """Glacier and Deep Archive objects need a RestoreObject before a GET reads them:
+    a rule moving the store there inside the retention horizon fails, later warns;
+    an instantly readable class is fine."""
+    bucket = new_bucket(s3_endpoint)
+    url = f"s3://{bucket}/run"
+    with cv.CheckpointManager(url, run_id="r", ledger=tmp_path / "ledger") as mgr:
+        mgr.save(1, {"x": torch.ones(3)})
+
+    def moved(storage_class: str, days: int) -> dict:
+        rule = {"ID": "cold", "Status": "Enabled", "Filter": {"Prefix": "run/"},
+                "Transitions": [{"Days": days, "StorageClass": storage_class}]}  # fmt: skip
+        _rules(s3_endpoint, bucket, rule, ABORT)
+        found = _found(diagnose(open_store(url), Places(), RunPlan(retention_days=30)))
+        return found["bucket lifecycle transitions"]
+
+    assert moved("GLACIER_IR", 1)["status"] == "ok"
+    inside = moved("DEEP_ARCHIVE", 7)
+    assert inside["status"] == "fail" and "DEEP_ARCHIVE 7 days" in inside["detail"]
+    assert "GLACIER_IR" in inside["fix"]
+    assert moved("GLACIER", 90)["status"] == "warn"
+
+
 def test_how_far_back_a_retention_policy_keeps_generations():
     assert policy_horizon(cv.Retention(keep_daily=30, keep_hourly=48)).days == 30
     assert policy_horizon(cv.Retention(keep_weekly=8, keep_within=86400)).days == 56

@@ -37,6 +37,10 @@ from ckptvault.retention.policy import Retention
 from ckptvault.storage.s3.client import S3Error
 
 EXPIRY, ABORT = "bucket lifecycle expiration", "bucket lifecycle aborts uploads"
+TRANSITION = "bucket lifecycle transitions"
+# Storage classes whose objects a GET cannot read until a RestoreObject request
+# (hours) brings them back: restore would find those generations unreadable.
+ARCHIVE_CLASSES = frozenset({"GLACIER", "DEEP_ARCHIVE"})
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,11 @@ def check_lifecycle(client: Any, prefix: str, horizon: Horizon) -> list[Finding]
     rules = [r for r in answer.get("Rules", []) if r.get("Status") == "Enabled"]
     covering = [r for r in rules if covers(rule_prefix(r), prefix)]
     where = f"s3://{client.bucket}/{prefix}"
-    return [_expiration(covering, where, horizon), _abort(covering, where, client.bucket, prefix)]
+    return [
+        _expiration(covering, where, horizon),
+        _transition(covering, where, horizon),
+        _abort(covering, where, client.bucket, prefix),
+    ]
 
 
 def rule_prefix(rule: dict[str, Any]) -> str | None:
@@ -149,6 +157,38 @@ def _expiration(rules: list[dict[str, Any]], where: str, horizon: Horizon) -> Fi
         f"{_name(shortest)} expires every object under {where} {days} days after it is "
         f"written, the newest generation too: a run that saves nothing for {days} days "
         "(paused, finished, waiting for a restart) loses every checkpoint",
+        fix,
+    )
+
+
+def _transition(rules: list[dict[str, Any]], where: str, horizon: Horizon) -> Finding:
+    """Transitions to an archive class: objects there answer a GET with
+    InvalidObjectState until restored, so a generation moved there no longer restores
+    (restore reports it damaged and falls back to an older one, if any is left)."""
+    archiving = [
+        (int(t["Days"]), t.get("StorageClass", ""), r)
+        for r in rules
+        for t in r.get("Transitions", [])
+        if t.get("StorageClass") in ARCHIVE_CLASSES and isinstance(t.get("Days"), int)
+    ]
+    if not archiving:
+        return Finding(
+            TRANSITION, OK, f"no lifecycle rule moves objects under {where} to an archive"
+        )
+    days, storage_class, rule = min(archiving, key=lambda a: a[0])
+    fix = (
+        f"exclude {where} from the rule, or transition to a class a GET reads at once "
+        "(GLACIER_IR, STANDARD_IA): ckptvault restores by GET and never asks S3 to restore "
+        "an archived object"
+    )
+    status = FAIL if days < horizon.days else WARN
+    reach = "unbounded" if math.isinf(horizon.days) else f"{horizon.days:.0f} days"
+    return Finding(
+        TRANSITION,
+        status,
+        f"{_name(rule)} moves objects under {where} to {storage_class} {days} days after they "
+        f"are written (retention horizon {reach}): a generation there cannot be read until "
+        "S3 restores it (hours), so restore finds it unreadable and falls back",
         fix,
     )
 
