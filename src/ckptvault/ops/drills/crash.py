@@ -15,19 +15,16 @@ restart measured from the failure to the first step of the resumed run.
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
-from ckptvault.ops.drills.base import STAGE_KEYS, Drill, timed_restore
+from ckptvault.ops.drills.base import Drill, timed_restore
 from ckptvault.ops.drills.context import DrillContext
+from ckptvault.ops.drills.supervised import CHILD_TIMEOUT_S, WORKER, run_supervised
 
 Outcome = tuple[bool, str, dict[str, float]]
-WORKER = [sys.executable, "-m", "ckptvault.ops.drills.worker"]
-CHILD_TIMEOUT_S = 120.0
 KILL_AT = 0.1  # fraction of a save's duration: early, while its tensor files are written
 
 
@@ -110,65 +107,16 @@ def _sigkill_drill(context: DrillContext) -> Outcome:
     return passed, observed, outcome.timings
 
 
-def read_lines(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _supervised_timings(
-    marks: list[dict[str, Any]], attempts: list[dict[str, Any]]
-) -> dict[str, float]:
-    def at(mark: str, attempt: int) -> float:
-        return float(next(m["at"] for m in marks if m["mark"] == mark and m["attempt"] == attempt))
-
-    failing, restarted = at("failing", 1), attempts[1]["started_at"]
-    restored = next(m for m in marks if m["mark"] == "restored" and m["attempt"] == 2)
-    timings = {
-        "detection": attempts[0]["ended_at"] - failing,
-        "launch": at("imported", 2) - restarted,
-        "restore": restored["at"] - at("imported", 2),
-        "first_step": at("step", 2) - restored["at"],
-        "recovery": at("step", 2) - failing,
-    }
-    for stage, seconds in restored["stages"].items():
-        if stage in STAGE_KEYS:
-            timings[stage] = seconds
-    return timings
-
-
 def _supervised_drill(context: DrillContext) -> Outcome:
-    work = context.workdir("supervised-restart")
-    marks, log = work / "marks.jsonl", work / "attempts.jsonl"
-    script = [*WORKER, "train", str(work / "store"), str(marks), "--run-id", "drill-supervised"]
-    script += ["--ledger", str(work / "ledger.sqlite3")]
-    command = [sys.executable, "-m", "ckptvault", "supervise", "--max-restarts", "1"]
-    command += ["--backoff", "0", "--log", str(log), "--", *script]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=2 * CHILD_TIMEOUT_S, check=False
-    )
-    records = read_lines(log)
-    attempts = [r for r in records if r.get("event") == "attempt"]
-    got = read_lines(marks)
-    restored = [m for m in got if m["mark"] == "restored"]
-    failed_at = [m["step"] for m in got if m["mark"] == "failing"]
-    passed = (
-        result.returncode == 0
-        and len(attempts) == 2
-        and attempts[0].get("signal") == "SIGKILL"
-        and len(restored) == 2
-        and failed_at != []
-        and restored[1]["step"] == failed_at[0]
-        and any(m["mark"] == "done" for m in got)
-    )
+    run = run_supervised(context, "supervised-restart", "kill", [])
+    passed = run.resumed_after_one_failure() and run.first_attempt("signal") == "SIGKILL"
+    failed_at = run.failed_at
     observed = (
-        f"supervise exited {result.returncode} after {len(attempts)} attempt(s); attempt 1 "
-        f"killed by {attempts[0].get('signal') if attempts else '?'} after saving step "
-        f"{failed_at[0] if failed_at else '?'}; attempt 2 restored step "
-        f"{restored[1]['step'] if len(restored) > 1 else '?'}"
+        f"supervise exited {run.returncode} after {len(run.attempts)} attempt(s); attempt 1 "
+        f"killed by {run.first_attempt('signal')} after saving step "
+        f"{failed_at[0] if failed_at else '?'}; {run.describe_resume()}"
     )
-    timings = _supervised_timings(got, attempts) if passed else {}
-    return passed, observed, timings
+    return passed, observed, run.timings() if passed else {}
 
 
 CRASH_DRILLS = [
