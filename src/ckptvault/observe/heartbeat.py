@@ -32,13 +32,11 @@ No torch here: the supervisor (and the CLI) import this module.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import logging
 import math
 import os
 import re
-import stat
 import sys
 import threading
 import time
@@ -47,8 +45,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptvault.errors import CheckpointError, FormatError, UnsafeEntryError
+from ckptvault.errors import CheckpointError, FormatError
 from ckptvault.format.bounded_json import loads_bounded
+from ckptvault.io.plain_file import read_plain_file
 from ckptvault.trust.ledger import default_state_dir
 
 logger = logging.getLogger("ckptvault")
@@ -237,23 +236,8 @@ def read_progress(path: Path) -> ProgressRecord:
     file, :class:`FormatError` for a record that is not valid, ``OSError`` (e.g.
     ``FileNotFoundError``) when it cannot be opened."""
     where = f"progress file {path}"
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UnsafeEntryError(
-                f"{where} is a symlink; the watchdog does not follow it"
-            ) from None
-        raise
-    # The descriptor itself, closed whatever happens: os.fdopen of a directory raises
-    # and leaves it open, one leaked per read until the supervisor can open nothing.
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UnsafeEntryError(f"{where} is not a plain file; the watchdog ignores it")
-        data = os.read(fd, MAX_RECORD_BYTES + 1)
-    finally:
-        os.close(fd)
+    hint = "the watchdog ignores it (only the job's manager writes these records)"
+    data = read_plain_file(path, MAX_RECORD_BYTES + 1, where, hint)
     raw = loads_bounded(data, where, max_depth=4, max_bytes=MAX_RECORD_BYTES)
     return ProgressRecord.from_json(raw, where)
 

@@ -16,10 +16,8 @@ run's id (``CKPTVAULT_SUPERVISE_ID``), so a record from another run is told apar
 
 from __future__ import annotations
 
-import errno
 import os
 import re
-import stat
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -28,10 +26,11 @@ from typing import Any
 from blake3 import blake3
 
 from ckptvault.durable import write_atomically
-from ckptvault.errors import CheckpointError, FormatError, UnsafeEntryError, UsageError
+from ckptvault.errors import CheckpointError, FormatError, UsageError
 from ckptvault.format.canonical import dumps_canonical, loads_canonical
 from ckptvault.format.layout import MANIFEST_NAME
 from ckptvault.format.manifest import MAX_MANIFEST_BYTES
+from ckptvault.io.plain_file import read_plain_file
 from ckptvault.storage.base import Store
 
 DONE_FILE_ENV = "CKPTVAULT_DONE_FILE"  # where the job writes its record (set by supervise)
@@ -164,41 +163,14 @@ def read_done_record(path: str | os.PathLike[str]) -> DoneRecord:
     :class:`UnsafeEntryError` when the path is a symlink, FIFO or anything but a plain
     file, ``FileNotFoundError`` when there is none."""
     where = os.fspath(path)
-    data = _read_plain_file(where, MAX_RECORD_BYTES + 1)
+    data = read_plain_file(
+        where,
+        MAX_RECORD_BYTES + 1,
+        f"DONE record {where}",
+        "the job must write the record itself (ckptvault.ops.done.write_done_record)",
+    )
     raw = loads_canonical(data, f"DONE record {where}", max_bytes=MAX_RECORD_BYTES)
     return DoneRecord.from_json(raw, f"DONE record {where}")
-
-
-def _read_plain_file(where: str, limit: int) -> bytes:
-    """At most ``limit`` bytes of the plain file at ``where``.
-
-    The job (or whoever can write beside the record) chooses what lies there: a FIFO
-    would block the supervisor's open for ever, a symlink would have it read a file of
-    its own choosing. Opened with ``O_NOFOLLOW | O_NONBLOCK`` and checked with
-    ``fstat``: only a plain file is read (``write_done_record`` renames one into place).
-    """
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    try:
-        fd = os.open(where, flags)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UnsafeEntryError(
-                f"DONE record {where} is a symlink; ckptvault does not follow it: the job "
-                "must write the record itself (ckptvault.ops.done.write_done_record)"
-            ) from exc
-        raise
-    # The descriptor itself, closed whatever happens: os.fdopen of a directory raises
-    # (naming the descriptor's number, not the path) and leaves it open.
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UnsafeEntryError(
-                f"DONE record {where} is not a plain file (a FIFO, device or directory); "
-                "refusing to read it: the job must write the record with write_done_record"
-            )
-        os.set_blocking(fd, True)
-        return os.read(fd, limit)
-    finally:
-        os.close(fd)
 
 
 def check_done_record(
