@@ -11,13 +11,14 @@ calls, so adding an option or a part changes this file, not the front door.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
 
 from ckptvault.config import ManagerConfig, resolve_run_id
 from ckptvault.coordinator import Coordinator, SingleProcess
+from ckptvault.distributed.messages import any_rank
 from ckptvault.distributed.save import CollectiveSave
 from ckptvault.errors import UsageError
 from ckptvault.events import EventBus
@@ -159,6 +160,7 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
         config.if_busy,
         saver.announce_failure,
         _writer_process(config, saver, options.get("collective_timeout_s", 600.0)),
+        _any_rank(coordinator, "whether a rank's host has no memory for its staging slots"),
     )
     validator = Validator(run, config.threads)
     restorer = Restorer(
@@ -350,3 +352,11 @@ def _config(options: ManagerOptions, location: str, trust_options: dict[str, Any
         segment_size=options.get("segment_size", ManagerConfig.segment_size),
         max_fallback=options.get("max_fallback"),
     )
+
+
+def _any_rank(coordinator: Coordinator, what: str) -> Callable[[bool], bool] | None:
+    """``any_rank`` over the job's coordinator (None for one process: nothing to
+    agree on)."""
+    if coordinator.world_size <= 1:
+        return None
+    return lambda mine: any_rank(coordinator, mine, what)

@@ -21,6 +21,7 @@ from dataclasses import replace
 
 import torch
 
+from ckptvault.errors import HostMemoryError
 from ckptvault.io.staging import StagingPool
 from ckptvault.saving.generation_writer import WrittenGeneration
 from ckptvault.saving.handles import SaveHandle, SaveStats
@@ -47,9 +48,13 @@ class SaveScheduler:
         if_busy: str,
         announce_failure: FailureFunction | None = None,
         process: WriterProcess | None = None,
+        any_rank: Callable[[bool], bool] | None = None,
     ) -> None:
         """``process``: asynchronous saves go to this writer process, staged in shared
-        memory (``async_mode="process"``); synchronous ones are written here."""
+        memory (``async_mode="process"``); synchronous ones are written here.
+        ``any_rank`` (a job of several ranks): whether a condition holds on any rank,
+        one small collective; the first asynchronous save asks it whether any rank's
+        staging does not fit, so that every rank refuses together."""
         self._write = write
         self._process = process
         self._shared = SharedStagingPool(max_in_flight) if process is not None else None
@@ -60,6 +65,8 @@ class SaveScheduler:
         self.stats = SaveStats()
         self._staging = StagingPool(max_in_flight)
         self._staging_checked = False  # whether the slots were found to fit in memory
+        self._any_rank = any_rank
+        self._staging_agreed = any_rank is None  # one rank: nothing to agree on
         self._in_flight: list[SaveHandle] = []
         self._pool: ThreadPoolExecutor | None = None
         self._pool_finalizer: weakref.finalize | None = None
@@ -75,7 +82,9 @@ class SaveScheduler:
         """Save now (``blocking``) or stage and save in the background. The first
         asynchronous save raises ``HostMemoryError``, staging nothing, when
         ``max_in_flight`` staging slots would not fit in this host's memory."""
-        if not blocking and not self._staging_checked:
+        if not blocking and not self._staging_agreed:
+            self._agree_on_staging(captured.tensors)
+        elif not blocking and not self._staging_checked:
             self._check_staging(captured.tensors, "the first asynchronous save")
         self.stats.saves_started += 1
         if blocking:
@@ -130,6 +139,33 @@ class SaveScheduler:
         if wait:
             self._staging.finish_preparing()
         self.stats.staging_allocations = self._staging.allocations
+
+    def _agree_on_staging(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The first asynchronous save of a job of several ranks: every rank checks its
+        own host, then all learn whether any refused, and all refuse together. (A rank
+        refusing alone would leave the others waiting in the save's collectives until
+        their timeout.) Every rank makes this call at the same save, whether or not its
+        ``prepare()`` checked already, so the collective always matches."""
+        assert self._any_rank is not None
+        refused: HostMemoryError | None = None
+        try:
+            if not self._staging_checked:
+                self._check_staging(tensors, "the first asynchronous save")
+        except HostMemoryError as exc:
+            refused = exc
+        # Any rank, this one included: while one refuses, every rank asks again at
+        # its next asynchronous save, so the collective keeps matching.
+        if not self._any_rank(refused is not None):
+            self._staging_agreed = True
+            return
+        if refused is not None:
+            raise refused
+        raise HostMemoryError(
+            "the first asynchronous save refused: another rank's host has no memory "
+            "for its staging slots (its own error says how much it needs and has); "
+            "nothing was staged on any rank. Lower max_in_flight, save synchronously "
+            "(async_save=False), or free memory on that node"
+        )
 
     def _check_staging(self, tensors: dict[str, torch.Tensor], when: str) -> None:
         """Refuse staging slots this host has no memory for, before any is allocated."""
