@@ -55,7 +55,7 @@ import torch
 import ckptvault as cv
 from bench.contenders import build, fresh_like, state_bytes, tensors_of, torch_restore, torch_save
 from bench.features import in_place_available
-from bench.measure import drop_caches, files_under, rotated, timed
+from bench.measure import drop_caches, files_under, rotated, sync_all, timed
 from bench.save_restore import tmpfs_root
 from ckptvault.io.writer import default_threads
 
@@ -128,7 +128,7 @@ def evict(path: Path, how: str) -> str:
     whole cache, as root) or ``fadvise`` (``POSIX_FADV_DONTNEED`` on every file)."""
     if how == "auto":
         return drop_caches(path)
-    os.sync()
+    sync_all()
     for file in files_under(path):
         fd = os.open(file, os.O_RDONLY)
         try:

@@ -36,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 import ckptvault as cv
-from bench.measure import files_under, fsync_path, rotated
+from bench.measure import files_under, fsync_path, rotated, sync_all
 
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
 
@@ -259,7 +259,7 @@ def _round(point: Point, fs: str, root: Path, pair: Pair, vault: Vault) -> None:
         if path != vault.root:
             remove(path)
         point.add(fs, pair.layout, save_row, clock(lambda: save(pair, path)))  # noqa: B023
-        os.sync()
+        sync_all()
         if cold:
             drop_pages(path)
         pair.spoil()

@@ -19,6 +19,10 @@ TESTS = Path(__file__).resolve().parent
 # as well spin-waits against the other worker (the demo beside a busy core: 63 CPU-s,
 # 48 with one thread). Every process a test starts inherits this; set it to override.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The benchmarks' smoke runs (in this process and in the ones it starts) check that a
+# benchmark runs, not what it measures: no settling sleeps, no system-wide sync or
+# dropped page cache, which would slow every test running beside them.
+os.environ.setdefault("CKPTVAULT_BENCH_QUIET_SECONDS", "0")
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]
 )
