@@ -140,7 +140,10 @@ def test_an_error_in_the_writer_is_raised_typed_at_the_next_save(tmp_path):
         store = mount / "store"
         with cv.CheckpointManager(store, run_id="r", async_save=True, async_mode="process") as mgr:
             mgr.save(1, training_state()).result()
-            mgr.save(2, {"w": torch.zeros(4, 1024, 1024)})  # 16 MB on an 8 MB file system
+            failing = mgr.save(2, {"w": torch.zeros(4, 1024, 1024)})  # 16 MB on 8 MB
+            # Known failed before the next save is asked for (else, still in flight, it
+            # is raised at a later one): waiting for it does not report it.
+            assert isinstance(failing.exception(timeout=120), StorageFullError)
             with pytest.raises(StorageFullError, match="free"):
                 mgr.save(3, training_state())
             assert [g.step for g in mgr.generations()] == [1]
