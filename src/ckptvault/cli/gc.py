@@ -39,11 +39,8 @@ of another run, copied in, must not take this run's places.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import re
-import shlex
-import sys
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -61,6 +58,7 @@ from ckptvault.cli._common import (
     print_json,
     safe_text,
 )
+from ckptvault.cli._gc_policy import GcPolicy, applicable, confirm_replacement
 from ckptvault.cli._progress import progress_bar
 from ckptvault.errors import CheckpointError, StoreLockedError, UsageError
 from ckptvault.events import EventBus, Unmarked
@@ -71,13 +69,8 @@ from ckptvault.retention import marks
 from ckptvault.retention.apply import AppliedPlan
 from ckptvault.retention.collector import GarbageCollector
 from ckptvault.retention.plan import Decision, RetentionPlan
-from ckptvault.retention.policy import (
-    DEFAULT_DELETE_DELAY,
-    Retention,
-    RetentionRule,
-    format_seconds,
-)
-from ckptvault.retention.recorded import policy_json, read_policy, record_policy, union
+from ckptvault.retention.policy import Retention, format_seconds
+from ckptvault.retention.recorded import read_policy, record_policy
 from ckptvault.storage.base import Store
 from ckptvault.trust.checks import VerificationReport, check_trusted
 from ckptvault.trust.context import TrustContext
@@ -199,118 +192,39 @@ def gc(
         return
     given = _retention(rule_options, mode, delay)
     run = _the_run(store, trust, run_id)
-    if replace_policy:
-        _replace_policy(store, given, run, trust, yes, dry_run, as_json)
-        policy = _Policy.of(given, None, delay)
-    else:
-        recorded = read_policy(store, run) if run is not None else None
-        policy = _Policy.of(given, _applicable(recorded, given, trust), delay)
+    policy = _pass_policy(store, given, run, trust, delay, replace_policy, yes or dry_run, as_json)
     with _writer_lock(store, held=not dry_run):
         if replace_policy and not dry_run:
-            assert given is not None and run is not None  # _replace_policy checked both
+            assert given is not None and run is not None  # confirm_replacement checked both
             record_policy(store, run, given, datetime.now(timezone.utc))
         report = _collect(store, policy, stale_seconds, run, trust, events, dry_run, as_json)
     _finish(report, as_json)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Policy:
-    """What a gc pass applies: the rules given, the run's recorded policy (only ever
-    added: rules compose by union, the longer delay wins), and how to say so."""
-
-    rules: tuple[RetentionRule, ...]
-    delete_delay: float
-    described: str
-
-    @classmethod
-    def of(
-        cls, given: Retention | None, recorded: Retention | None, delay: float | None
-    ) -> _Policy:
-        rules, delete_delay = union(given, recorded)
-        if delay is not None and given is None:
-            delete_delay = max(delete_delay, delay)  # --delete-delay with no rule options
-        elif given is None and recorded is None:
-            delete_delay = DEFAULT_DELETE_DELAY  # finishing earlier marks, as ever
-        parts = [given.describe() if given is not None else "no rule given"]
-        if recorded is not None:
-            parts.append(f"recorded policy: {recorded.describe()}")
-        if given is not None and recorded is not None:
-            parts.append(f"applied: both, delete_delay={format_seconds(delete_delay)}")
-        elif given is None:
-            parts.append(f"delete_delay={format_seconds(delete_delay)}")
-        return cls(rules, delete_delay, "; ".join(parts))
-
-
-def _applicable(
-    recorded: Retention | None, given: Retention | None, trust: TrustContext
-) -> Retention | None:
-    """The recorded policy this pass may apply. Nothing authenticates the record: it
-    is store data, whoever can write the store can plant one. Beside rules given it
-    only adds keeps (the union), so it always counts there. Alone it would decide what
-    is marked and deleted: that only where gc takes the store's own bytes at their
-    word anyway (no --trusted-key, --keystore or --ledger: a store writer could plant
-    generations or deletion marks as well). Where those options make gc accept only
-    what they authenticate, an unauthenticated record deciding alone would let a store
-    writer delete signed generations (DESIGN rule 7): it is then not applied, and
-    this pass only finishes earlier marks."""
-    if recorded is None or given is not None:
-        return recorded
-    if trust.trusted is None and trust.keystore is None and trust.ledger is None:
-        return recorded
-    logger.warning(
-        "the retention policy recorded in the store (%s) is not applied alone: nothing "
-        "authenticates it, and the trust options given accept only what they "
-        "authenticate; gc only finishes earlier marks. To apply those rules, give them: "
-        "ckptvault gc STORE %s",
-        recorded.describe(),
-        _as_options(recorded),
-    )
-    return None
-
-
-def _as_options(policy: Retention) -> str:
-    """``--keep-last 3 --keep-best 1 --metric loss ...``: the options stating ``policy``."""
-    parts = []
-    for name, value in policy_json(policy).items():
-        if name in ("keep_within", "delete_delay"):  # seconds, as --keep-within reads them
-            value = f"{value:f}".rstrip("0").rstrip(".") + "s"
-        parts.append(f"--{name.replace('_', '-')} {shlex.quote(str(value))}")
-    return " ".join(parts)
-
-
-def _replace_policy(
+def _pass_policy(
     store: Store,
     given: Retention | None,
     run: str | None,
     trust: TrustContext,
-    yes: bool,
-    dry_run: bool,
+    delay: float | None,
+    replace: bool,
+    confirmed: bool,
     as_json: bool,
-) -> None:
-    """Check a --replace-policy request; unless --yes (or --dry-run, which is the
-    preview itself), show what the new rules alone would do and ask before going on."""
-    if given is None:
-        raise UsageError("--replace-policy needs the rules to record (--keep-last N, ...)")
-    if run is None:
-        raise UsageError(
-            f"store {store.location} holds no generation these trust options accept, so no "
-            "run whose policy to replace; pass --run-id"
-        )
-    if yes or dry_run:
-        return
-    preview = _collect(
-        store, _Policy.of(given, None, None), 0.0, run, trust, EventBus(()), True, as_json
-    )
-    _print_preview(preview, as_json)
-    recorded = read_policy(store, run, quiet=True)
-    question = (
-        f"replace the recorded policy ({recorded.describe() if recorded else 'none'}) with "
-        f"{given.describe()} and apply it now?"
-    )
-    if not sys.stdin.isatty():
-        raise UsageError(f"nothing changed: {question} Pass --yes to confirm")
-    if not typer.confirm(question, err=True):
-        raise UsageError("nothing changed: the recorded policy stays")
+) -> GcPolicy:
+    """What this pass applies: with --replace-policy the rules given alone (after the
+    preview and the question, unless ``confirmed``), else the rules given and the
+    recorded policy where it may count."""
+    if not replace:
+        recorded = read_policy(store, run) if run is not None else None
+        return GcPolicy.of(given, applicable(recorded, given, trust), delay)
+
+    def preview() -> None:  # what the new rules alone would do
+        alone = GcPolicy.of(given, None, None)
+        report = _collect(store, alone, 0.0, run, trust, EventBus(()), True, as_json)
+        _print_preview(report, as_json)
+
+    confirm_replacement(store, given, run, confirmed, preview)
+    return GcPolicy.of(given, None, delay)
 
 
 def _print_preview(report: dict[str, Any], as_json: bool) -> None:
@@ -381,7 +295,7 @@ def _lock(store: Store) -> None:
 
 def _collect(
     store: Store,
-    policy: _Policy,
+    policy: GcPolicy,
     stale_seconds: float,
     run_id: str | None,
     trust: TrustContext,
@@ -447,7 +361,7 @@ def _the_run(store: Store, trust: TrustContext, run_id: str | None) -> str | Non
 
 def _report(
     store: Store,
-    policy: _Policy,
+    policy: GcPolicy,
     stale_seconds: float,
     collector: GarbageCollector,
     plan: RetentionPlan,
