@@ -217,11 +217,7 @@ def supervise(
         path = catalog or default_catalog_path(default_ledger_path())
         supervisor.record = attempt_recorder(path, supervisor.emit)
     if store is not None and min_free_bytes is not None:
-        local = local_store_path(store)
-        if local is None:
-            supervisor.emit(f"free-space preflight skipped: {store} is not a local store")
-        else:
-            supervisor.preflight = free_space_preflight(local, parse_size(min_free_bytes))
+        _check_free_space(supervisor, store, min_free_bytes)
     with _done_path(done_file) as path, _progress_root(hang) as progress:
         supervisor.progress_root = progress
         supervisor.done = DoneExpectation(
@@ -232,6 +228,15 @@ def supervise(
             store=_store(store, s3_endpoint_url),
         )
         return supervisor.run()
+
+
+def _check_free_space(supervisor: Supervisor, store: str, min_free_bytes: str) -> None:
+    """Check the store's free space before every start (a local store only)."""
+    local = local_store_path(store)
+    if local is None:
+        supervisor.emit(f"free-space preflight skipped: {store} is not a local store")
+    else:
+        supervisor.preflight = free_space_preflight(local, parse_size(min_free_bytes))
 
 
 def _store(location: str | None, s3_endpoint_url: str | None) -> Store | None:
