@@ -4,6 +4,7 @@ ranks, then three resuming and resharding)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -97,3 +98,19 @@ def test_the_save_policy_example_runs_as_written(tmp_path: Path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines()[-1] == "[200, 150, 100, 50]"
     assert "save policy Planned(mtbf_hours=50000, nodes=64): checkpoint interval" in result.stderr
+
+
+def test_the_hang_watchdog_example_runs_as_written_and_reports_progress(tmp_path: Path):
+    """The README's heartbeat block: it trains, saves at 50 and 100, and leaves the
+    rank's progress record where a supervisor looks (CKPTVAULT_PROGRESS_DIR)."""
+    code = _python_block_after("#### Hang watchdog")
+    env = dict(os.environ, CKPTVAULT_PROGRESS_DIR=str(tmp_path / "progress"))
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads((tmp_path / "progress" / "rank0.json").read_text())
+    assert record["step"] == 100 and record["phase"] == "training"
+    listed = sorted(p.name for p in (tmp_path / "runs" / "watched").glob("step-*"))
+    assert len(listed) == 2
