@@ -73,8 +73,6 @@ MOVED_MODULES: dict[str, str] = {
         for m in (
             "cleanup",
             "client",
-            "layout",
-            "lease",
             "options",
             "publish",
             "read",
@@ -95,6 +93,12 @@ MOVED_MODULES: dict[str, str] = {
     "ckptvault.ops.sign": "ckptvault.ops.signing.sign",  # documented in the README
     "ckptvault.ops.sign_steps": "ckptvault.ops.signing.steps",
     "ckptvault.ops.doctor_s3": "ckptvault.ops.doctor.s3",
+    # The key layout and the writer lease serve every object store (S3, Azure Blob).
+    **{
+        f"ckptvault.storage.s3{sep}{m}": f"ckptvault.storage.objects.{m}"
+        for sep in ("_", ".")
+        for m in ("layout", "lease")
+    },
 }
 
 

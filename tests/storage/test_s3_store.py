@@ -18,7 +18,7 @@ import pytest
 from ckptvault.errors import SaveFailedError, StoreLockedError, UnsafeEntryError, UsageError
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, new_generation_id
 from ckptvault.storage import open_store
-from ckptvault.storage.s3.layout import OWN_PREFIX, S3Layout, classify_entries, spread_digit
+from ckptvault.storage.objects.layout import OWN_PREFIX, ObjectLayout, classify_entries, spread_digit
 from ckptvault.storage.s3.options import S3Options, parse_s3_url
 from ckptvault.storage.s3.read import S3ObjectReader, head_object
 from ckptvault.storage.s3.store import S3Store
@@ -159,7 +159,7 @@ def test_listing_reports_every_object_that_is_not_where_its_writer_puts_it():
 
 
 def test_keys_are_built_only_from_validated_names():
-    layout = S3Layout("run/")
+    layout = ObjectLayout("run/")
     generation_id = new_generation_id()
     for bad in ("../x", "/abs", ".hidden", "a/b", MANIFEST_NAME, ""):
         with pytest.raises(UsageError):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import cast
 
 from ckptvault.storage.base import GenerationRef, Store
-from ckptvault.storage.s3.layout import SPREAD_DIGITS, rank_of, spread_digit
+from ckptvault.storage.objects.layout import SPREAD_DIGITS, rank_of, spread_digit
 from ckptvault.storage.s3.options import S3Options
 from ckptvault.storage.s3.store import S3Store
 from support.s3_server import new_bucket, s3_client

@@ -28,9 +28,9 @@ from typing import Any, Protocol
 from ckptvault.errors import UsageError
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, generation_id_time
 from ckptvault.storage.base import GenerationRef
+from ckptvault.storage.objects.layout import ObjectLayout
 from ckptvault.storage.retained import RetainedCopy
 from ckptvault.storage.s3.client import S3Client, S3Error, S3NotFound
-from ckptvault.storage.s3.layout import S3Layout
 from ckptvault.storage.s3.versions import BucketVersioning, purge_versions
 
 
@@ -42,7 +42,7 @@ class _Cleaned(Protocol):
     def client(self) -> S3Client: ...
 
     @property
-    def layout(self) -> S3Layout: ...
+    def layout(self) -> ObjectLayout: ...
 
     @property
     def versioning(self) -> BucketVersioning: ...
@@ -115,7 +115,7 @@ def _survey(store: _Cleaned) -> tuple[dict[str, _Attempt], list[tuple[str, str, 
     """Unpublished attempts by generation id, and uploads that belong to none
     (``(key, upload id, last write)``): a published attempt's leftovers.
 
-    Only keys this store makes count (``S3Layout.parse_data_key``): ckptvault
+    Only keys this store makes count (``ObjectLayout.parse_data_key``): ckptvault
     uploads nothing elsewhere, and a store at a bucket's root must not abort another
     application's uploads under ``data/``, nor delete its objects."""
     published = {ref.generation_id for ref in store.list_generations()}

@@ -18,25 +18,26 @@ from typing import Any
 
 from ckptvault.aws import boto3_session
 from ckptvault.errors import UsageError
+from ckptvault.storage.objects.errors import (
+    ObjectNotFound,
+    ObjectPreconditionFailed,
+    ObjectStoreError,
+)
 from ckptvault.storage.s3.options import S3Location, S3Options
 
 DELETE_BATCH = 1000  # S3's limit for one DeleteObjects request
 CHECKSUM = "CRC32"  # verified by S3 on every PUT and part upload
 
 
-class S3Error(OSError):
+class S3Error(ObjectStoreError):
     """An S3 request failed; ``code`` is S3's error code (or the client's error name)."""
 
-    def __init__(self, err: int, message: str, code: str) -> None:
-        super().__init__(err, message)
-        self.code = code
 
-
-class S3NotFound(S3Error, FileNotFoundError):
+class S3NotFound(S3Error, ObjectNotFound):
     """The object, upload or bucket does not exist."""
 
 
-class S3PreconditionFailed(S3Error):
+class S3PreconditionFailed(S3Error, ObjectPreconditionFailed):
     """A conditional request lost: the object exists (``If-None-Match``) or changed
     (``If-Match``)."""
 

@@ -39,10 +39,10 @@ from ckptvault.format.layout import (
     parse_generation_dirname,
 )
 from ckptvault.storage.base import GenerationRef
+from ckptvault.storage.objects.layout import ObjectLayout
+from ckptvault.storage.objects.lease import ObjectWriterLease
 from ckptvault.storage.retained import LockRule
 from ckptvault.storage.s3.client import S3Client, S3Error, S3PreconditionFailed
-from ckptvault.storage.s3.layout import S3Layout
-from ckptvault.storage.s3.lease import S3WriterLease
 from ckptvault.storage.s3.options import S3Options
 from ckptvault.storage.s3.upload import PartUploader, S3WritableFile
 
@@ -56,7 +56,7 @@ class ConditionalWritesUnsupported(SaveFailedError):
     kept for the store's lifetime (unlike a network error during the probe)."""
 
 
-def probe_conditional_writes(client: S3Client, layout: S3Layout) -> None:
+def probe_conditional_writes(client: S3Client, layout: ObjectLayout) -> None:
     """Check that the backend refuses a second ``If-None-Match: *`` PUT of one key;
     ``SaveFailedError`` when it does not (publishing would not be safe there)."""
     key = layout.probe_key(secrets.token_hex(16))
@@ -175,7 +175,7 @@ class _Staging(Protocol):
     def client(self) -> S3Client: ...
 
     @property
-    def layout(self) -> S3Layout: ...
+    def layout(self) -> ObjectLayout: ...
 
     @property
     def options(self) -> S3Options: ...
@@ -187,7 +187,7 @@ class _Staging(Protocol):
     def read_pool(self) -> ThreadPoolExecutor: ...
 
     @property
-    def writer_lease(self) -> S3WriterLease: ...
+    def writer_lease(self) -> ObjectWriterLease: ...
 
     @property
     def retention(self) -> ObjectRetention: ...

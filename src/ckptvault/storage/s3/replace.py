@@ -26,9 +26,9 @@ from typing import Any, Protocol
 from ckptvault.errors import IntegrityError, UsageError
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME
 from ckptvault.storage.base import EntryInfo, GenerationRef
+from ckptvault.storage.objects.layout import ObjectLayout
+from ckptvault.storage.objects.lease import ObjectWriterLease
 from ckptvault.storage.s3.client import CHECKSUM, S3Client, S3PreconditionFailed
-from ckptvault.storage.s3.layout import S3Layout
-from ckptvault.storage.s3.lease import S3WriterLease
 
 
 class _Replaced(Protocol):
@@ -38,10 +38,10 @@ class _Replaced(Protocol):
     def client(self) -> S3Client: ...
 
     @property
-    def layout(self) -> S3Layout: ...
+    def layout(self) -> ObjectLayout: ...
 
     @property
-    def writer_lease(self) -> S3WriterLease: ...
+    def writer_lease(self) -> ObjectWriterLease: ...
 
     def list_entries(self, ref: GenerationRef) -> dict[str, EntryInfo]: ...
 

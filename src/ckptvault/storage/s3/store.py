@@ -1,9 +1,9 @@
 """A store in an S3 bucket (or any S3-compatible object store): ``s3://bucket/prefix``.
 
-The key layout is in :mod:`ckptvault.storage.s3.layout`; writing in
+The key layout is in :mod:`ckptvault.storage.objects.layout`; writing in
 :mod:`~ckptvault.storage.s3.upload`, publishing (manifest last, ``If-None-Match``)
 in :mod:`~ckptvault.storage.s3.publish`, the writer lease in
-:mod:`~ckptvault.storage.s3.lease`, reading in :mod:`~ckptvault.storage.s3.read`
+:mod:`~ckptvault.storage.objects.lease`, reading in :mod:`~ckptvault.storage.s3.read`
 cleanup in :mod:`~ckptvault.storage.s3.cleanup`, versions and Object Lock holds in
 :mod:`~ckptvault.storage.s3.versions`. This module ties them into a
 :class:`~ckptvault.storage.base.Store` that is also a
@@ -17,7 +17,7 @@ Object Lock only when ``object_lock_days`` is set.
 
 Whoever can write the bucket may plant objects anywhere under the prefix. Listing a
 generation reports every object that is not exactly where ckptvault writes it as
-unsafe (see :func:`~ckptvault.storage.s3.layout.classify_entries`); reads serve only
+unsafe (see :func:`~ckptvault.storage.objects.layout.classify_entries`); reads serve only
 the one key a name maps to, pinned to the version that was opened; records and the
 lease are read with a size bound and a bounded JSON parser; nothing outside the
 prefix is ever listed, written or deleted.
@@ -38,6 +38,13 @@ from ckptvault.errors import UnsafeEntryError, UsageError
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, GenerationName
 from ckptvault.format.manifest import is_safe_file_name
 from ckptvault.storage.base import EntryInfo, GenerationRef
+from ckptvault.storage.objects.layout import (
+    OWN_PREFIX,
+    ObjectLayout,
+    classify_entries,
+    listings_by_generation,
+)
+from ckptvault.storage.objects.lease import ObjectWriterLease
 from ckptvault.storage.records import (
     MAX_RECORD_BYTES,
     RecordFilter,
@@ -50,13 +57,7 @@ from ckptvault.storage.records import (
 from ckptvault.storage.retained import LockRule, RetainedCopy, locked_until
 from ckptvault.storage.s3.cleanup import delete_generation, remove_stale_attempts
 from ckptvault.storage.s3.client import CHECKSUM, S3Client, S3Error, S3NotFound
-from ckptvault.storage.s3.layout import (
-    OWN_PREFIX,
-    S3Layout,
-    classify_entries,
-    listings_by_generation,
-)
-from ckptvault.storage.s3.lease import S3WriterLease
+from ckptvault.storage.s3.lease_object import S3LeaseObject
 from ckptvault.storage.s3.options import S3Options, parse_s3_url
 from ckptvault.storage.s3.publish import (
     ConditionalManifestPut,
@@ -94,13 +95,15 @@ class S3Store:
         self.options = options or S3Options()
         where = parse_s3_url(url)
         self.location = where.url
-        self.layout = S3Layout(where.prefix)
+        self.layout = ObjectLayout(where.prefix)
         self.client = S3Client(where, self.options)
         self.publish_rule = ConditionalManifestPut()
         self.retention = ObjectRetention(self.client, self.options.object_lock_days)
         self.versioning = BucketVersioning(self.client)
-        self.writer_lease = S3WriterLease(
-            self.client, self.layout.lock_key, self.location, self.options.lease_seconds
+        self.writer_lease = ObjectWriterLease(
+            S3LeaseObject(self.client, self.layout.lock_key),
+            self.location,
+            self.options.lease_seconds,
         )
         self._mutex = threading.Lock()
         self._uploader: PartUploader | None = None

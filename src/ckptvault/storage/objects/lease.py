@@ -1,8 +1,8 @@
-"""The writer lease of an S3 store: one writer at a time, without a lock server.
+"""The writer lease of an object store: one writer at a time, without a lock server.
 
-S3 has no ``flock``; conditional writes are enough for a lease. The lease is the
-object ``.writer.lock`` holding its holder (pid, host, a random token), its
-duration and whether it was released:
+An object store (S3, Azure Blob) has no ``flock``; conditional writes are enough for
+a lease. The lease is the object ``.writer.lock`` holding its holder (pid, host, a
+random token), its duration and whether it was released:
 
 - **take**: create it with ``If-None-Match: *``; when it exists, read it and take it
   over with ``If-Match: <the ETag read>`` only when it was released, has expired,
@@ -11,12 +11,13 @@ duration and whether it was released:
 - **keep**: a daemon thread renews it every third of its duration with
   ``If-Match: <our ETag>``; a renewal that fails its condition means someone took
   the lease over, and the holder knows it lost it.
-- **publish**: the publish rule renews once more (:meth:`S3WriterLease.confirm`)
+- **publish**: the publish rule renews once more (:meth:`ObjectWriterLease.confirm`)
   right before the manifest PUT and refuses to publish when that fails.
 - **release**: overwrite it with a released record (``If-Match``), never a blind delete.
 
-Expiry is judged on the server's clock (the GET's ``Date`` minus the lease's
-``LastModified``), never by comparing two machines' clocks. A holder on this very
+Each backend reaches its lease object through a :class:`LeaseObject` (create,
+replace if unchanged, read). Expiry is judged on the server's clock (the response's
+``Date`` minus the lease's ``Last-Modified``), never by comparing two machines' clocks. A holder on this very
 machine (same host, boot and pid namespace) whose process is gone — or is another
 process reusing its pid — is provably dead, so a killed local writer does not
 block its restart for a lease duration. A writer that crashed elsewhere blocks new
@@ -27,7 +28,6 @@ last renewal and the manifest PUT itself cannot be detected by any lease.)
 
 from __future__ import annotations
 
-import email.utils
 import errno
 import logging
 import os
@@ -37,15 +37,18 @@ import threading
 import time
 import weakref
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from ckptvault.errors import FormatError, SaveFailedError, StoreLockedError
 from ckptvault.format.bounded_json import loads_bounded
 from ckptvault.format.canonical import dumps_canonical
 from ckptvault.format.layout import utc_now
-from ckptvault.storage.s3.client import S3Client, S3Error, S3NotFound, S3PreconditionFailed
+from ckptvault.storage.objects.errors import (
+    ObjectNotFound,
+    ObjectPreconditionFailed,
+    ObjectStoreError,
+)
 
 logger = logging.getLogger("ckptvault")
 
@@ -150,6 +153,33 @@ def _well_typed(holder: Holder) -> bool:
 
 
 @dataclass(frozen=True)
+class LeaseSnapshot:
+    """The lease object as read: its first bytes, version and age."""
+
+    raw: bytes  # at most the limit read
+    size: int  # the whole object's size (-1 when unknown)
+    etag: str
+    age: float  # seconds since its last write, by the server's clock
+
+
+class LeaseObject(Protocol):
+    """The one object a lease lives in, as its backend reaches it. Each method raises
+    :class:`ObjectStoreError` (:class:`ObjectPreconditionFailed` when its condition
+    fails, :class:`ObjectNotFound` when the object is gone) and nothing else."""
+
+    url: str  # for messages
+
+    def create(self, data: bytes) -> str:
+        """Create it holding ``data`` only if it does not exist; its new ETag."""
+
+    def replace(self, data: bytes, etag: str) -> str:
+        """Overwrite it with ``data`` only if its ETag is still ``etag``; the new ETag."""
+
+    def read(self, limit: int) -> LeaseSnapshot | None:
+        """Its first ``limit`` bytes, ETag and age; None when it does not exist."""
+
+
+@dataclass(frozen=True)
 class _Observed:
     """The lease as read: its record (None when unreadable), version and age."""
 
@@ -158,26 +188,13 @@ class _Observed:
     age: float  # seconds since its last write, by the server's clock
 
 
-def _server_age(response: dict[str, Any]) -> float:
-    headers = (response.get("ResponseMetadata") or {}).get("HTTPHeaders") or {}
-    try:
-        now = email.utils.parsedate_to_datetime(headers["date"])
-    except (KeyError, TypeError, ValueError):
-        now = datetime.now(timezone.utc)
-    modified = response.get("LastModified")
-    if not isinstance(modified, datetime):
-        return 0.0
-    return (now - modified).total_seconds()
-
-
 class _HeldLease:
     """A lease this process holds. Renewals happen under a mutex: the renewal thread
-    and :meth:`S3WriterLease.confirm` must never spend the same ETag twice (the
+    and :meth:`ObjectWriterLease.confirm` must never spend the same ETag twice (the
     second would fail its condition and look like a takeover)."""
 
-    def __init__(self, client: S3Client, key: str, record: LeaseRecord, etag: str) -> None:
-        self.client = client
-        self.key = key
+    def __init__(self, target: LeaseObject, record: LeaseRecord, etag: str) -> None:
+        self.target = target
         self.record = record
         self.etag: str | None = etag
         self.lost: str | None = None  # why the lease is gone, once it is
@@ -186,26 +203,26 @@ class _HeldLease:
         self.stop = threading.Event()
 
     def renew(self) -> None:
-        """Renew now; :class:`S3Error` when that fails (``lost`` says when for good)."""
+        """Renew now; :class:`ObjectStoreError` when that fails (``lost`` says when for good)."""
         with self.mutex:
             if self.etag is None:
-                raise S3NotFound(errno.ENOENT, self.lost or "the lease was released", "Released")
+                raise ObjectNotFound(
+                    errno.ENOENT, self.lost or "the lease was released", "Released"
+                )
             record = LeaseRecord(
                 self.record.holder, self.record.seconds, False, self.record.renewals + 1
             )
             try:
-                response = self.client.call(
-                    "put_object", self.key, Body=record.to_bytes(), IfMatch=self.etag
-                )
-            except (S3PreconditionFailed, S3NotFound):
+                etag = self.target.replace(record.to_bytes(), self.etag)
+            except (ObjectPreconditionFailed, ObjectNotFound):
                 self.etag, self.lost = None, "another writer took the lease over or removed it"
                 raise
-            except S3Error as exc:
+            except ObjectStoreError as exc:
                 if time.monotonic() - self.renewed_at > self.record.seconds:
                     self.etag = None
                     self.lost = f"it could not be renewed for {self.record.seconds:.0f} s ({exc})"
                 raise
-            self.record, self.etag = record, str(response["ETag"])
+            self.record, self.etag = record, etag
             self.renewed_at = time.monotonic()
 
     def keep(self) -> None:
@@ -213,11 +230,9 @@ class _HeldLease:
         while not self.stop.wait(self.record.seconds / 3):
             try:
                 self.renew()
-            except S3Error as exc:
+            except ObjectStoreError as exc:
                 if self.lost is not None:
-                    logger.error(
-                        "lost the writer lease %s: %s", self.client.url(self.key), self.lost
-                    )
+                    logger.error("lost the writer lease %s: %s", self.target.url, self.lost)
                     return
                 logger.warning("could not renew the writer lease (will retry): %s", exc)
 
@@ -233,17 +248,16 @@ class _HeldLease:
                 self.record.holder, self.record.seconds, True, self.record.renewals
             )
             try:
-                self.client.call("put_object", self.key, Body=record.to_bytes(), IfMatch=etag)
-            except S3Error as exc:  # taken over meanwhile, or unreachable: it expires anyway
-                logger.debug("releasing %s: %s", self.client.url(self.key), exc)
+                self.target.replace(record.to_bytes(), etag)
+            except ObjectStoreError as exc:  # taken over meanwhile, or unreachable: it expires
+                logger.debug("releasing %s: %s", self.target.url, exc)
 
 
-class S3WriterLease:
+class ObjectWriterLease:
     """The single-writer lease of one store object (see the module docstring)."""
 
-    def __init__(self, client: S3Client, key: str, location: str, seconds: float) -> None:
-        self.client = client
-        self.key = key
+    def __init__(self, target: LeaseObject, location: str, seconds: float) -> None:
+        self.target = target
         self.location = location
         self.seconds = seconds
         self._held: _HeldLease | None = None
@@ -261,8 +275,8 @@ class S3WriterLease:
         for _attempt in range(_TAKE_ATTEMPTS):
             etag = self._try_create(record) or self._try_take_over(record)
             if etag is not None:
-                held = _HeldLease(self.client, self.key, record, etag)
-                threading.Thread(target=held.keep, name="ckptvault-s3-lease", daemon=True).start()
+                held = _HeldLease(self.target, record, etag)
+                threading.Thread(target=held.keep, name="ckptvault-lease", daemon=True).start()
                 self._held = held
                 # A store dropped without release_writer() must not keep the lease. Not
                 # at interpreter exit: an unreachable endpoint would stall the exit, and
@@ -295,7 +309,7 @@ class S3WriterLease:
         held = self.check_held()
         try:
             held.renew()
-        except S3Error as exc:
+        except ObjectStoreError as exc:
             raise SaveFailedError(
                 f"this writer lost the writer lease of {self.location}: {held.lost or exc}. "
                 "Refusing to publish (another writer may own the store now); nothing was "
@@ -306,12 +320,9 @@ class S3WriterLease:
 
     def _try_create(self, record: LeaseRecord) -> str | None:
         try:
-            response = self.client.call(
-                "put_object", self.key, Body=record.to_bytes(), IfNoneMatch="*"
-            )
-        except S3PreconditionFailed:
+            return self.target.create(record.to_bytes())
+        except ObjectPreconditionFailed:
             return None
-        return str(response["ETag"])
 
     def _try_take_over(self, record: LeaseRecord) -> str | None:
         """The new ETag, None when the lease changed meanwhile (look again), or
@@ -322,10 +333,8 @@ class S3WriterLease:
         if not self._may_take_over(observed):
             raise StoreLockedError(self._locked_message(observed))
         try:
-            response = self.client.call(
-                "put_object", self.key, Body=record.to_bytes(), IfMatch=observed.etag
-            )
-        except (S3PreconditionFailed, S3NotFound):
+            etag = self.target.replace(record.to_bytes(), observed.etag)
+        except (ObjectPreconditionFailed, ObjectNotFound):
             return None
         previous = observed.record
         if previous is not None and not previous.released:
@@ -334,28 +343,22 @@ class S3WriterLease:
                 self.location,
                 previous.holder.describe(),
             )
-        return str(response["ETag"])
+        return etag
 
     def _observe(self) -> _Observed | None:
-        try:
-            raw, response = self.client.get_bytes(self.key, Range=f"bytes=0-{MAX_LEASE_BYTES - 1}")
-        except S3NotFound:
+        snapshot = self.target.read(MAX_LEASE_BYTES)
+        if snapshot is None:
             return None
-        except S3Error as exc:
-            if exc.code != "InvalidRange":  # an empty object has no byte 0
-                raise
-            raw, response = b"", self.client.call("head_object", self.key)
-        total = str(response.get("ContentRange") or "").rpartition("/")[2]
-        fits = not total.isdigit() or int(total) <= MAX_LEASE_BYTES
-        record = LeaseRecord.parse(raw) if fits else None
-        return _Observed(record, str(response["ETag"]), _server_age(response))
+        fits = 0 <= snapshot.size <= MAX_LEASE_BYTES or snapshot.size < 0
+        record = LeaseRecord.parse(snapshot.raw) if fits else None
+        return _Observed(record, snapshot.etag, snapshot.age)
 
     def _may_take_over(self, observed: _Observed) -> bool:
         record = observed.record
         if record is None:
             # No ckptvault writer wrote this (leases are written whole, atomically):
             # replaced, as POSIX replaces a link planted where its lock file belongs.
-            logger.warning("%s is not a ckptvault lease; replacing it", self.client.url(self.key))
+            logger.warning("%s is not a ckptvault lease; replacing it", self.target.url)
             return True
         return record.released or observed.age > record.seconds or record.holder.provably_dead()
 

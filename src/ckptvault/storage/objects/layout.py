@@ -1,6 +1,6 @@
-"""Keys of an S3 store, and what a generation's listing means.
+"""Keys of an object store (S3, Azure Blob), and what a generation's listing means.
 
-Everything of a store lives under its prefix (``s3://bucket/<prefix>/``)::
+Everything of a store lives under its prefix (``s3://bucket/<prefix>/``, ``az://container/<prefix>/``)::
 
     generations/step-<step>.<generation id>/manifest.json   the generation exists iff this does
     generations/step-<step>.<generation id>/manifest.sig    its detached signature (if signed)
@@ -12,7 +12,7 @@ Everything of a store lives under its prefix (``s3://bucket/<prefix>/``)::
 ``<x>`` is one hex digit, the first of BLAKE3(``"<generation id>:<rank>"``), with the
 rank read from the file name's ``r<5 digits>-`` prefix (0 otherwise): the files of
 many ranks writing at once spread over 16 key prefixes instead of all landing on one
-(S3 scales request rates per prefix). Each save attempt writes under its own
+(S3 scales request rates per prefix; Azure partitions by name range). Each save attempt writes under its own
 generation id, so attempts never share a key, and every key is built from a
 validated generation id and a plain file name.
 
@@ -65,7 +65,7 @@ def spread_digit(generation_id: str, rank: int) -> str:
 
 
 @dataclass(frozen=True)
-class S3Layout:
+class ObjectLayout:
     """Builds every key of a store under ``prefix`` ("" or ending in "/")."""
 
     prefix: str
@@ -158,7 +158,7 @@ Listing = list[tuple[str, int]]  # (key below a prefix, size), in the store's ke
 
 
 def listings_by_generation(
-    layout: S3Layout,
+    layout: ObjectLayout,
     names: Iterable[GenerationName],
     generation_objects: Iterable[tuple[str, int]],
     data_objects: Iterable[tuple[str, int]],
