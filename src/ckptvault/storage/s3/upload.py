@@ -22,12 +22,12 @@ flight plus one filling buffer per open file, however large the checkpoint.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import Any
 
 from ckptvault.errors import SaveFailedError, UsageError
+from ckptvault.storage.objects.uploads import PartUploader
 from ckptvault.storage.s3.client import CHECKSUM, S3Client, S3Error, S3NotFound
 from ckptvault.storage.s3.options import MAX_PART_SIZE
 
@@ -47,26 +47,6 @@ def part_size_for(part_number: int, first_part_size: int) -> int:
 def largest_object(first_part_size: int) -> int:
     """The most bytes one object can hold with 10,000 growing parts."""
     return sum(part_size_for(number, first_part_size) for number in range(1, MAX_PARTS + 1))
-
-
-class PartUploader:
-    """The store's upload threads: at most ``max_concurrency`` parts in flight."""
-
-    def __init__(self, max_concurrency: int) -> None:
-        self._slots = threading.BoundedSemaphore(max_concurrency)
-        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="ckptvault-s3-up")
-
-    def submit(self, upload: Callable[[], dict[str, Any]]) -> Future[dict[str, Any]]:
-        """Run ``upload`` on a pool thread; blocks while every slot is taken (that
-        wait is the backpressure that bounds memory)."""
-        self._slots.acquire()
-        try:
-            future = self._pool.submit(upload)
-        except BaseException:
-            self._slots.release()
-            raise
-        future.add_done_callback(lambda _done: self._slots.release())
-        return future
 
 
 class S3WritableFile:
