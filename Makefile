@@ -7,6 +7,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
+# Azurite, Microsoft's Azure Storage emulator (an npm package), for the Azure tests:
+# installed once into .node/ (git-ignored), beside the venv rather than globally.
+AZURITE         := azurite@3.37.0
+NODE_DIR        := .node
+AZURITE_STAMP   := $(NODE_DIR)/.installed-$(AZURITE)
 
 .PHONY: demo test lint crash reliability fuzz bench bench-costs bench-scale clean
 
@@ -16,6 +21,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+$(AZURITE_STAMP):
+	npm install --no-audit --no-fund --save-exact --prefix $(NODE_DIR) $(AZURITE)
+	test -x $(NODE_DIR)/node_modules/.bin/azurite-blob
+	touch $(AZURITE_STAMP)
+
 demo: $(STAMP)
 	$(PY) demo/demo.py
 
@@ -24,7 +34,7 @@ demo: $(STAMP)
 # environment says PYTHONDONTWRITEBYTECODE (this machine's does): otherwise every
 # process the suite starts compiles ckptvault again, and every worker re-rewrites
 # every test module (15 s of CPU a worker here, 8 s cached).
-test: $(STAMP)
+test: $(STAMP) $(AZURITE_STAMP)
 	$(PY) -m ruff check src tests demo bench
 	$(PY) -m mypy
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 2
@@ -85,4 +95,4 @@ bench-scale: $(STAMP)
 	$(PY) -m bench.scale
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(NODE_DIR) build *.egg-info src/*.egg-info .pytest_cache

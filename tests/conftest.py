@@ -12,6 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from support.azurite_server import (  # noqa: F401  (Azure fixtures)
+    azure_container,
+    azure_env,
+    azurite_endpoint,
+)
 from support.s3_server import s3_bucket, s3_endpoint  # noqa: F401  (S3 fixtures)
 
 TESTS = Path(__file__).resolve().parent
