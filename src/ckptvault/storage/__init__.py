@@ -1,8 +1,11 @@
 """Where bytes live: the :class:`~ckptvault.storage.base.Store` seam and its backends.
 
 :func:`open_store` is the one way to turn what a user typed (a path, a ``file://``
-URL, ``s3://bucket/prefix``) into a store; the manager, export and every CLI
-command use it. The S3 backend (and boto3) is imported only for ``s3://`` URLs.
+URL, ``s3://bucket/prefix``, ``az://container/prefix``) into a store; the manager,
+export and every CLI command use it. It is the one place that looks at a URL's
+scheme: everything above it sees a :class:`~ckptvault.storage.base.Store`. The S3
+backend (and boto3) is imported only for ``s3://`` URLs, the Azure backend (and its
+SDK) only for ``az://``.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import os
 from urllib.parse import unquote, urlsplit
 
 from ckptvault.errors import UsageError
+from ckptvault.storage.azure.options import AzureOptions
 from ckptvault.storage.base import Store
 from ckptvault.storage.posix.store import PosixStore
 from ckptvault.storage.s3.options import S3Options
@@ -19,10 +23,15 @@ StoreLocation = str | os.PathLike[str]
 
 
 def open_store(
-    location: StoreLocation | Store, *, must_exist: bool = False, s3: S3Options | None = None
+    location: StoreLocation | Store,
+    *,
+    must_exist: bool = False,
+    s3: S3Options | None = None,
+    azure: AzureOptions | None = None,
 ) -> Store:
     """The store at ``location``: a local path, ``file:///abs/path``,
-    ``s3://bucket/prefix`` (with ``s3`` options), or a store object.
+    ``s3://bucket/prefix`` (with ``s3`` options), ``az://container/prefix`` (with
+    ``azure`` options), or a store object. Options of another backend are refused.
 
     ``must_exist=True`` (tools that only read) raises :class:`UsageError` when there
     is nothing there, instead of treating it as an empty store.
@@ -33,12 +42,16 @@ def open_store(
     if not text:
         raise UsageError("the store location is empty; give a path or URL")
     scheme = urlsplit(text).scheme if "://" in text else ""
-    if scheme == "s3":
-        return _open_s3_store(text, must_exist, s3)
-    if s3 is not None:
+    if s3 is not None and scheme != "s3":
         raise UsageError(
             f"{text}: S3 options (endpoint, part size, ...) apply to s3:// stores only"
         )
+    if azure is not None and scheme != "az":
+        raise UsageError(f"{text}: Azure options apply to az:// stores only")
+    if scheme == "s3":
+        return _open_s3_store(text, must_exist, s3)
+    if scheme == "az":
+        return _open_azure_store(text, must_exist, azure)
     if scheme == "file":
         parts = urlsplit(text)
         if parts.netloc not in ("", "localhost"):
@@ -48,7 +61,7 @@ def open_store(
             raise UsageError(f"{location}: the file:// URL names no path (file:///abs/path)")
     elif scheme:
         raise UsageError(
-            f"{text}: unsupported store URL scheme {scheme!r}; give a local path, file:// or s3:// URL"
+            f"{text}: unsupported store URL scheme {scheme!r}; give a local path, file://, s3:// or az:// URL"
         )
     store = PosixStore(text)
     if must_exist:
@@ -65,4 +78,13 @@ def _open_s3_store(url: str, must_exist: bool, options: S3Options | None) -> Sto
     store = S3Store(url, options)
     if must_exist:
         store.check_bucket()
+    return store
+
+
+def _open_azure_store(url: str, must_exist: bool, options: AzureOptions | None) -> Store:
+    from ckptvault.storage.azure.store import AzureStore  # only now: others never load the SDK
+
+    store = AzureStore(url, options)
+    if must_exist:
+        store.check_container()
     return store
