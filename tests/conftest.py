@@ -18,6 +18,12 @@ from support.azurite_server import (  # noqa: F401  (Azure fixtures)
     azurite_endpoint,
 )
 from support.s3_server import s3_bucket, s3_endpoint  # noqa: F401  (S3 fixtures)
+from support.seaweedfs_server import (  # noqa: F401  (SeaweedFS, and S3 tests run on both)
+    each_s3_bucket,
+    each_s3_endpoint,
+    seaweedfs_endpoint,
+    seaweedfs_env,
+)
 
 TESTS = Path(__file__).resolve().parent
 # Two pytest workers share two cores: a torch that spreads each op over every core

@@ -1,7 +1,8 @@
 """Tiers with the replica in an S3 bucket (``replicate_to="s3://bucket/prefix"``).
 
-A real S3-protocol server on loopback (``s3_server.py``); the replica store finds it
-through ``AWS_ENDPOINT_URL``, as a user's boto3 configuration would.
+Each test runs twice, on moto and on SeaweedFS (``each_s3_bucket``), S3-protocol
+servers on loopback; the replica store finds the server through ``AWS_ENDPOINT_URL``,
+as a user's boto3 configuration would.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ def keys_under(endpoint: str, bucket: str, prefix: str) -> list[str]:
 
 
 def test_save_locally_replicate_to_s3_restore_on_a_fresh_node_and_copy_back(
-    tmp_path: Path, s3_bucket: str, s3_endpoint: str
+    tmp_path: Path, each_s3_bucket: str, each_s3_endpoint: str
 ):
     local, fresh_node = tmp_path / "local", tmp_path / "node2"
-    remote = f"s3://{s3_bucket}/run42"
+    remote = f"s3://{each_s3_bucket}/run42"
     state = make_training_state()
     with cv.CheckpointManager(local, run_id="run42", replicate_to=remote) as mgr:
         for step in (1, 2):
@@ -56,9 +57,9 @@ def test_save_locally_replicate_to_s3_restore_on_a_fresh_node_and_copy_back(
 
 
 def test_one_policy_deletes_from_the_local_tier_and_the_bucket(
-    tmp_path: Path, s3_bucket: str, s3_endpoint: str
+    tmp_path: Path, each_s3_bucket: str, each_s3_endpoint: str
 ):
-    local, remote = tmp_path / "local", f"s3://{s3_bucket}/run42"
+    local, remote = tmp_path / "local", f"s3://{each_s3_bucket}/run42"
     retention = cv.Retention(keep_last=2, delete_delay=0)
     saved = {}
     with cv.CheckpointManager(
@@ -67,15 +68,17 @@ def test_one_policy_deletes_from_the_local_tier_and_the_bucket(
         for step in range(1, 6):
             saved[step] = mgr.save(step, {"w": torch.full((64,), float(step))}).result()
     assert steps_in(local) == steps_in(remote) == [5, 4]
-    keys = keys_under(s3_endpoint, s3_bucket, "run42/")
+    keys = keys_under(each_s3_endpoint, each_s3_bucket, "run42/")
     for step in (1, 2, 3):  # nothing of a deleted generation stays in the bucket
         assert not [key for key in keys if saved[step].generation_id in key], step
     assert not [key for key in keys if "/.records/deleted/" in key]
 
 
-def test_per_tier_policies_with_the_replica_in_s3(tmp_path: Path, s3_bucket: str, s3_endpoint: str):
+def test_per_tier_policies_with_the_replica_in_s3(
+    tmp_path: Path, each_s3_bucket: str, each_s3_endpoint: str
+):
     local, fresh_node = tmp_path / "local", tmp_path / "node2"
-    remote = f"s3://{s3_bucket}/run42"
+    remote = f"s3://{each_s3_bucket}/run42"
     policies = {
         "retention": cv.Retention(keep_last=2, delete_delay=0),
         "replica_retention": cv.Retention(keep_every=3, delete_delay=0),

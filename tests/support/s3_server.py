@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-_ENVIRONMENT = {
+# The fake credentials every S3 test uses (SeaweedFS starts with them as its identity).
+ENVIRONMENT = {
     "AWS_ACCESS_KEY_ID": "ckptvault-test",
     "AWS_SECRET_ACCESS_KEY": "ckptvault-test-secret",
     "AWS_DEFAULT_REGION": "us-east-1",
@@ -67,10 +68,10 @@ def s3_endpoint() -> Iterator[str]:
     pytest.importorskip("boto3", reason="the S3 tests need ckptvault[s3]")
     pytest.importorskip("moto.server", reason="the S3 tests need moto[server] (ckptvault[dev])")
     endpoint = _Server.start()
-    saved = {name: os.environ.get(name) for name in [*_ENVIRONMENT, "AWS_ENDPOINT_URL"]}
+    saved = {name: os.environ.get(name) for name in [*ENVIRONMENT, "AWS_ENDPOINT_URL"]}
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
         saved[name] = os.environ.pop(name, None)
-    os.environ.update(_ENVIRONMENT, AWS_ENDPOINT_URL=endpoint)
+    os.environ.update(ENVIRONMENT, AWS_ENDPOINT_URL=endpoint)
     yield endpoint
     for name, value in saved.items():
         if value is None:
