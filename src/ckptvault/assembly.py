@@ -49,7 +49,7 @@ from ckptvault.saving.preemption import DEFAULT_DEADLINE_S, PreemptionWatch
 from ckptvault.saving.scheduler import SaveScheduler
 from ckptvault.saving.writer_process import WriterProcess
 from ckptvault.state.contract import build_contract, code_revision, encode_contract_fields
-from ckptvault.storage import S3Options, StoreLocation, open_store
+from ckptvault.storage import RemoteOptions, StoreLocation, open_store
 from ckptvault.storage.base import Store
 from ckptvault.trust.context import TrustContext
 from ckptvault.trust.keystore import KeyStore
@@ -118,7 +118,7 @@ class ManagerParts:
 
 def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
     """Validate ``options`` and build every part; nothing is written yet."""
-    store, s3 = _open_checked_store(directory, options)
+    store, remote = _open_checked_store(directory, options)
     replicate_to = options.get("replicate_to")
     trust_options: dict[str, Any] = {name: options.get(name) for name in TRUST_OPTIONS}
     config = _config(options, store.location, trust_options)
@@ -136,7 +136,7 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
         options.get("catalog_keep_days", DEFAULT_KEEP_DAYS),
     )
     replicator = Replicator.attach(
-        store, replicate_to, events, trust, config.run_id, s3 if _is_s3(replicate_to) else None
+        store, replicate_to, events, trust, config.run_id, remote.for_location(replicate_to)
     )
     run = RunContext(store, config.run_id, trust, coordinator, events)
     tiers = [replicator.target] if replicator else []
@@ -198,15 +198,14 @@ def assemble(directory: StoreLocation, options: ManagerOptions) -> ManagerParts:
 
 def _open_checked_store(
     directory: StoreLocation, options: ManagerOptions
-) -> tuple[Store, S3Options | None]:
+) -> tuple[Store, RemoteOptions]:
     """The manager's store, after the options every part relies on are checked."""
     unknown = sorted(set(options) - set(ManagerOptions.__annotations__))
     if unknown:
         raise UsageError(f"CheckpointManager got unknown options: {', '.join(unknown)}")
-    s3 = _s3_options(options)  # for every s3:// tier: the store and its replica
-    if s3 is not None and not any(_is_s3(t) for t in (directory, options.get("replicate_to"))):
-        raise UsageError("S3 options (endpoint, part size, ...) apply to s3:// stores only")
-    return open_store(directory, s3=s3 if _is_s3(directory) else None), s3
+    remote = _remote_options(options)  # for every remote tier: the store and its replica
+    remote.check_used_by(directory, options.get("replicate_to"))
+    return open_store(directory, **remote.for_location(directory)), remote
 
 
 def _spare_validated(
@@ -322,17 +321,12 @@ def _default_coordinator(options: ManagerOptions) -> Coordinator:
     return default_coordinator(timeout) or SingleProcess()
 
 
-def _is_s3(location: StoreLocation | Store | None) -> bool:
-    # A store object (open_store takes one: a wrapper, say) is already open.
-    return isinstance(location, (str, os.PathLike)) and os.fspath(location).startswith("s3://")
-
-
-def _s3_options(options: ManagerOptions) -> S3Options | None:
-    """The S3 options given, or None when none was (they apply to s3:// stores only)."""
-    return S3Options.from_keywords(
-        endpoint_url=options.get("s3_endpoint_url"),
-        part_size=options.get("s3_part_size"),
-        max_concurrency=options.get("s3_max_concurrency"),
+def _remote_options(options: ManagerOptions) -> RemoteOptions:
+    """The options of remote stores given (each backend takes its own)."""
+    return RemoteOptions.from_keywords(
+        s3_endpoint_url=options.get("s3_endpoint_url"),
+        s3_part_size=options.get("s3_part_size"),
+        s3_max_concurrency=options.get("s3_max_concurrency"),
         object_lock_days=options.get("object_lock_days"),
     )
 

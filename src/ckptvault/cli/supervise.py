@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
-from urllib.parse import unquote, urlsplit
 
 import typer
 
@@ -25,7 +24,7 @@ from ckptvault.ops.done import DoneExpectation, file_digest
 from ckptvault.ops.hang import HangPolicy
 from ckptvault.ops.preflight import free_space_preflight
 from ckptvault.ops.supervise import Policy, Supervisor
-from ckptvault.storage import S3Options, open_store
+from ckptvault.storage import S3Options, local_path, open_store
 from ckptvault.storage.base import Store
 from ckptvault.trust.ledger import default_ledger_path
 
@@ -53,11 +52,8 @@ def parse_backoff(text: str) -> tuple[float, ...]:
 
 def local_store_path(location: str) -> Path | None:
     """The local directory of a store location (a path or ``file://`` URL); None for
-    a remote store (``s3://``), whose free space cannot be asked for."""
-    if "://" not in location:
-        return Path(location)
-    parts = urlsplit(location)
-    return Path(unquote(parts.path)) if parts.scheme == "file" else None
+    a remote store (``s3://``, ``az://``), whose free space cannot be asked for."""
+    return local_path(location)
 
 
 @contextmanager

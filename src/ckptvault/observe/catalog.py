@@ -23,7 +23,6 @@ import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 from blake3 import blake3
 
@@ -51,6 +50,7 @@ from ckptvault.observe.catalog_schema import (
     error_text,
     loads_object,
 )
+from ckptvault.storage.locations import canonical_location
 
 __all__ = [
     "Catalog",
@@ -97,16 +97,9 @@ def validated_generations(path: Path | None, run_id: str | None) -> frozenset[Ge
 
 def store_key(location: str | os.PathLike[str]) -> str:
     """A store as the catalog names it (the manager's ``store.location``): a local
-    path or ``file://`` URL made absolute, an ``s3://`` URL in its canonical form. For
+    path or ``file://`` URL made absolute, an ``s3://`` or ``az://`` URL in its canonical form. For
     the ``store=`` filters of the readers, given what a user typed."""
-    text = os.fspath(location)
-    if text.startswith("s3://"):
-        from ckptvault.storage.s3.options import parse_s3_url
-
-        return parse_s3_url(text).url
-    if text.startswith("file://"):
-        text = unquote(urlsplit(text).path)
-    return os.path.abspath(text)
+    return canonical_location(location)
 
 
 def _epoch(when: float | datetime) -> float:

@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
 
@@ -42,7 +42,7 @@ from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, GenerationNam
 from ckptvault.format.manifest import Manifest
 from ckptvault.progress import Meter, Progress
 from ckptvault.retention.marks import read_marks
-from ckptvault.storage import S3Options, StoreLocation, open_store
+from ckptvault.storage import StoreLocation, open_store
 from ckptvault.storage.base import GenerationRef, StagingArea, Store, write_new_file
 from ckptvault.storage.records import REPLICA
 from ckptvault.trust.authenticity import check_authenticity
@@ -215,13 +215,14 @@ class Replicator:
         events: EventBus,
         trust: TrustContext,
         run_id: str,
-        s3: S3Options | None = None,
+        store_options: dict[str, Any] | None = None,
     ) -> Replicator | None:
         """A replicator to ``target`` subscribed to ``events``, or None without a target.
-        ``s3`` (endpoint, part size, Object Lock days) applies to an ``s3://`` target."""
+        ``store_options``: ``open_store`` keywords for the target (its backend's options,
+        :meth:`~ckptvault.storage.RemoteOptions.for_location`)."""
         if target is None:
             return None
-        remote = open_store(target, s3=s3)
+        remote = open_store(target, **(store_options or {}))
         if remote.location == source.location:
             raise UsageError(f"replicate_to names the store itself ({remote.location})")
         trust.check_outside(remote)  # keys, ledger and audit log stay out of every tier

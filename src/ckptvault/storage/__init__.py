@@ -2,8 +2,9 @@
 
 :func:`open_store` is the one way to turn what a user typed (a path, a ``file://``
 URL, ``s3://bucket/prefix``, ``az://container/prefix``) into a store; the manager,
-export and every CLI command use it. It is the one place that looks at a URL's
-scheme: everything above it sees a :class:`~ckptvault.storage.base.Store`. The S3
+export and every CLI command use it. With :mod:`~ckptvault.storage.locations` it is
+the one place that looks at a URL's scheme: everything above ``storage/`` sees a
+:class:`~ckptvault.storage.base.Store`. The S3
 backend (and boto3) is imported only for ``s3://`` URLs, the Azure backend (and its
 SDK) only for ``az://``.
 """
@@ -11,15 +12,33 @@ SDK) only for ``az://``.
 from __future__ import annotations
 
 import os
-from urllib.parse import unquote, urlsplit
 
 from ckptvault.errors import UsageError
 from ckptvault.storage.azure.options import AzureOptions
 from ckptvault.storage.base import Store
+from ckptvault.storage.locations import (
+    AZURE,
+    S3,
+    RemoteOptions,
+    StoreLocation,
+    backend_of,
+    canonical_location,
+    local_path,
+)
 from ckptvault.storage.posix.store import PosixStore
 from ckptvault.storage.s3.options import S3Options
 
-StoreLocation = str | os.PathLike[str]
+__all__ = [
+    "AzureOptions",
+    "RemoteOptions",
+    "S3Options",
+    "Store",
+    "StoreLocation",
+    "backend_of",
+    "canonical_location",
+    "local_path",
+    "open_store",
+]
 
 
 def open_store(
@@ -41,29 +60,20 @@ def open_store(
     text = os.fspath(location)
     if not text:
         raise UsageError("the store location is empty; give a path or URL")
-    scheme = urlsplit(text).scheme if "://" in text else ""
-    if s3 is not None and scheme != "s3":
+    backend = backend_of(text)
+    if s3 is not None and backend != S3:
         raise UsageError(
             f"{text}: S3 options (endpoint, part size, ...) apply to s3:// stores only"
         )
-    if azure is not None and scheme != "az":
+    if azure is not None and backend != AZURE:
         raise UsageError(f"{text}: Azure options apply to az:// stores only")
-    if scheme == "s3":
+    if backend == S3:
         return _open_s3_store(text, must_exist, s3)
-    if scheme == "az":
+    if backend == AZURE:
         return _open_azure_store(text, must_exist, azure)
-    if scheme == "file":
-        parts = urlsplit(text)
-        if parts.netloc not in ("", "localhost"):
-            raise UsageError(f"{text}: file:// URLs name a local path (file:///abs/path)")
-        text = unquote(parts.path)
-        if not text:
-            raise UsageError(f"{location}: the file:// URL names no path (file:///abs/path)")
-    elif scheme:
-        raise UsageError(
-            f"{text}: unsupported store URL scheme {scheme!r}; give a local path, file://, s3:// or az:// URL"
-        )
-    store = PosixStore(text)
+    root = local_path(text)
+    assert root is not None
+    store = PosixStore(root)
     if must_exist:
         if not store.root.exists():
             raise UsageError(f"no checkpoint store at {text} (the directory does not exist)")

@@ -70,7 +70,7 @@ from ckptvault.ops.rotation.survey import (
     survey,
 )
 from ckptvault.progress import Meter, Progress
-from ckptvault.storage import S3Options, StoreLocation, open_store
+from ckptvault.storage import RemoteOptions, S3Options, StoreLocation, open_store
 from ckptvault.storage.base import Store
 from ckptvault.trust.context import TrustContext
 from ckptvault.trust.keystore import KeyStore, RotatingKeyStore
@@ -255,8 +255,7 @@ def _open_stores(
     for location in many:
         # S3 options go to s3:// locations only (open_store refuses them elsewhere).
         text = location if isinstance(location, Store) else os.fspath(location)
-        options = s3 if isinstance(text, str) and text.startswith("s3://") else None
-        opened.append(open_store(text, must_exist=True, s3=options))
+        opened.append(open_store(text, must_exist=True, **RemoteOptions(s3=s3).for_location(text)))
     return opened
 
 

@@ -84,9 +84,9 @@ def _sdk_errors() -> tuple[type[Exception], ...]:
     return (SdkError,)
 
 
-def make_container_client(location: AzureLocation, options: AzureOptions) -> Any:
-    """The SDK's ``ContainerClient`` for ``location``, from the environment (see
-    :mod:`ckptvault.storage.azure.options`)."""
+def make_service_client(location: AzureLocation, options: AzureOptions) -> Any:
+    """The SDK's ``BlobServiceClient`` for the account of ``location``, from the
+    environment (see :mod:`ckptvault.storage.azure.options`)."""
     try:
         from azure.storage.blob import BlobServiceClient
     except ImportError as exc:
@@ -98,12 +98,11 @@ def make_container_client(location: AzureLocation, options: AzureOptions) -> Any
     connection = os.environ.get(CONNECTION_STRING)
     if connection and options.account_url is None:
         try:
-            service = BlobServiceClient.from_connection_string(connection, **settings)
+            return BlobServiceClient.from_connection_string(connection, **settings)
         except ValueError as exc:
             raise UsageError(
                 f"{CONNECTION_STRING} is not a valid connection string: {exc}"
             ) from exc
-        return service.get_container_client(location.container)
     url = options.account_url or os.environ.get(ACCOUNT_URL)
     name = os.environ.get(ACCOUNT_NAME)
     if not url and name:
@@ -119,8 +118,7 @@ def make_container_client(location: AzureLocation, options: AzureOptions) -> Any
             "an account URL without a connection string needs azure-identity: "
             "pip install 'ckptvault[azure]'"
         ) from exc
-    service = BlobServiceClient(url, credential=DefaultAzureCredential(), **settings)
-    return service.get_container_client(location.container)
+    return BlobServiceClient(url, credential=DefaultAzureCredential(), **settings)
 
 
 @dataclass(frozen=True)
@@ -158,7 +156,8 @@ class AzureClient:
 
     def __init__(self, location: AzureLocation, options: AzureOptions) -> None:
         self.container = location.container
-        self.raw = make_container_client(location, options)
+        self.service = make_service_client(location, options)
+        self.raw = self.service.get_container_client(location.container)
 
     def url(self, key: str) -> str:
         return f"az://{self.container}/{key}"
