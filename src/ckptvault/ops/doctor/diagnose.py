@@ -7,9 +7,10 @@ filesystem, its free space; on Lustre its striping, :mod:`~ckptvault.ops.doctor.
 on NFS its mount options, :mod:`~ckptvault.ops.doctor.nfs`), the control-plane files
 outside it (rollback ledger, audit log, catalog, key store, signing key), whether
 asynchronous saves' staging fits in this host's memory
-(:mod:`~ckptvault.ops.doctor.memory`) and, for an ``s3://`` store, the bucket's
-protections, lifecycle rules and the credentials in use
-(:mod:`~ckptvault.ops.doctor.s3`, :mod:`~ckptvault.ops.doctor.lifecycle`). Each check
+(:mod:`~ckptvault.ops.doctor.memory`) and, for an ``s3://`` or ``az://`` store, the
+bucket's or container's protections, lifecycle rules and the credentials in use
+(:mod:`~ckptvault.ops.doctor.s3`, :mod:`~ckptvault.ops.doctor.lifecycle`,
+:mod:`~ckptvault.ops.doctor.azure`). Each check
 yields a :class:`Finding`: ``ok``, ``warn`` (works, but weaker than it should be),
 ``fail`` (a hole: fix it before trusting the store) or ``skip`` (could not check).
 """
@@ -88,11 +89,7 @@ def diagnose(
         findings += check_lustre(root, mount, largest)
         findings += check_nfs(root, mount, encrypted=places.keystore is not None)
     else:
-        from ckptvault.ops.doctor.s3 import check_s3
-
-        findings += check_s3(store)
-        horizon = longest(_horizon(generations, plan.retention_days), _recorded_horizon(store))
-        findings += _lifecycle(store, horizon)
+        findings += _object_store_checks(store, generations, plan)
     findings.append(_staging_memory(generations, plan))
     ledger = places.ledger or default_ledger_path()
     for what, path in (
@@ -108,6 +105,22 @@ def diagnose(
             "signing key", places.signing_key, store, required=True, secret=True
         )
     return findings
+
+
+def _object_store_checks(
+    store: Store, generations: list[GenerationInfo], plan: RunPlan
+) -> list[Finding]:
+    """The bucket's or container's protections (and an S3 bucket's lifecycle rules),
+    by the kind of store: each backend's doctor module knows its service."""
+    from ckptvault.ops.doctor.azure import check_azure  # neither loads its SDK to import
+    from ckptvault.ops.doctor.s3 import check_s3
+    from ckptvault.storage.azure.store import AzureStore
+
+    if isinstance(store, AzureStore):
+        return check_azure(store)
+
+    horizon = longest(_horizon(generations, plan.retention_days), _recorded_horizon(store))
+    return check_s3(store) + _lifecycle(store, horizon)
 
 
 def _local_root(store: Store) -> Path | None:
