@@ -57,7 +57,8 @@ class CheckpointManager:
     """Saves and restores the training state of one run in one store.
 
     Args:
-        directory: the store: a local path, ``file://`` or ``s3://bucket/prefix`` URL.
+        directory: the store: a local path, ``file://``, ``s3://bucket/prefix`` or
+            ``az://container/prefix`` URL.
         run_id: this run's identity, recorded in every manifest; restore skips
             generations of other runs. Required with any trust option; otherwise it
             defaults to the store directory's name.
@@ -105,7 +106,10 @@ class CheckpointManager:
             at save time, ``"warn"`` (default; log, audit entry, ``stats``), ``"raise"``
             (publish nothing) or ``"ignore"`` (do not hash them).
         s3_endpoint_url, s3_part_size, s3_max_concurrency, object_lock_days: options of
-            an ``s3://bucket/prefix`` store (:class:`~ckptvault.storage.S3Options`).
+            an ``s3://bucket/prefix`` store (:class:`~ckptvault.storage.S3Options`);
+            ``object_lock_days`` is a version-level immutability policy on an
+            ``az://container/prefix`` store, whose account comes from the environment
+            (:mod:`ckptvault.storage.azure.options`).
         replicate_to: a second, durable tier (path or URL): every published generation
             is copied there in the background, and restore falls back to it.
         retention: a :class:`~ckptvault.Retention` policy, applied after every publish

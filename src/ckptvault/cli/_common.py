@@ -37,7 +37,10 @@ S3EndpointUrl = Annotated[
         "e.g. AWS_ENDPOINT_URL).",
     ),
 ]
-STORE_HELP = "The checkpoint store (path, file:// or s3://bucket/prefix URL)."
+STORE_HELP = (
+    "The checkpoint store (path, file://, s3://bucket/prefix or az://container/prefix URL; "
+    "az:// takes its account from AZURE_STORAGE_CONNECTION_STRING or AZURE_STORAGE_ACCOUNT_URL)."
+)
 
 # Options that export and consolidate share: the trust they read the checkpoint with.
 CastDtype = Annotated[

@@ -47,7 +47,7 @@ def check_run_id(run_id: Any) -> str:
 
 
 def open_plugin_store(url: StoreURL, s3_endpoint_url: str | None, *, must_exist: bool) -> Store:
-    """The store at ``url`` (path, ``file://`` or ``s3://``); ``s3_endpoint_url`` only
+    """The store at ``url`` (path, ``file://``, ``s3://`` or ``az://``); ``s3_endpoint_url`` only
     for ``s3://`` stores (``UsageError`` otherwise)."""
     options = S3Options(endpoint_url=s3_endpoint_url) if s3_endpoint_url is not None else None
     return open_store(url, must_exist=must_exist, s3=options)

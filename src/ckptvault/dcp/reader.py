@@ -63,7 +63,7 @@ from ckptvault.trust.signing import PublicKeyLike
 
 
 class StorageReader(DCPStorageReader):
-    """A DCP ``StorageReader`` over a ckptvault store (path, ``file://`` or ``s3://``).
+    """A DCP ``StorageReader`` over a ckptvault store (path, ``file://``, ``s3://``, ``az://``).
 
     Contract: construct it on every rank of the job at the same time (choosing is
     collective; under torch.distributed it runs on a gloo group of ckptvault's own

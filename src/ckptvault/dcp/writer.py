@@ -102,8 +102,8 @@ class _Pending:
 
 
 class StorageWriter(DCPStorageWriter):
-    """A DCP ``StorageWriter`` that saves into a ckptvault store (path, ``file://``
-    or ``s3://`` URL) as one atomically published generation of ``step``.
+    """A DCP ``StorageWriter`` that saves into a ckptvault store (path, ``file://``,
+    ``s3://`` or ``az://`` URL) as one atomically published generation of ``step``.
 
     Contract: a ``dcp.save`` either publishes one complete generation of run
     ``run_id`` (manifest with per-chunk BLAKE3 digests of every rank's files; signed

@@ -114,7 +114,7 @@ class CkptvaultCheckpointIO(CheckpointIO):
     """Lightning checkpoints as verified ckptvault generations in ``store``.
 
     Args:
-        store: the ckptvault store (a local path or ``s3://bucket/prefix``); the
+        store: the ckptvault store (a local path, ``s3://`` or ``az://`` URL); the
             pointers stay at the (local) paths ``ModelCheckpoint`` chooses.
         delete_delay: seconds between Lightning removing a checkpoint (``save_top_k``,
             an overwritten ``last.ckpt``) and its generation's bytes going: it is marked

@@ -259,7 +259,7 @@ def _filesystem(root: Path, mount: Mount | None) -> Finding:
             WARN,
             f"{root} is on {kind}: fsync and atomic rename depend on the server and client "
             "settings",
-            "prefer a local disk (replicating to shared storage) or an s3:// store",
+            "prefer a local disk (replicating to shared storage) or an s3:// or az:// store",
         )
     return Finding("store filesystem", OK, f"{root} is on {kind}")
 
