@@ -47,6 +47,7 @@ from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, new_generatio
 from ckptvault.storage import open_store
 from ckptvault.storage.base import EntryInfo, GenerationRef, StagingArea, Store
 from ckptvault.storage.posix.store import PosixStore
+from support.azure_saboteurs import AZURE_ENTRY_SABOTEURS, AZURE_STORE_SABOTEURS, make_azure_store
 from support.common import REPO
 from support.s3_saboteurs import S3_ENTRY_SABOTEURS, S3_STORE_SABOTEURS, make_s3_store
 
@@ -234,6 +235,15 @@ BACKENDS: dict[str, Backend] = {
         store_saboteurs=S3_STORE_SABOTEURS,
         cleanup_needs_lock=False,
         fixtures=("s3_endpoint",),
+    ),
+    # Azure Blob on Azurite (tests/support/azurite_server.py); azure_env points
+    # AZURE_STORAGE_CONNECTION_STRING at it for the test.
+    "azure": Backend(
+        make=make_azure_store,
+        entry_saboteurs=AZURE_ENTRY_SABOTEURS,
+        store_saboteurs=AZURE_STORE_SABOTEURS,
+        cleanup_needs_lock=False,
+        fixtures=("azure_env",),
     ),
 }
 
