@@ -45,6 +45,7 @@ from support.crash_trials import (
     save_trial,
 )
 from support.reliability import budget, record
+from support.seaweedfs_server import fresh_prefix
 
 pytestmark = pytest.mark.reliability
 
@@ -121,15 +122,38 @@ def test_signed_encrypted_audited_saves_posix(zygote: Zygote, tmp_path: Path) ->
     _save_scenario(zygote, "crash: sync save, signed, encrypted, audited, POSIX", [job], kills)
 
 
-def test_sync_and_async_saves_s3(zygote: Zygote, tmp_path: Path, s3_bucket: str) -> None:
+def test_sync_and_async_saves_s3(
+    zygote: Zygote, tmp_path: Path, each_s3_bucket: str, request: pytest.FixtureRequest
+) -> None:
     """Kills 0, 1 (mod 4) sync saves, 2, 3 async: a timer and a mutation kill each
-    (mutations: the S3 requests that write or delete, killed before or after)."""
+    (mutations: the S3 requests that write or delete, killed before or after). On
+    moto and on SeaweedFS (``each_s3_bucket``)."""
     kills = budget(4, 50)
     # No ballast: the one 6 MiB file still goes up as a multipart upload of two parts.
-    store = f"s3://{s3_bucket}/crash"
+    store = f"s3://{each_s3_bucket}/crash"
     jobs = [_job(tmp_path, store=store, ballast_mb=0, keep_last=2, **{"async": a}) for a in (0, 1)]
-    scenario = "crash: sync and async save, S3, 1 rank"
+    scenario = f"crash: sync and async save, S3 ({_server(request)}), 1 rank"
     _save_scenario(zygote, scenario, jobs, kills, pick=lambda trial: trial // 2 % 2)
+
+
+def test_two_ranks_s3(zygote: Zygote, tmp_path: Path, seaweedfs_env: str) -> None:
+    """Two ranks saving one sharded state into one S3 store, killed as in
+    ``test_two_ranks_posix`` (the whole job, or one rank at a timer or at a random S3
+    request that writes or deletes). On SeaweedFS only: a real server is the point,
+    and the same scenario on moto would add 9 s to ``make test`` (its S3 requests and
+    their kills are the one-rank scenario's, which runs on both)."""
+    kills = budget(4, 32)
+    store = f"{fresh_prefix(seaweedfs_env)}/crash"
+    jobs = [_job(tmp_path, store=store, sharded=True, ballast_mb=0, keep_last=2,
+                 **{"async": a}) for a in (0, 1)]  # fmt: skip
+    scenario = "crash: sync and async save, S3 (seaweedfs), 2 ranks"
+    _save_scenario(zygote, scenario, jobs, kills, world=2, pick=lambda t: (t // 4 + t) % 2)
+
+
+def _server(request: pytest.FixtureRequest) -> str:
+    """Which S3 server ``each_s3_bucket`` runs this test on (a scenario per server in
+    the reliability table)."""
+    return str(request.node.callspec.params["each_s3_endpoint"])
 
 
 def test_two_ranks_posix(zygote: Zygote, tmp_path: Path) -> None:
