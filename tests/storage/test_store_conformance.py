@@ -49,7 +49,12 @@ from ckptvault.storage.base import EntryInfo, GenerationRef, StagingArea, Store
 from ckptvault.storage.posix.store import PosixStore
 from support.azure_saboteurs import AZURE_ENTRY_SABOTEURS, AZURE_STORE_SABOTEURS, make_azure_store
 from support.common import REPO
-from support.s3_saboteurs import S3_ENTRY_SABOTEURS, S3_STORE_SABOTEURS, make_s3_store
+from support.s3_saboteurs import (
+    S3_ENTRY_SABOTEURS,
+    S3_STORE_SABOTEURS,
+    make_s3_store,
+    make_seaweedfs_store,
+)
 
 # A saboteur plants something hostile and returns a check that everything outside
 # the store it pointed at is still exactly as it was (nothing written, deleted).
@@ -235,6 +240,16 @@ BACKENDS: dict[str, Backend] = {
         store_saboteurs=S3_STORE_SABOTEURS,
         cleanup_needs_lock=False,
         fixtures=("s3_endpoint",),
+    ),
+    # The same S3 backend on SeaweedFS, a real S3-compatible server
+    # (tests/support/seaweedfs_server.py): each test's stores under a prefix of their
+    # own in the server's session bucket.
+    "seaweedfs": Backend(
+        make=make_seaweedfs_store,
+        entry_saboteurs=S3_ENTRY_SABOTEURS,
+        store_saboteurs=S3_STORE_SABOTEURS,
+        cleanup_needs_lock=False,
+        fixtures=("seaweedfs_env",),
     ),
     # Azure Blob on Azurite (tests/support/azurite_server.py); azure_env points
     # AZURE_STORAGE_CONNECTION_STRING at it for the test.

@@ -21,6 +21,7 @@ from ckptvault.storage.objects.layout import SPREAD_DIGITS, rank_of, spread_digi
 from ckptvault.storage.s3.options import S3Options
 from ckptvault.storage.s3.store import S3Store
 from support.s3_server import new_bucket, s3_client
+from support.seaweedfs_server import SESSION_BUCKET
 
 SECRET = b"an object outside the store that must never be served, changed or deleted"
 SMALL_PARTS = S3Options(part_size=5 * 1024 * 1024)  # so conformance files go multipart
@@ -35,6 +36,13 @@ def make_s3_store(base: Path) -> Store:
     if bucket not in existing:
         s3_client(endpoint).create_bucket(Bucket=bucket)
     return S3Store(f"s3://{bucket}/{base.name}/store", SMALL_PARTS)
+
+
+def make_seaweedfs_store(base: Path) -> Store:
+    """A fresh store on SeaweedFS: one prefix per test and per store in the session's
+    bucket (a new bucket's first write costs SeaweedFS a volume allocation, 0.2 s)."""
+    test = hashlib.sha256(str(base.parent).encode()).hexdigest()[:20]
+    return S3Store(f"s3://{SESSION_BUCKET}/{test}/{base.name}/store", SMALL_PARTS)
 
 
 def fresh_bucket_store(prefix: str = "run", options: S3Options | None = None) -> S3Store:
