@@ -2,9 +2,9 @@
 a generation under retention ("locked until DATE"), and reports versions it may not
 delete as retained copies; ``object_lock_days`` locks milestones and pins only.
 
-Against a real S3-protocol server on loopback (``s3_server.py``). Its
-GetObjectRetention answers 500, so retention is read the way ckptvault reads it, from
-HEAD (``ObjectLockRetainUntilDate``, ``ObjectLockLegalHoldStatus``).
+Each test runs on moto and on SeaweedFS (``each_s3_endpoint``), S3-protocol servers
+on loopback. moto's GetObjectRetention answers 500, so retention is read the way
+ckptvault reads it, from HEAD (``ObjectLockRetainUntilDate``, ``ObjectLockLegalHoldStatus``).
 """
 
 from __future__ import annotations
@@ -68,21 +68,21 @@ def gc(url: str, *args: str) -> tuple[int, dict]:
     return result.returncode, json.loads(result.stdout)
 
 
-def test_retention_in_a_versioned_bucket_deletes_every_version(s3_endpoint: str):
-    bucket = new_bucket(s3_endpoint)
-    s3_client(s3_endpoint).put_bucket_versioning(
+def test_retention_in_a_versioned_bucket_deletes_every_version(each_s3_endpoint: str):
+    bucket = new_bucket(each_s3_endpoint)
+    s3_client(each_s3_endpoint).put_bucket_versioning(
         Bucket=bucket, VersioningConfiguration={"Status": "Enabled"}
     )
     url = f"s3://{bucket}/run42"
     ids = save_steps(url, range(1, 5), retention=cv.Retention(keep_last=1, delete_delay=0))
     assert [ref.step for ref in s3_store(url).list_generations()] == [4, 3]
     for step in (1, 2):  # no noncurrent version, no delete marker: nothing of them is left
-        assert versions_of(s3_endpoint, bucket, ids[step]) == [], step
-    assert versions_of(s3_endpoint, bucket, ids[4])  # (the listing does find what exists)
+        assert versions_of(each_s3_endpoint, bucket, ids[step]) == [], step
+    assert versions_of(each_s3_endpoint, bucket, ids[4])  # (the listing does find what exists)
 
 
-def test_object_lock_days_locks_milestones_and_pins_only(s3_endpoint: str):
-    bucket = new_bucket(s3_endpoint, object_lock=True)
+def test_object_lock_days_locks_milestones_and_pins_only(each_s3_endpoint: str):
+    bucket = new_bucket(each_s3_endpoint, object_lock=True)
     url = f"s3://{bucket}/run42"
     retention = cv.Retention(keep_last=1, keep_every=2, delete_delay=0)
     ids = save_steps(url, range(1, 6), retention=retention, object_lock_days=1)
@@ -97,7 +97,7 @@ def test_object_lock_days_locks_milestones_and_pins_only(s3_endpoint: str):
     assert lock_of(store, manifest_key(store, 5)) is None  # not a milestone
     assert lock_of(store, store.layout.data_key(ids[5], TENSOR_FILE)) is None
     for step in (1, 3):  # dropped, unlocked: deleted with every version
-        assert versions_of(s3_endpoint, bucket, ids[step]) == [], step
+        assert versions_of(each_s3_endpoint, bucket, ids[step]) == [], step
 
     # A pin locks the generation it pins (the manager's store has object_lock_days).
     with cv.CheckpointManager(url, run_id="run42", object_lock_days=1) as mgr:
@@ -107,8 +107,8 @@ def test_object_lock_days_locks_milestones_and_pins_only(s3_endpoint: str):
     assert lock_of(store, store.layout.data_key(ids[5], TENSOR_FILE)) is not None
 
 
-def test_gc_keeps_a_locked_generation_and_does_not_fail(s3_endpoint: str):
-    bucket = new_bucket(s3_endpoint, object_lock=True)
+def test_gc_keeps_a_locked_generation_and_does_not_fail(each_s3_endpoint: str):
+    bucket = new_bucket(each_s3_endpoint, object_lock=True)
     url = f"s3://{bucket}/run42"
     save_steps(url, (1, 2, 3), object_lock_days=1)  # no retention policy: every one locked
     code, report = gc(url, "--keep-last", "1", "--delete-delay", "0s")
@@ -125,8 +125,8 @@ def test_gc_keeps_a_locked_generation_and_does_not_fail(s3_endpoint: str):
     assert "keep    locked until" in text.stdout
 
 
-def test_the_managers_retention_keeps_a_locked_generation(s3_endpoint: str):
-    bucket = new_bucket(s3_endpoint, object_lock=True)
+def test_the_managers_retention_keeps_a_locked_generation(each_s3_endpoint: str):
+    bucket = new_bucket(each_s3_endpoint, object_lock=True)
     url = f"s3://{bucket}/run42"
     retention = cv.Retention(keep_last=1, delete_delay=0)
     with cv.CheckpointManager(url, run_id="run42", retention=retention, object_lock_days=1) as mgr:
@@ -141,13 +141,13 @@ def test_the_managers_retention_keeps_a_locked_generation(s3_endpoint: str):
     assert [ref.step for ref in s3_store(url).list_generations()] == [3, 2, 1]
 
 
-def test_versions_that_may_not_be_deleted_are_reported_as_retained_copies(s3_endpoint: str):
-    bucket = new_bucket(s3_endpoint, object_lock=True)
+def test_versions_that_may_not_be_deleted_are_reported_as_retained_copies(each_s3_endpoint: str):
+    bucket = new_bucket(each_s3_endpoint, object_lock=True)
     url = f"s3://{bucket}/run42"
     ids = save_steps(url, (1, 2, 3, 4))  # nothing locked by ckptvault
     store = s3_store(url)
     held, locked = (store.layout.data_key(ids[step], TENSOR_FILE) for step in (1, 2))
-    raw = s3_client(s3_endpoint)
+    raw = s3_client(each_s3_endpoint)
     raw.put_object_legal_hold(Bucket=bucket, Key=held, LegalHold={"Status": "ON"})
     until = datetime.now(timezone.utc) + timedelta(days=1)
     lock = {"Mode": "GOVERNANCE", "RetainUntilDate": until}
@@ -172,7 +172,9 @@ def test_versions_that_may_not_be_deleted_are_reported_as_retained_copies(s3_end
     assert sorted(store.list_records(DELETION_MARK)) == names  # so later passes retry
     for step, key in ((1, held), (2, locked)):  # only that version stays, under a marker
         versions = [
-            v for v in versions_of(s3_endpoint, bucket, ids[step]) if "/.records/" not in v["Key"]
+            v
+            for v in versions_of(each_s3_endpoint, bucket, ids[step])
+            if "/.records/" not in v["Key"]
         ]
         assert {v["Key"] for v in versions} == {key}
         assert sorted(v["VersionId"] == copies[step]["version_id"] for v in versions) == [
@@ -195,18 +197,18 @@ def test_versions_that_may_not_be_deleted_are_reported_as_retained_copies(s3_end
     assert finished[1]["outcome"] == "deleted"  # its last copy went, and its mark
     assert finished[2]["outcome"].startswith("retained: 1 copy retained (locked until ")
     assert [copy["step"] for copy in report["retained_copies"]] == [2]
-    assert versions_of(s3_endpoint, bucket, ids[1]) == []
+    assert versions_of(each_s3_endpoint, bucket, ids[1]) == []
     assert list(store.list_records(DELETION_MARK)) == [names[1]]
 
 
-def test_object_lock_days_reaches_an_s3_replica_of_a_local_store(s3_endpoint: str, tmp_path):
-    bucket = new_bucket(s3_endpoint, object_lock=True)
+def test_object_lock_days_reaches_an_s3_replica_of_a_local_store(each_s3_endpoint: str, tmp_path):
+    bucket = new_bucket(each_s3_endpoint, object_lock=True)
     url = f"s3://{bucket}/run42"
     with cv.CheckpointManager(
         tmp_path / "local",
         run_id="run42",
         replicate_to=url,
-        s3_endpoint_url=s3_endpoint,
+        s3_endpoint_url=each_s3_endpoint,
         object_lock_days=1,
     ) as mgr:
         info = mgr.save(7, {"w": torch.ones(64)}).result()
