@@ -21,9 +21,11 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import ckptvault as cv
 from ckptvault.storage import open_store
+from ckptvault.trust.signing import generate_keypair
 from support.azurite_server import service_client
 from support.common import (
     make_training_state,
@@ -58,7 +60,9 @@ def steps_in(store: str | Path) -> list[int]:
     return [g["step"] for g in json.loads(result.stdout)]
 
 
-def test_the_cli_reads_verifies_and_collects_an_az_store(azure_container: str, azure_env: str):
+def test_the_cli_reads_verifies_signs_exports_and_collects_an_az_store(
+    azure_container: str, azure_env: str, tmp_path: Path
+):
     url = f"az://{azure_container}/run42"
     with cv.CheckpointManager(url, run_id="run42") as mgr:
         saved = {
@@ -93,6 +97,16 @@ def test_the_cli_reads_verifies_and_collects_an_az_store(azure_container: str, a
     data = [key for key in names if key.startswith("run42/data/")]
     assert {key.split("/")[3] for key in data} == kept
 
+    # Signed after the fact, verified against the key; one entry exported.
+    generate_keypair(tmp_path / "k.pem", tmp_path / "k.pub")
+    signed = cli("sign", url, "--signing-key", str(tmp_path / "k.pem"), "--all")
+    assert signed.returncode == 0 and "2 signed" in signed.stdout, signed.stdout + signed.stderr
+    trusted = cli("verify", url, "--all", "--trusted-key", str(tmp_path / "k.pub"))
+    assert trusted.returncode == 0, trusted.stdout + trusted.stderr
+    exported = cli("export", url, "--key", "w", "--out", str(tmp_path / "w.safetensors"))
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    assert torch.equal(load_file(tmp_path / "w.safetensors")["w"], torch.arange(32.0) + 7)
+
     # A flipped byte in the one blob a name maps to: verify refuses and says why.
     blob = container_of(azure_env, azure_container).get_blob_client(
         next(key for key in data if key.endswith(TENSOR_FILE) and info.generation_id in key)
@@ -107,6 +121,20 @@ def test_the_cli_reads_verifies_and_collects_an_az_store(azure_container: str, a
     missing = run_cli_process("ls", f"az://ckv-no-such-{azure_container[4:]}/x")
     assert missing.returncode == 2 and missing.stdout == ""
     assert missing.stderr.startswith("ckptvault: error: ") and "does not exist" in missing.stderr
+
+
+def test_a_wrong_account_key_is_refused_saying_where_the_account_comes_from(
+    azure_container: str, azure_env: str, monkeypatch: pytest.MonkeyPatch
+):
+    with cv.CheckpointManager(f"az://{azure_container}/run", run_id="run") as mgr:
+        mgr.save(1, {"w": torch.ones(4)})
+    wrong = azure_env.replace("AccountKey=Eby8", "AccountKey=Xby8")
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", wrong)
+    refused = cli("ls", f"az://{azure_container}/run")
+    assert refused.returncode == 2 and refused.stdout == ""
+    (line,) = refused.stderr.splitlines()
+    assert line.startswith("ckptvault: error: ") and azure_container in line
+    assert "AZURE_STORAGE_CONNECTION_STRING" in line and "DefaultAzureCredential" in line
 
 
 @pytest.mark.timeout(240)
