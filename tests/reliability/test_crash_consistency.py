@@ -45,7 +45,7 @@ from support.crash_trials import (
     save_trial,
 )
 from support.reliability import budget, record
-from support.seaweedfs_server import fresh_prefix
+from support.seaweedfs_server import fresh_prefix, s3_server_of
 
 pytestmark = pytest.mark.reliability
 
@@ -132,7 +132,7 @@ def test_sync_and_async_saves_s3(
     # No ballast: the one 6 MiB file still goes up as a multipart upload of two parts.
     store = f"s3://{each_s3_bucket}/crash"
     jobs = [_job(tmp_path, store=store, ballast_mb=0, keep_last=2, **{"async": a}) for a in (0, 1)]
-    scenario = f"crash: sync and async save, S3 ({_server(request)}), 1 rank"
+    scenario = f"crash: sync and async save, S3 ({s3_server_of(request)}), 1 rank"
     _save_scenario(zygote, scenario, jobs, kills, pick=lambda trial: trial // 2 % 2)
 
 
@@ -150,10 +150,16 @@ def test_two_ranks_s3(zygote: Zygote, tmp_path: Path, seaweedfs_env: str) -> Non
     _save_scenario(zygote, scenario, jobs, kills, world=2, pick=lambda t: (t // 4 + t) % 2)
 
 
-def _server(request: pytest.FixtureRequest) -> str:
-    """Which S3 server ``each_s3_bucket`` runs this test on (a scenario per server in
-    the reliability table)."""
-    return str(request.node.callspec.params["each_s3_endpoint"])
+def test_sync_and_async_saves_azure(zygote: Zygote, tmp_path: Path, azure_container: str) -> None:
+    """The S3 scenario on an ``az://`` store (Azurite): kills 0, 1 (mod 4) sync saves,
+    2, 3 async; a timer and a mutation kill each (mutations: the Azure requests that
+    write or delete, Put Blob, Put Block, Put Block List, leases, deletes, killed
+    before or after). The worker stages 1 MiB blocks, so kills land between them."""
+    kills = budget(4, 50)
+    store = f"az://{azure_container}/crash"
+    jobs = [_job(tmp_path, store=store, ballast_mb=0, keep_last=2, **{"async": a}) for a in (0, 1)]
+    scenario = "crash: sync and async save, Azure Blob (azurite), 1 rank"
+    _save_scenario(zygote, scenario, jobs, kills, pick=lambda trial: trial // 2 % 2)
 
 
 def test_two_ranks_posix(zygote: Zygote, tmp_path: Path) -> None:

@@ -208,9 +208,9 @@ def test_two_processes_racing_to_publish_cannot_both_win(s3_bucket: str, s3_endp
 
 
 @pytest.mark.timeout(240)
-def test_a_save_killed_mid_upload_leaves_no_generation(s3_bucket: str, s3_endpoint: str):
-    url = f"s3://{s3_bucket}/crash"
-    raw = s3_client(s3_endpoint)
+def test_a_save_killed_mid_upload_leaves_no_generation(each_s3_bucket: str, each_s3_endpoint: str):
+    url = f"s3://{each_s3_bucket}/crash"
+    raw = s3_client(each_s3_endpoint)
     worker = subprocess.Popen(
         [sys.executable, str(WORKER), url],
         stdout=subprocess.PIPE,
@@ -221,7 +221,7 @@ def test_a_save_killed_mid_upload_leaves_no_generation(s3_bucket: str, s3_endpoi
         assert worker.stdout is not None
         assert worker.stdout.readline().strip() == "saved 1"
         deadline = time.monotonic() + 120
-        while _parts_uploaded(raw, s3_bucket) < 2:  # mid-way through step 2's upload
+        while _parts_uploaded(raw, each_s3_bucket) < 2:  # mid-way through step 2's upload
             assert time.monotonic() < deadline and worker.poll() is None, "no upload seen"
             time.sleep(0.05)
     finally:
@@ -230,17 +230,17 @@ def test_a_save_killed_mid_upload_leaves_no_generation(s3_bucket: str, s3_endpoi
     store = open_store(url)
     [published] = store.list_generations()
     assert published.step == 1
-    assert raw.list_multipart_uploads(Bucket=s3_bucket).get("Uploads")  # left by the kill
+    assert raw.list_multipart_uploads(Bucket=each_s3_bucket).get("Uploads")  # left by the kill
 
     state = {"w": torch.zeros(10)}
     with cv.CheckpointManager(url, run_id="crash") as mgr:
         info = mgr.restore(state)
         assert info is not None and info.step == 1 and torch.equal(state["w"], torch.arange(10.0))
         assert len(store.remove_stale_staging(0)) == 1  # the killed attempt
-        assert not raw.list_multipart_uploads(Bucket=s3_bucket).get("Uploads")
+        assert not raw.list_multipart_uploads(Bucket=each_s3_bucket).get("Uploads")
         data = [
             o["Key"]
-            for o in raw.list_objects_v2(Bucket=s3_bucket, Prefix="crash/data/")["Contents"]
+            for o in raw.list_objects_v2(Bucket=each_s3_bucket, Prefix="crash/data/")["Contents"]
         ]
         assert data and all(f"/{published.generation_id}/" in key for key in data)
         # The killed writer's lease does not block its restart on this machine.

@@ -14,17 +14,24 @@ from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from botocore.exceptions import ClientError
 
 from ckptvault.errors import SaveFailedError, StoreLockedError, UnsafeEntryError, UsageError
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, new_generation_id
 from ckptvault.storage import open_store
-from ckptvault.storage.objects.layout import OWN_PREFIX, ObjectLayout, classify_entries, spread_digit
+from ckptvault.storage.objects.layout import (
+    OWN_PREFIX,
+    ObjectLayout,
+    classify_entries,
+    spread_digit,
+)
 from ckptvault.storage.s3.options import S3Options, parse_s3_url
 from ckptvault.storage.s3.read import S3ObjectReader, head_object
 from ckptvault.storage.s3.store import S3Store
 from ckptvault.storage.s3.upload import MAX_PARTS, part_size_for
 from support.s3_saboteurs import fresh_bucket_store
 from support.s3_server import new_bucket, s3_client
+from support.seaweedfs_server import s3_server_of
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -287,7 +294,7 @@ def test_two_writers_cannot_both_hold_the_lease_and_release_hands_it_over(s3_end
     second.release_writer()
 
 
-def test_cleanup_keeps_an_upload_that_is_making_progress(s3_endpoint: str):
+def test_cleanup_keeps_an_upload_that_is_making_progress(each_s3_endpoint: str):
     store = fresh_bucket_store(options=SMALL_PARTS)
     store.acquire_writer()
     hours_ago = datetime.now(timezone.utc) - timedelta(hours=3)
@@ -319,30 +326,38 @@ def test_cleanup_keeps_an_upload_that_is_making_progress(s3_endpoint: str):
 
 
 def test_cleanup_at_a_bucket_root_leaves_other_applications_keys_under_data(
-    s3_endpoint: str,
+    each_s3_endpoint: str, request: pytest.FixtureRequest
 ):
     """Red-team finding A02: a store at a bucket's root shares ``data/`` with whatever
     else uses the bucket. Cleanup touches only keys this store makes, exactly
     ``data/<spread digit>/<generation id>/<safe name>``: another application's uploads
     and objects there are never aborted or deleted, however old."""
-    bucket = new_bucket(s3_endpoint)
+    bucket = new_bucket(each_s3_endpoint)
     store = S3Store(f"s3://{bucket}")
     assert store.layout.prefix == "" and store.layout.data_root == "data/"
-    raw = s3_client(s3_endpoint)
+    raw = s3_client(each_s3_endpoint)
     store.acquire_writer()
     ref = publish(store, 1, {"w.bin": b"published"})
     hours_ago = datetime.now(timezone.utc) - timedelta(hours=3)
     lookalike = new_generation_id(hours_ago)  # a valid id, in keys ckptvault never makes
     right = spread_digit(lookalike, 0)
     wrong = next(d for d in "0123456789abcdef" if d != right)
+    dotted = f"data/{right}/{ref.generation_id}/x/../w.bin"
     foreign = [
         "data/videos/big.mp4",
         "data/0/other-app/file",
         f"data/{right}/{lookalike}/nested/file",  # below a file name
         f"data/{right}/{lookalike}/.hidden",  # not a safe name
         f"data/{wrong}/{lookalike}/w.bin",  # not where this store puts w.bin
-        f"data/{right}/{ref.generation_id}/x/../w.bin",
+        dotted,
     ]
+    if s3_server_of(request) == "seaweedfs":
+        # Measured: SeaweedFS refuses keys with a "." or ".." segment (InvalidRequest,
+        # on PutObject and CreateMultipartUpload); AWS S3 and moto store them as given.
+        # Nobody can plant this one there, so there is nothing to leave alone.
+        with pytest.raises(ClientError, match="InvalidRequest"):
+            raw.put_object(Bucket=bucket, Key=dotted, Body=b"someone else's")
+        foreign.remove(dotted)
     foreign_uploads = {}
     for key in [*foreign, "logs/other.txt"]:
         upload = raw.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
@@ -375,7 +390,7 @@ def test_cleanup_at_a_bucket_root_leaves_other_applications_keys_under_data(
     store.release_writer()
 
 
-def test_delete_generation_removes_the_manifest_first_then_every_object(s3_endpoint: str):
+def test_delete_generation_removes_the_manifest_first_then_every_object(each_s3_endpoint: str):
     store = fresh_bucket_store()
     store.acquire_writer()
     kept = publish(store, 1, {"w.bin": b"kept"})

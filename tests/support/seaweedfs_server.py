@@ -313,3 +313,8 @@ def each_s3_endpoint(request: pytest.FixtureRequest) -> str:
 def each_s3_bucket(each_s3_endpoint: str) -> str:
     """A fresh bucket on each S3 server in turn (see ``each_s3_endpoint``)."""
     return new_bucket(each_s3_endpoint)
+
+
+def s3_server_of(request: pytest.FixtureRequest) -> str:
+    """Which server ``each_s3_endpoint`` runs this test on: "moto" or "seaweedfs"."""
+    return str(request.node.callspec.params["each_s3_endpoint"])
