@@ -150,6 +150,18 @@ def test_two_ranks_s3(zygote: Zygote, tmp_path: Path, seaweedfs_env: str) -> Non
     _save_scenario(zygote, scenario, jobs, kills, world=2, pick=lambda t: (t // 4 + t) % 2)
 
 
+def test_sync_and_async_saves_azure(zygote: Zygote, tmp_path: Path, azure_container: str) -> None:
+    """The S3 scenario on an ``az://`` store (Azurite): kills 0, 1 (mod 4) sync saves,
+    2, 3 async; a timer and a mutation kill each (mutations: the Azure requests that
+    write or delete, Put Blob, Put Block, Put Block List, leases, deletes, killed
+    before or after). The worker stages 1 MiB blocks, so kills land between them."""
+    kills = budget(4, 50)
+    store = f"az://{azure_container}/crash"
+    jobs = [_job(tmp_path, store=store, ballast_mb=0, keep_last=2, **{"async": a}) for a in (0, 1)]
+    scenario = "crash: sync and async save, Azure Blob (azurite), 1 rank"
+    _save_scenario(zygote, scenario, jobs, kills, pick=lambda trial: trial // 2 % 2)
+
+
 def test_two_ranks_posix(zygote: Zygote, tmp_path: Path) -> None:
     """Kills 0, 1 (mod 4): the whole job at one moment; 2, 3: one rank (timer, then at a
     random filesystem mutation), and the other must raise a typed error, not hang.

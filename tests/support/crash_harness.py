@@ -39,7 +39,8 @@ PRELOAD = (
     "typer._adapters", "typer._click.decorators", "rich._emoji_codes", "zoneinfo",
     "_strptime", "wsgiref.simple_server", "ckptvault", "ckptvault.manager", "ckptvault.cli",
     "ckptvault.distributed.coordinator", "ckptvault.distributed.replicas",
-    "ckptvault.storage.s3.store", "support.crash_state", "support.crash_worker",
+    "ckptvault.storage.s3.store", "ckptvault.storage.azure.store", "azure.storage.blob",
+    "support.crash_state", "support.crash_worker",
 )  # fmt: skip
 _ENV = (
     "XDG_STATE_HOME",
@@ -50,6 +51,7 @@ _ENV = (
     "AWS_CONFIG_FILE",
     "AWS_SHARED_CREDENTIALS_FILE",
     "AWS_ENDPOINT_URL",
+    "AZURE_STORAGE_CONNECTION_STRING",
 )
 
 
