@@ -233,3 +233,22 @@ def test_one_policy_deletes_from_the_local_tier_and_the_container(
     for step in (1, 2, 3):  # nothing of a deleted generation stays in the container
         assert not [key for key in names if saved[step].generation_id in key], step
     assert not [key for key in names if "/.records/deleted/" in key]
+
+
+def test_per_tier_policies_with_the_replica_in_az(tmp_path: Path, azure_container: str):
+    local, fresh_node = tmp_path / "local", tmp_path / "node2"
+    remote = f"az://{azure_container}/run42"
+    policies = {
+        "retention": cv.Retention(keep_last=2, delete_delay=0),
+        "replica_retention": cv.Retention(keep_every=3, delete_delay=0),
+    }
+    with cv.CheckpointManager(local, run_id="run42", replicate_to=remote, **policies) as mgr:
+        for step in range(1, 8):
+            mgr.save(step, {"w": torch.full((64,), float(step))})
+    assert steps_in(local) == [7, 6]
+    assert steps_in(remote) == [7, 6, 3]  # the newest, its fallback (a milestone), milestones
+    with cv.CheckpointManager(fresh_node, run_id="run42", replicate_to=remote, **policies) as mgr:
+        state = {"w": torch.zeros(64)}
+        info = mgr.restore(state, step=3)
+        assert info is not None and info.path.startswith(remote)
+    assert torch.equal(state["w"], torch.full((64,), 3.0))
