@@ -119,14 +119,19 @@ def test_a_rank_killed_mid_save_publishes_nothing_and_the_survivor_raises(tmp_pa
     assert not list((store / ".staging").iterdir())  # rank 0 removed the whole attempt
 
 
-@pytest.mark.parametrize("backend", ["posix", "s3"])
+def remote_store(backend: str, request: pytest.FixtureRequest) -> str:
+    """A fresh store URL on the loopback S3 server or on Azurite."""
+    if backend == "s3":
+        return f"s3://{request.getfixturevalue('s3_bucket')}/job"
+    return f"az://{request.getfixturevalue('azure_container')}/job"
+
+
+@pytest.mark.parametrize("backend", ["posix", "s3", "azure"])
 def test_rank_0_killed_after_publishing_leaves_the_generation_whole(backend, tmp_path, request):
     """Rank 0 published step 2 and died before telling rank 1, which raises: rank 1 must
     not remove its files, which are the published generation's now (a regression: it
     removed them, and step 2 was published without rank 1's shard)."""
-    store = tmp_path / "store"
-    if backend == "s3":
-        store = f"s3://{request.getfixturevalue('s3_bucket')}/job"
+    store = tmp_path / "store" if backend == "posix" else remote_store(backend, request)
     codes, reports = launch("die_after_publish", store, 2, tmp_path / "run", timeout=120)
     assert codes == [-9, 0], reports[1].get("log")
     assert reports[1]["error"][0] == "CollectiveError", reports[1]["error"]
@@ -136,8 +141,9 @@ def test_rank_0_killed_after_publishing_leaves_the_generation_whole(backend, tmp
 
 
 @pytest.mark.heavy
-def test_two_ranks_save_to_s3_and_restore_onto_three(s3_bucket, tmp_path):
-    store = f"s3://{s3_bucket}/job"
+@pytest.mark.parametrize("backend", ["s3", "azure"])
+def test_two_ranks_save_to_an_object_store_and_restore_onto_three(backend, tmp_path, request):
+    store = remote_store(backend, request)
     saved = ok(*launch("save", store, 2, tmp_path / "save"))
     assert run_cli("verify", store, "--all").returncode == 0
     for after in ok(*launch("restore", store, 3, tmp_path / "restore")):
