@@ -15,6 +15,7 @@ it starts). Each test makes its own containers, so tests never see each other's 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import secrets
@@ -22,6 +23,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -100,6 +102,14 @@ def _tail(log: Path, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:]) or "(the log is empty)"
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the test process dies, so a
+    killed pytest (SIGKILL skips every teardown) leaves no emulator running."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class Azurite:
     """One ``azurite-blob`` child process: its port, data directory, log and group."""
 
@@ -129,6 +139,7 @@ class Azurite:
                 stderr=subprocess.STDOUT,
                 cwd=workdir,
                 start_new_session=True,  # its own process group, stopped as one
+                preexec_fn=_die_with_parent,
             )
         self.conn_str = connection_string(self.port)
 
