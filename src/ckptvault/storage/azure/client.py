@@ -154,6 +154,13 @@ class Listed:
     uncommitted: bool = False
 
 
+# Every download serves the bytes stored. The SDK inflates a blob whose
+# Content-Encoding says gzip or deflate by default, in memory and before any bound of
+# ours applies: a 64 KiB record planted with that header became 64 MiB, an 8 MiB range
+# up to 8 GiB, and the bytes read were not the bytes stored.
+STORED_BYTES: dict[str, Any] = {"decompress": False}
+
+
 def block_id(index: int) -> str:
     """The id of block ``index`` of a blob: every id of a blob has the same length."""
     return base64.b64encode(f"ckptvault-block-{index:08d}".encode()).decode()
@@ -312,9 +319,9 @@ class AzureClient:
         from azure.core import MatchConditions
 
         blob = self.blob(key)
-        params: dict[str, Any] = {}
+        params: dict[str, Any] = dict(STORED_BYTES)
         if etag is not None:
-            params = {"etag": etag, "match_condition": MatchConditions.IfNotModified}
+            params.update(etag=etag, match_condition=MatchConditions.IfNotModified)
         return self.call(
             f"reading {self.url(key)}",
             lambda: blob.download_blob(offset=offset, length=length, **params).readall(),
@@ -330,7 +337,9 @@ class AzureClient:
             headers.update(response.http_response.headers)
 
         def download() -> tuple[bytes, Any]:
-            stream = blob.download_blob(offset=0, length=limit, raw_response_hook=keep)
+            stream = blob.download_blob(
+                offset=0, length=limit, raw_response_hook=keep, **STORED_BYTES
+            )
             return stream.readall(), stream.properties
 
         raw, props = self.call(f"reading {self.url(key)}", download)

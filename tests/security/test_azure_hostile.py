@@ -1,0 +1,78 @@
+"""A hostile review of the Azure Blob backend, on Azurite: whoever can write the
+container (plant blobs with odd names or encodings, flood ``data/``) and a flaky
+network (a lost response on the manifest write) must not make ckptvault serve bytes
+other than those stored, delete anything outside the store, or break a generation it
+published.
+
+Each test names the hole it closes; the review's report lists what held.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+from typing import Any
+
+from azure.storage.blob import ContentSettings
+
+from ckptvault.format.layout import MANIFEST_NAME, new_generation_id
+from ckptvault.storage.azure.options import AzureOptions
+from ckptvault.storage.azure.store import AzureStore
+from ckptvault.storage.base import GenerationRef
+from support.azurite_server import ENV_VAR, service_client
+
+MiB = 1024 * 1024
+TENSOR_FILE = "r00000-000.safetensors"
+
+
+def digest(data: bytes) -> tuple[int, str]:
+    """What a failure message shows of bytes that may be megabytes long."""
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def raw_container(name: str) -> Any:
+    """The SDK's own client for container ``name`` (planting and inspection)."""
+    return service_client(os.environ[ENV_VAR]).get_container_client(name)
+
+
+def writer(container: str, prefix: str = "run", options: AzureOptions | None = None) -> AzureStore:
+    store = AzureStore(f"az://{container}/{prefix}", options)
+    store.acquire_writer()
+    return store
+
+
+def publish(store: AzureStore, step: int, files: dict[str, bytes]) -> GenerationRef:
+    area = store.begin_generation(new_generation_id())
+    for name, data in files.items():
+        sink = area.create_file(name)
+        sink.write(data)
+        sink.commit()
+    return area.publish(step, b'{"manifest": %d}' % step)
+
+
+# -- bytes served are the bytes stored ----------------------------------------------
+
+
+def test_a_gzip_encoded_blob_is_served_as_stored_never_inflated(azure_container: str):
+    """The SDK inflates a blob whose Content-Encoding says gzip unless told not to, and
+    does it in memory before any bound applies: a 16 KiB blob planted as a manifest or
+    record (every size check passes on the stored size) became 16 MiB in memory, a
+    record's 64 KiB would be 64 MiB, a data range of 8 MiB up to 8 GiB. The bytes
+    served must be exactly those stored, so the bounds hold."""
+    store = writer(azure_container)
+    ref = publish(store, 1, {TENSOR_FILE: b"t" * 100})
+    raw = raw_container(azure_container)
+    bomb = gzip.compress(b"\0" * (16 * MiB))
+    manifest_key = store.layout.generation_key(ref.name, MANIFEST_NAME)
+    gzipped = ContentSettings(content_encoding="gzip")
+    raw.upload_blob(manifest_key, bomb, overwrite=True, content_settings=gzipped)
+    assert digest(store.read_bytes(ref, MANIFEST_NAME, MiB)) == digest(bomb)
+    with store.open_file(ref, MANIFEST_NAME) as stream:
+        assert digest(stream.read()) == digest(bomb)
+    # A record's inflated bytes were trusted as the record the blob does not hold.
+    store.put_record("pinned", "planted", {"pinned": True})
+    record_key = store.layout.record_key("pinned", "planted")
+    body = gzip.compress(b'{"pinned":true}')
+    raw.upload_blob(record_key, body, overwrite=True, content_settings=gzipped)
+    assert store.list_records("pinned") == {}
