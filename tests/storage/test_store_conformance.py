@@ -13,7 +13,9 @@ backend-specific helpers registered beside the factory. A backend that cannot ho
 such an entry (an object store has no FIFO or hard link) leaves it out, and the case
 is skipped as not applicable to it. The S3 backend runs against a real S3-protocol
 server on loopback (``tests/s3_server.py``); its saboteurs are in
-``tests/s3_saboteurs.py``.
+``tests/s3_saboteurs.py``. The Azure Blob backend runs against Azurite, Microsoft's
+emulator (``support/azurite_server.py``); its saboteurs are in
+``support/azure_saboteurs.py``.
 
 The last few tests cover :func:`ckptvault.storage.open_store` on local paths and
 URLs; ``open_store(store.location)`` itself is checked for every backend.
