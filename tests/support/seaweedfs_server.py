@@ -136,7 +136,10 @@ def s3_client(endpoint: str) -> Any:
 class SeaweedFS:
     """One ``weed mini`` child process: its ports, data directory, log and group."""
 
-    def __init__(self, workdir: Path, binary: Path | None = None) -> None:
+    def __init__(
+        self, workdir: Path, binary: Path | None = None, flags: Mapping[str, str] | None = None
+    ) -> None:
+        """Start it (``flags``: more ``weed mini`` flags, or other values, by name)."""
         self.workdir = workdir
         ports = dict(zip(_PORTS, _free_ports(len(_PORTS)), strict=True))
         admin = _free_offset_pair()
@@ -144,7 +147,7 @@ class SeaweedFS:
         self.log = workdir / "weed.log"
         data = workdir / "data"
         data.mkdir()
-        flags = {
+        every = {
             "dir": str(data),
             "ip": "127.0.0.1",
             "ip.bind": "127.0.0.1",
@@ -167,6 +170,7 @@ class SeaweedFS:
             "volume.max": "2000",
             "volume.preStopSeconds": "0",  # stop at once
             "bucket": SESSION_BUCKET,
+            **(flags or {}),
         }
         env = {
             **os.environ,
@@ -177,7 +181,7 @@ class SeaweedFS:
         env.pop("S3_BUCKET", None)
         with self.log.open("wb") as out:
             self.process = subprocess.Popen(
-                [str(binary or weed_binary()), "mini", *(f"-{k}={v}" for k, v in flags.items())],
+                [str(binary or weed_binary()), "mini", *(f"-{k}={v}" for k, v in every.items())],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -231,7 +235,9 @@ class SeaweedFS:
             self.process.wait(STOP_TIMEOUT)
 
 
-def start(workdir: Path, attempts: int = 3) -> tuple[SeaweedFS, float]:
+def start(
+    workdir: Path, attempts: int = 3, flags: Mapping[str, str] | None = None
+) -> tuple[SeaweedFS, float]:
     """A started, answering SeaweedFS and the seconds its last start took. Free ports
     are found before it binds them, so another process may take one in between: then
     it exits, and new ports are tried (each attempt in a directory of its own)."""
@@ -239,7 +245,7 @@ def start(workdir: Path, attempts: int = 3) -> tuple[SeaweedFS, float]:
     for attempt in range(attempts):
         attempt_dir = workdir / f"attempt-{attempt}"
         attempt_dir.mkdir()
-        server = SeaweedFS(attempt_dir, binary)
+        server = SeaweedFS(attempt_dir, binary, flags)
         took = server.wait_ready()
         if took is not None:
             return server, took
