@@ -14,8 +14,11 @@ import hashlib
 import os
 from typing import Any
 
+import pytest
+from azure.core.exceptions import ResourceExistsError, ServiceResponseError
 from azure.storage.blob import ContentSettings
 
+from ckptvault.errors import SaveFailedError
 from ckptvault.format.layout import MANIFEST_NAME, new_generation_id
 from ckptvault.storage.azure.options import AzureOptions
 from ckptvault.storage.azure.store import AzureStore
@@ -76,3 +79,58 @@ def test_a_gzip_encoded_blob_is_served_as_stored_never_inflated(azure_container:
     body = gzip.compress(b'{"pinned":true}')
     raw.upload_blob(record_key, body, overwrite=True, content_settings=gzipped)
     assert store.list_records("pinned") == {}
+
+
+# -- a lost response never breaks a published generation ------------------------------
+
+
+class _LostResponse:
+    """A blob client whose upload lands but whose response is lost: the SDK's retry
+    then meets the blob it just wrote (409 BlobAlreadyExists). Reading the blob back
+    fails too (the network is still flaky)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def upload_blob(self, *args: Any, **kwargs: Any) -> Any:
+        self._inner.upload_blob(*args, **kwargs)
+        exc = ResourceExistsError("The specified blob already exists.")
+        exc.status_code = 409
+        exc.error_code = "BlobAlreadyExists"
+        raise exc
+
+    def get_blob_properties(self, *args: Any, **kwargs: Any) -> Any:
+        raise ServiceResponseError("connection reset by peer")
+
+
+def test_a_manifest_whose_landing_cannot_be_checked_keeps_the_generations_data(
+    azure_container: str, monkeypatch: pytest.MonkeyPatch
+):
+    """The manifest write lands, its response is lost, the retry answers "already
+    exists", and the read that would tell "ours" from "someone else's" fails. That
+    was taken for a lost race: the attempt deleted its data blobs and signature, under
+    the manifest it had just published. Unknown must keep them."""
+    store = writer(azure_container, options=AzureOptions(block_size=MiB))
+    area = store.begin_generation(new_generation_id())
+    sink = area.create_file(TENSOR_FILE)
+    sink.write(b"d" * (2 * MiB + 7))  # several staged blocks
+    sink.commit()
+    step = 3
+    manifest = b'{"manifest": 3}'
+    real_blob = store.client.blob
+
+    def flaky(key: str) -> Any:
+        inner = real_blob(key)
+        return _LostResponse(inner) if key.endswith("/" + MANIFEST_NAME) else inner
+
+    monkeypatch.setattr(store.client, "blob", flaky)
+    with pytest.raises(SaveFailedError, match="unknown"):
+        area.publish(step, manifest)
+    monkeypatch.undo()
+    (ref,) = store.list_generations()
+    assert store.read_bytes(ref, MANIFEST_NAME, MiB) == manifest
+    entries = store.list_entries(ref)
+    assert entries[TENSOR_FILE].size == 2 * MiB + 7 and entries[TENSOR_FILE].unsafe is None

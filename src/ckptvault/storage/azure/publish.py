@@ -212,14 +212,10 @@ def publish_manifest_last(
     store.writer_lease.confirm()  # a writer that lost the lease must not publish
     manifest_key = store.layout.generation_key(name, MANIFEST_NAME)
     try:
-        client.put_new(manifest_key, manifest, accept_identical=True, **lock)
-    except AzurePreconditionFailed as exc:
-        raise SaveFailedError(
-            f"{client.url(manifest_key)} already exists: someone else published generation "
-            f"{area.generation_id} (step {step}). This save was abandoned and its blobs "
-            "removed; the published generation is untouched"
-        ) from exc
+        client.put_new(manifest_key, manifest, **lock)
     except AzureError as exc:
+        # "Exists" may be this very write, retried by the SDK after a lost response:
+        # only the blob's bytes tell it from someone else's.
         _after_uncertain_put(area, manifest_key, manifest, exc)
     return store.ref_for(name)
 
@@ -227,13 +223,20 @@ def publish_manifest_last(
 def _after_uncertain_put(
     area: AzureStagingArea, key: str, manifest: bytes, exc: AzureError
 ) -> None:
-    """The manifest write failed without a clear answer (network): it may still have
-    landed. Returns when it did; otherwise raises, keeping the attempt's blobs when
-    it cannot tell (a published generation keeps its data)."""
+    """The manifest write failed, or found the blob there: it may be this write that
+    landed. Returns when the blob holds exactly ``manifest``; otherwise raises,
+    keeping the attempt's blobs when it cannot tell (a published generation keeps its
+    data: "exists" followed by a read that fails is no proof of a lost race)."""
     client = area.store.client
     landed = client.holds_exactly(key, manifest)
     if landed is True:
         return
+    if landed is False and isinstance(exc, AzurePreconditionFailed):
+        raise SaveFailedError(
+            f"{client.url(key)} already exists: someone else published generation "
+            f"{area.generation_id}. This save was abandoned and its blobs removed; the "
+            "published generation is untouched"
+        ) from exc
     if landed is None:
         area.keep_written = True
         raise SaveFailedError(
