@@ -9,8 +9,10 @@ Each test names the hole it closes; the review's report lists what held.
 
 from __future__ import annotations
 
+import datetime
 import gzip
 import hashlib
+import http.client
 import os
 from typing import Any
 
@@ -23,7 +25,7 @@ from ckptvault.format.layout import MANIFEST_NAME, new_generation_id
 from ckptvault.storage.azure.options import AzureOptions
 from ckptvault.storage.azure.store import AzureStore
 from ckptvault.storage.base import GenerationRef
-from support.azurite_server import ENV_VAR, service_client
+from support.azurite_server import ACCOUNT, ACCOUNT_KEY, ENV_VAR, service_client
 
 MiB = 1024 * 1024
 TENSOR_FILE = "r00000-000.safetensors"
@@ -79,6 +81,69 @@ def test_a_gzip_encoded_blob_is_served_as_stored_never_inflated(azure_container:
     body = gzip.compress(b'{"pinned":true}')
     raw.upload_blob(record_key, body, overwrite=True, content_settings=gzipped)
     assert store.list_records("pinned") == {}
+
+
+# -- nothing outside the store is ever deleted ----------------------------------------
+
+
+def _sas_connection_string(port: int) -> str:
+    """A connection string with an account SAS (not the account key): a request's
+    path is then not part of what is signed, as with Entra ID tokens."""
+    from azure.storage.blob import AccountSasPermissions, ResourceTypes, generate_account_sas
+
+    sas = generate_account_sas(
+        ACCOUNT,
+        ACCOUNT_KEY,
+        resource_types=ResourceTypes(service=True, container=True, object=True),
+        permission=AccountSasPermissions(
+            read=True, write=True, delete=True, list=True, create=True, add=True
+        ),
+        expiry=datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1),
+    )
+    return f"BlobEndpoint=http://127.0.0.1:{port}/{ACCOUNT};SharedAccessSignature={sas}"
+
+
+def _plant_raw(port: int, connection: str, container: str, name: str, body: bytes) -> None:
+    """Put a blob named exactly ``name`` (dot segments included) with a plain HTTP
+    request, as any client that does not resolve them can."""
+    sas = connection.split("SharedAccessSignature=", 1)[1]
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request(
+            "PUT",
+            f"/{ACCOUNT}/{container}/{name}?{sas}",
+            body=body,
+            headers={"x-ms-blob-type": "BlockBlob", "x-ms-version": "2021-08-06"},
+        )
+        response = conn.getresponse()
+        response.read()
+        assert response.status == 201, response.status
+    finally:
+        conn.close()
+
+
+def test_a_planted_name_with_dot_segments_never_deletes_outside_the_store(
+    azure_container: str, monkeypatch: pytest.MonkeyPatch
+):
+    """The service keeps a blob name such as ``data/3/<id>/x/../../../../../victim``
+    as it is, but the HTTP layer below the SDK resolves the ``..`` segments of a
+    request's path: deleting that listed name deleted ``victim``, a blob outside the
+    store's prefix (with a SAS or an Entra ID token; an account key's signature
+    covers the path, so there the request merely failed). Deleting a generation must
+    leave such a planted blob alone and never touch what lies outside the prefix."""
+    port = int(os.environ[ENV_VAR].split("127.0.0.1:")[1].split("/")[0])
+    connection = _sas_connection_string(port)
+    monkeypatch.setenv(ENV_VAR, connection)
+    raw = raw_container(azure_container)
+    raw.upload_blob("victim", b"another application's blob")
+    store = writer(azure_container)
+    ref = publish(store, 1, {TENSOR_FILE: b"t" * 100})
+    planted = store.layout.data_prefix("3", ref.generation_id) + "x/../../../../../victim"
+    _plant_raw(port, connection, azure_container, planted, b"planted")
+    store.delete_generation(ref)
+    names = {blob.name for blob in raw.list_blobs()}
+    assert "victim" in names, "deleting a generation deleted a blob outside the store"
+    assert store.list_generations() == []
 
 
 # -- a lost response never breaks a published generation ------------------------------

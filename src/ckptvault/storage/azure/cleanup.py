@@ -26,7 +26,7 @@ from typing import Protocol
 
 from ckptvault.errors import UsageError
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, generation_id_time
-from ckptvault.storage.azure.client import AzureClient, AzureError, Listed
+from ckptvault.storage.azure.client import AzureClient, AzureError, Listed, addressable
 from ckptvault.storage.azure.versions import purge_versions
 from ckptvault.storage.base import GenerationRef
 from ckptvault.storage.objects.layout import ObjectLayout
@@ -147,6 +147,8 @@ def delete_generation(store: _Cleaned, ref: GenerationRef) -> list[RetainedCopy]
         prefixes += list(layout.data_prefixes(ref.generation_id).values())
     listed = store.list_prefixes(prefixes)
     keys = [item.key for items in listed.values() for item in items]
-    for _done in store.read_pool.map(client.delete, keys):
+    for key in [key for key in keys if not addressable(key)]:
+        logger.warning("%s is not a blob ckptvault wrote; it stays", client.url(key))
+    for _done in store.read_pool.map(client.delete, filter(addressable, keys)):
         pass
     return purge_versions(client, store.read_pool, prefixes)

@@ -161,6 +161,15 @@ class Listed:
 STORED_BYTES: dict[str, Any] = {"decompress": False}
 
 
+def addressable(key: str) -> bool:
+    """Whether a request for blob ``key`` reaches that blob. The service keeps a name
+    such as ``run/data/x/../../victim`` as it is (whoever can write the container can
+    plant one), but the HTTP layer below the SDK resolves a path's ``.`` and ``..``
+    segments: a request for that listed name would reach ``victim``, outside the
+    store. ckptvault never makes such names; it never sends one either."""
+    return not any(part in (".", "..") for part in key.split("/"))
+
+
 def block_id(index: int) -> str:
     """The id of block ``index`` of a blob: every id of a blob has the same length."""
     return base64.b64encode(f"ckptvault-block-{index:08d}".encode()).decode()
@@ -185,6 +194,15 @@ class AzureClient:
             raise translate(exc, what) from exc
 
     def blob(self, key: str) -> Any:
+        """The SDK's client for ``key``; :class:`AzureError` for a name no request can
+        address safely (:func:`addressable`)."""
+        if not addressable(key):
+            raise AzureError(
+                errno.EINVAL,
+                f"{self.url(key)}: a blob name with '.' or '..' segments is not one ckptvault "
+                "writes, and a request for it would reach another blob; it is left alone",
+                "UnaddressableName",
+            )
         return self.raw.get_blob_client(key)
 
     # -- the container -------------------------------------------------------------
