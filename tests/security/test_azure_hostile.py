@@ -14,6 +14,9 @@ import gzip
 import hashlib
 import http.client
 import os
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -22,6 +25,8 @@ from azure.storage.blob import ContentSettings
 
 from ckptvault.errors import SaveFailedError
 from ckptvault.format.layout import MANIFEST_NAME, new_generation_id
+from ckptvault.storage.azure import store as azure_store_module
+from ckptvault.storage.azure.client import AzureClient, Listed
 from ckptvault.storage.azure.options import AzureOptions
 from ckptvault.storage.azure.store import AzureStore
 from ckptvault.storage.base import GenerationRef
@@ -199,3 +204,42 @@ def test_a_manifest_whose_landing_cannot_be_checked_keeps_the_generations_data(
     assert store.read_bytes(ref, MANIFEST_NAME, MiB) == manifest
     entries = store.list_entries(ref)
     assert entries[TENSOR_FILE].size == 2 * MiB + 7 and entries[TENSOR_FILE].unsafe is None
+
+
+# -- what ls costs does not grow with planted keys -------------------------------------
+
+
+def test_ls_reads_no_more_blobs_than_listing_each_generation_would(
+    azure_container: str, monkeypatch: pytest.MonkeyPatch
+):
+    """``list_entries_of`` (``ls``, retention) cuts every generation's entries out of
+    one listing of all of ``data/``. Blobs there that belong to no listed generation
+    (planted by the million, or another application's at a container's root) were
+    all listed and held: the cost grew with them without bound. Past what listing
+    each generation alone costs, each generation is listed alone instead (as S3 does):
+    the same entries, the same verdicts."""
+    store = writer(azure_container)
+    for step in (1, 2):
+        publish(store, step, {TENSOR_FILE: b"t" * 10})
+    raw = raw_container(azure_container)
+
+    def plant(index: int) -> None:
+        raw.upload_blob(f"run/data/other/{index:05d}", b"x")
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(plant, range(120)))
+    refs = store.list_generations()
+    one_by_one = {ref.name: store.list_entries(ref) for ref in refs}
+    # The budget scaled down to what a quick test plants.
+    monkeypatch.setattr(azure_store_module, "BULK_LISTING_KEYS_PER_GENERATION", 20)
+    consumed: Counter[str] = Counter()
+    listing = AzureClient.list_blobs
+
+    def counted(self: AzureClient, prefix: str, *, versions: bool = False) -> Iterator[Listed]:
+        for item in listing(self, prefix, versions=versions):
+            consumed[prefix] += 1
+            yield item
+
+    monkeypatch.setattr(AzureClient, "list_blobs", counted)
+    assert store.list_entries_of(refs) == one_by_one
+    assert consumed["run/data/"] <= 2 * 20 + 1

@@ -42,8 +42,10 @@ from ckptvault.storage.azure.versions import Immutability, blob_hold
 from ckptvault.storage.base import EntryInfo, GenerationRef
 from ckptvault.storage.objects.layout import (
     OWN_PREFIX,
+    ListingOverBudget,
     ObjectLayout,
     classify_entries,
+    keys_of_generations,
     listings_by_generation,
 )
 from ckptvault.storage.objects.lease import LeaseSnapshot, ObjectWriterLease
@@ -64,6 +66,10 @@ logger = logging.getLogger("ckptvault")
 
 # How long a generation's listing is reused when its files are opened (as on S3).
 ENTRY_CACHE_SECONDS = 30.0
+# Blobs one bulk listing (``list_entries_of``) reads per generation it lists before it
+# lists each generation alone instead: what that costs, 17 prefixes of one page
+# (5,000 blobs) each.
+BULK_LISTING_KEYS_PER_GENERATION = 17 * 5000
 
 
 class AzureLeaseBlob:
@@ -182,13 +188,27 @@ class AzureStore:
         self, refs: Sequence[GenerationRef]
     ) -> dict[GenerationName, dict[str, EntryInfo]]:
         """Every generation's entries from one paged listing of ``generations/`` and
-        one of ``data/`` (in parallel), judged as :meth:`list_entries` judges them."""
+        one of ``data/`` (in parallel), judged as :meth:`list_entries` judges them.
+        Past :data:`BULK_LISTING_KEYS_PER_GENERATION` blobs a generation (others
+        planted by the million, or another application's under a container's root
+        ``data/``), each generation is listed alone instead: other blobs never cost
+        more than that (as on S3)."""
         if not refs:
             return {}
         own, data = self.layout.generations_prefix, self.layout.data_root
-        generation_objects, data_objects = self.read_pool.map(
-            lambda p: [(i.key, i.size) for i in self.client.list_blobs(p)], [own, data]
-        )
+        budget = BULK_LISTING_KEYS_PER_GENERATION * len(refs)
+        kept = {own: {ref.name.dirname for ref in refs}, data: {ref.generation_id for ref in refs}}
+        position = {own: 0, data: 1}  # of the name or id among a key's components
+
+        def listed(prefix: str) -> list[tuple[str, int]]:
+            blobs = ((item.key, item.size) for item in self.client.list_blobs(prefix))
+            return keys_of_generations(blobs, prefix, budget, kept[prefix], position[prefix])
+
+        try:
+            generation_objects, data_objects = self.read_pool.map(listed, [own, data])
+        except ListingOverBudget:
+            logger.info("%s holds many other blobs: listing each generation alone", self.location)
+            return {ref.name: self.list_entries(ref) for ref in refs}
         listings = listings_by_generation(
             self.layout, [ref.name for ref in refs], generation_objects, data_objects
         )

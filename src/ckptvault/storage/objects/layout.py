@@ -157,6 +157,29 @@ class ObjectLayout:
 Listing = list[tuple[str, int]]  # (key below a prefix, size), in the store's key order
 
 
+class ListingOverBudget(Exception):
+    """A bulk listing met more keys than listing each generation alone would read."""
+
+
+def keys_of_generations(
+    listed: Iterable[tuple[str, int]], prefix: str, budget: int, kept: set[str], position: int
+) -> Listing:
+    """``(key, size)`` of the keys under ``prefix`` whose ``position``-th component
+    (below ``prefix``) is in ``kept`` (a listed generation's name or id), in listing
+    order; every other key is counted and passed over. :class:`ListingOverBudget` once
+    more than ``budget`` keys were listed: the caller then lists each generation alone,
+    so keys that belong to none (planted by the million, or another application's at a
+    bucket's or container's root) never cost more than that."""
+    found = []
+    for count, (key, size) in enumerate(listed, 1):
+        if count > budget:
+            raise ListingOverBudget(prefix)
+        parts = key[len(prefix) :].split("/", position + 1)
+        if len(parts) > position + 1 and parts[position] in kept:
+            found.append((key, size))
+    return found
+
+
 def listings_by_generation(
     layout: ObjectLayout,
     names: Iterable[GenerationName],
