@@ -49,6 +49,9 @@ SESSION_BUCKET = "ckv-session"
 # A cold start here takes about 1.5 s; a loaded 2-core machine running two pytest
 # workers and their subprocesses can take many times that.
 START_TIMEOUT = 60.0
+# It stops in about 1.2 s; once in a while, under load, it has not stopped after 10 s
+# of SIGTERM. Its data is thrown away, so it gets a few seconds, then SIGKILL.
+TERM_TIMEOUT = 3.0
 STOP_TIMEOUT = 10.0
 # The port names `weed mini` takes; admin's gRPC port is chosen as its HTTP port +
 # 10000, the offset its embedded maintenance worker dials whatever the flag says.
@@ -144,6 +147,9 @@ class SeaweedFS:
         ports = dict(zip(_PORTS, _free_ports(len(_PORTS)), strict=True))
         admin = _free_offset_pair()
         self.endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+        self.grpc_ports = {
+            name.split(".")[0]: port for name, port in ports.items() if name.endswith(".grpc")
+        } | {"admin": admin + _GRPC_OFFSET}
         self.log = workdir / "weed.log"
         data = workdir / "data"
         data.mkdir()
@@ -228,11 +234,19 @@ class SeaweedFS:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGTERM)
         try:
-            self.process.wait(STOP_TIMEOUT)
+            self.process.wait(TERM_TIMEOUT)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(STOP_TIMEOUT)
+            self._remove_grpc_sockets()
+
+    def _remove_grpc_sockets(self) -> None:
+        """The unix sockets a killed server leaves in /tmp (it removes them when it
+        stops by itself): ``seaweedfs-<service>-grpc-<port>.sock``, named by its ports."""
+        for name, port in self.grpc_ports.items():
+            with contextlib.suppress(FileNotFoundError):
+                Path(tempfile.gettempdir(), f"seaweedfs-{name}-grpc-{port}.sock").unlink()
 
 
 def start(
