@@ -9,6 +9,7 @@ Each test names the hole it closes; the review's report lists what held.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gzip
 import hashlib
@@ -243,3 +244,54 @@ def test_ls_reads_no_more_blobs_than_listing_each_generation_would(
     monkeypatch.setattr(AzureClient, "list_blobs", counted)
     assert store.list_entries_of(refs) == one_by_one
     assert consumed["run/data/"] <= 2 * 20 + 1
+
+
+# -- key rotation keeps a locked generation locked ---------------------------------------
+
+
+def test_a_replaced_manifest_stays_under_the_old_ones_policy_and_hold(
+    azure_container: str, monkeypatch: pytest.MonkeyPatch
+):
+    """Key rotation writes a new signature and a new manifest version. On S3 they carry
+    the old manifest's Object Lock; on Azure they carried nothing, so after a rotation
+    the manifest's current version was under no policy: ``retained_until`` said
+    nothing held it and retention deleted it (the generation gone from every listing)
+    before its lock date. Azurite keeps no policies, so the manifest's properties are
+    made to report one and what the new versions are written with is recorded."""
+    store = writer(azure_container)
+    old = b'{"manifest": 1}'
+    area = store.begin_generation(new_generation_id())
+    ref = area.publish(1, old, b"old signature")
+    manifest_key = store.layout.generation_key(ref.name, MANIFEST_NAME)
+    until = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=30)
+    real_head, real_blob = store.client.head, store.client.blob
+    written: dict[str, dict[str, Any]] = {}
+
+    def held_head(key: str, version_id: str | None = None) -> Any:
+        head = real_head(key, version_id)
+        if key != manifest_key:
+            return head
+        return dataclasses.replace(
+            head, immutable_until=until, immutable_mode="Unlocked", legal_hold=True
+        )
+
+    class Recorded:
+        def __init__(self, key: str) -> None:
+            self._key, self._inner = key, real_blob(key)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._inner, name)
+
+        def upload_blob(self, *args: Any, **kwargs: Any) -> Any:
+            if self._key.startswith(store.layout.generations_prefix):  # not the lease
+                written[self._key] = kwargs
+            return self._inner.upload_blob(*args, **kwargs)
+
+    monkeypatch.setattr(store.client, "head", held_head)
+    monkeypatch.setattr(store.client, "blob", Recorded)
+    store.replace_manifest(ref, b'{"manifest": 2}', b"new signature", replaces=old)
+    assert set(written) == {manifest_key, manifest_key.replace(MANIFEST_NAME, "manifest.sig")}
+    for key, params in written.items():
+        policy = params.get("immutability_policy")
+        assert policy is not None and policy.expiry_time == until, f"{key} was written unlocked"
+        assert params.get("legal_hold") is True, f"{key} was written without the legal hold"

@@ -139,6 +139,7 @@ class BlobHead:
     last_modified: datetime | None
     version_id: str | None = None
     immutable_until: datetime | None = None
+    immutable_mode: str | None = None  # "Unlocked" or "Locked"
     legal_hold: bool = False
 
 
@@ -261,10 +262,12 @@ class AzureClient:
         )
         return str(result["etag"])
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, **params: Any) -> None:
         """Create or replace ``key`` (records: small, replaced whole)."""
         blob = self.blob(key)
-        self.call(f"writing {self.url(key)}", lambda: blob.upload_blob(data, overwrite=True))
+        self.call(
+            f"writing {self.url(key)}", lambda: blob.upload_blob(data, overwrite=True, **params)
+        )
 
     def stage_block(self, key: str, index: int, data: bytes | bytearray) -> None:
         """Upload block ``index`` of ``key``, uncommitted (invisible until committed);
@@ -328,6 +331,7 @@ class AzureClient:
             last_modified=props.last_modified,
             version_id=getattr(props, "version_id", None),
             immutable_until=getattr(policy, "expiry_time", None),
+            immutable_mode=getattr(policy, "policy_mode", None),
             legal_hold=bool(getattr(props, "has_legal_hold", False)),
         )
 

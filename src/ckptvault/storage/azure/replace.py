@@ -6,7 +6,9 @@ check it is exactly the bytes the caller verified, keeping its ETag; write
 ``If-Match`` on that ETag, so a manifest someone changed meanwhile is never replaced.
 Each write replaces one blob atomically, so a crash leaves the old pair, the new
 signature beside the old manifest (refused by a signature check until the rotation
-resumes), or the new pair. Data blobs are never touched.
+resumes), or the new pair. Data blobs are never touched. The new versions carry the
+old manifest's immutability policy and legal hold (as S3 carries Object Lock), so a
+rotation never leaves a locked generation deletable.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Protocol
 from ckptvault.errors import IntegrityError, UsageError
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME
 from ckptvault.storage.azure.client import AzureClient, AzurePreconditionFailed
+from ckptvault.storage.azure.versions import carried_hold
 from ckptvault.storage.base import EntryInfo, GenerationRef
 from ckptvault.storage.objects.layout import ObjectLayout
 from ckptvault.storage.objects.lease import ObjectWriterLease
@@ -61,11 +64,12 @@ def replace_manifest(
             f"{ref.location} is signed: replacing its manifest needs a new signature, or the "
             "old one would be left over other bytes"
         )
+    hold = carried_hold(head)  # the new versions stay as locked as the old ones
     try:
         if signature is not None:
-            client.put(store.layout.generation_key(ref.name, SIGNATURE_NAME), signature)
+            client.put(store.layout.generation_key(ref.name, SIGNATURE_NAME), signature, **hold)
         store.writer_lease.confirm()
-        client.put_if_match(manifest_key, manifest, head.etag)
+        client.put_if_match(manifest_key, manifest, head.etag, **hold)
     except AzurePreconditionFailed as exc:
         raise IntegrityError(
             f"{where} changed while its replacement was written; the manifest was not replaced "

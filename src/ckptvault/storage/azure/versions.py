@@ -26,7 +26,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from ckptvault.errors import UsageError
-from ckptvault.storage.azure.client import AzureClient, AzureError, AzureNotFound
+from ckptvault.storage.azure.client import AzureClient, AzureError, AzureNotFound, BlobHead
 from ckptvault.storage.retained import LockRule, RetainedCopy, locked_until
 
 logger = logging.getLogger("ckptvault")
@@ -108,10 +108,24 @@ class Immutability:
             pass
 
 
-def _policy(until: datetime) -> Any:
+def _policy(until: datetime, mode: str = "Unlocked") -> Any:
     from azure.storage.blob import ImmutabilityPolicy
 
-    return ImmutabilityPolicy(expiry_time=until, policy_mode="Unlocked")
+    return ImmutabilityPolicy(expiry_time=until, policy_mode=mode)
+
+
+def carried_hold(head: BlobHead) -> dict[str, Any]:
+    """Upload parameters that put a new version of a blob under what holds the version
+    ``head`` describes (its policy while unexpired, its legal hold): a manifest
+    replaced by key rotation stays as locked as the one it replaces, as on S3."""
+    params: dict[str, Any] = {}
+    until = head.immutable_until
+    if until is not None and until > datetime.now(timezone.utc):
+        locked = str(head.immutable_mode).lower() == "locked"
+        params["immutability_policy"] = _policy(until, "Locked" if locked else "Unlocked")
+    if head.legal_hold:
+        params["legal_hold"] = True
+    return params
 
 
 def blob_hold(
