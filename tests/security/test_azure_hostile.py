@@ -47,9 +47,22 @@ def raw_container(name: str) -> Any:
     return service_client(os.environ[ENV_VAR]).get_container_client(name)
 
 
+_WRITERS: list[AzureStore] = []
+
+
+@pytest.fixture(autouse=True)
+def _release_writers() -> Iterator[None]:
+    """Every lease a test took is released while Azurite still answers (a store
+    collected later would release it against a stopped emulator, through retries)."""
+    yield
+    while _WRITERS:
+        _WRITERS.pop().release_writer()
+
+
 def writer(container: str, prefix: str = "run", options: AzureOptions | None = None) -> AzureStore:
     store = AzureStore(f"az://{container}/{prefix}", options)
     store.acquire_writer()
+    _WRITERS.append(store)
     return store
 
 
@@ -295,3 +308,31 @@ def test_a_replaced_manifest_stays_under_the_old_ones_policy_and_hold(
         policy = params.get("immutability_policy")
         assert policy is not None and policy.expiry_time == until, f"{key} was written unlocked"
         assert params.get("legal_hold") is True, f"{key} was written without the legal hold"
+
+
+# -- what held: an attempt reusing a published id -------------------------------------
+
+
+def test_an_attempt_reusing_a_published_id_leaves_the_published_blob_intact(
+    azure_container: str,
+):
+    """An attempt under a published generation's id (a bug, or a hostile caller)
+    stages blocks where a committed blob already is. Neither gc (it was killed before
+    committing) nor its own abort (its commit refused) may drop or replace that blob:
+    ``discard_uncommitted`` commits an empty list only where no blob exists."""
+    store = writer(azure_container, options=AzureOptions(block_size=MiB))
+    data = bytes(range(256)) * (10 * 1024) + b"tail"  # 2.5 MiB: three blocks
+    ref = publish(store, 1, {TENSOR_FILE: data})
+    before = store.list_entries(ref)
+    killed = store.begin_generation(ref.generation_id)
+    killed.create_file(TENSOR_FILE).write(b"k" * (3 * MiB))  # staged, never committed
+    assert ref.generation_id not in store.remove_stale_staging(older_than=0)
+    again = store.begin_generation(ref.generation_id)
+    sink = again.create_file(TENSOR_FILE)
+    sink.write(b"y" * (3 * MiB + 1))
+    with pytest.raises(SaveFailedError, match="already exists"):
+        sink.commit()
+    again.abort()
+    assert store.list_generations() == [ref]
+    assert store.list_entries(ref) == before
+    assert digest(store.read_bytes(ref, TENSOR_FILE, 4 * MiB)) == digest(data)
