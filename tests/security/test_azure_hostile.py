@@ -336,3 +336,39 @@ def test_an_attempt_reusing_a_published_id_leaves_the_published_blob_intact(
     assert store.list_generations() == [ref]
     assert store.list_entries(ref) == before
     assert digest(store.read_bytes(ref, TENSOR_FILE, 4 * MiB)) == digest(data)
+
+
+# -- deleted records leave no versions behind -------------------------------------------
+
+
+def test_a_deleted_record_leaves_no_earlier_versions(
+    azure_container: str, monkeypatch: pytest.MonkeyPatch
+):
+    """With blob versioning on, deleting a record keeps its earlier versions: deletion
+    marks, pins and reader leases piled up as versions, stored and billed. S3 deletes
+    every version of a deleted record; Azure did not. Azurite keeps no versions, so the
+    listing is made to report one and the deletes are recorded."""
+    store = writer(azure_container)
+    store.put_record("pinned", "g1", {"pinned": True})
+    key = store.layout.record_key("pinned", "g1")
+    listing = AzureClient.list_blobs
+    deleted: list[tuple[str, str | None]] = []
+    real_delete = AzureClient.delete
+
+    def with_old_version(
+        self: AzureClient, prefix: str, *, versions: bool = False
+    ) -> Iterator[Listed]:
+        yield from listing(self, prefix, versions=versions)
+        if versions and prefix == key:
+            yield Listed(key, 10, None, version_id="2026-01-01T00:00:00.0000000Z", is_current=False)
+
+    def recorded(self: AzureClient, blob_key: str, version_id: str | None = None) -> None:
+        deleted.append((blob_key, version_id))
+        if version_id is None:
+            real_delete(self, blob_key)
+
+    monkeypatch.setattr(AzureClient, "list_blobs", with_old_version)
+    monkeypatch.setattr(AzureClient, "delete", recorded)
+    store.delete_record("pinned", "g1")
+    assert deleted == [(key, None), (key, "2026-01-01T00:00:00.0000000Z")]
+    assert store.list_records("pinned") == {}

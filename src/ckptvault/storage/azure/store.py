@@ -38,7 +38,7 @@ from ckptvault.storage.azure.cleanup import delete_generation, remove_stale_atte
 from ckptvault.storage.azure.client import AzureClient, AzureError, AzureNotFound, Listed
 from ckptvault.storage.azure.options import AzureOptions, parse_az_url
 from ckptvault.storage.azure.publish import AzureStagingArea
-from ckptvault.storage.azure.versions import Immutability, blob_hold
+from ckptvault.storage.azure.versions import Immutability, blob_hold, purge_key
 from ckptvault.storage.base import EntryInfo, GenerationRef
 from ckptvault.storage.objects.layout import (
     OWN_PREFIX,
@@ -378,4 +378,6 @@ class AzureStore:
         return records
 
     def delete_record(self, kind: str, name: str) -> None:
-        self.client.delete(self.layout.record_key(kind, name))
+        key = self.layout.record_key(kind, name)
+        self.client.delete(key)
+        purge_key(self.client, key)  # no earlier versions of marks and leases pile up

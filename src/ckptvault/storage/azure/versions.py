@@ -142,6 +142,19 @@ def blob_hold(
     return None
 
 
+def purge_key(client: AzureClient, key: str) -> None:
+    """Delete every earlier version of one small blob (a record) after its deletion,
+    as S3's ``purge_key`` does: with versioning on, deleted marks, pins and leases
+    would otherwise pile up as versions, stored and billed. What may not go stays;
+    the record is deleted either way."""
+    try:
+        for item in client.list_blobs(key, versions=True):
+            if item.key == key and item.version_id and not item.is_current:
+                client.delete(key, item.version_id)
+    except AzureError as exc:
+        logger.debug("earlier versions of %s stay: %s", client.url(key), exc)
+
+
 def purge_versions(
     client: AzureClient, pool: ThreadPoolExecutor, prefixes: list[str]
 ) -> list[RetainedCopy]:
