@@ -26,7 +26,14 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from ckptvault.errors import UsageError
-from ckptvault.storage.azure.client import AzureClient, AzureError, AzureNotFound, BlobHead
+from ckptvault.storage.azure.client import (
+    AzureClient,
+    AzureError,
+    AzureNotFound,
+    BlobHead,
+    Listed,
+    addressable,
+)
 from ckptvault.storage.retained import LockRule, RetainedCopy, locked_until
 
 logger = logging.getLogger("ckptvault")
@@ -160,27 +167,32 @@ def purge_versions(
 ) -> list[RetainedCopy]:
     """Delete every version left under ``prefixes`` (a deleted generation's own
     prefixes, its current blobs already deleted); returns the versions that stay."""
-    listed = [
-        item
-        for items in pool.map(lambda p: list(client.list_blobs(p, versions=True)), prefixes)
-        for item in items
-    ]
     refused: dict[tuple[str, str | None], str] = {}
-    for item in listed:
+    for item in _versions_under(client, pool, prefixes):
         try:
             client.delete(item.key, item.version_id)
         except AzureError as exc:
             refused[(item.key, item.version_id)] = str(exc)
     if not refused:
         return []
-    left = [
-        item
-        for items in pool.map(lambda p: list(client.list_blobs(p, versions=True)), prefixes)
-        for item in items
-    ]
+    left = _versions_under(client, pool, prefixes)
     return [
         _retained(client, item.key, item.version_id, refused.get((item.key, item.version_id)))
         for item in left
+    ]
+
+
+def _versions_under(
+    client: AzureClient, pool: ThreadPoolExecutor, prefixes: list[str]
+) -> list[Listed]:
+    """Every version under ``prefixes``, less names no request can address
+    (:func:`~ckptvault.storage.azure.client.addressable`): planted, never a copy of
+    the generation, and left alone rather than reported as one that stays."""
+    return [
+        item
+        for items in pool.map(lambda p: list(client.list_blobs(p, versions=True)), prefixes)
+        for item in items
+        if addressable(item.key)
     ]
 
 
