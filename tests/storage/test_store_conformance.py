@@ -11,9 +11,10 @@ directory it may use, for example to name a unique bucket prefix). Tests that ne
 a hostile entry planted in the store use the backend's *saboteurs*: small,
 backend-specific helpers registered beside the factory. A backend that cannot hold
 such an entry (an object store has no FIFO or hard link) leaves it out, and the case
-is skipped as not applicable to it. The S3 backend runs against a real S3-protocol
-server on loopback (``tests/s3_server.py``); its saboteurs are in
-``tests/s3_saboteurs.py``. The Azure Blob backend runs against Azurite, Microsoft's
+is skipped as not applicable to it. The S3 backend runs twice: against moto
+(``support/s3_server.py``) and against SeaweedFS, a real S3-compatible server
+(``support/seaweedfs_server.py``); its saboteurs are in ``support/s3_saboteurs.py``.
+The Azure Blob backend runs against Azurite, Microsoft's
 emulator (``support/azurite_server.py``); its saboteurs are in
 ``support/azure_saboteurs.py``.
 
