@@ -114,3 +114,44 @@ def test_the_hang_watchdog_example_runs_as_written_and_reports_progress(tmp_path
     assert record["step"] == 100 and record["phase"] == "training"
     listed = sorted(p.name for p in (tmp_path / "runs" / "watched").glob("step-*"))
     assert len(listed) == 2
+
+
+def _shell_block_after(heading: str, marker: str) -> str:
+    text = README.read_text()
+    section = text[text.index(heading) :]
+    for language, block in re.findall(r"^```(\w*)\n(.*?)^```", section, re.S | re.M):
+        if not language and marker in block:
+            return block
+    raise AssertionError(f"no shell block with {marker!r} after {heading!r}")
+
+
+def test_the_azure_example_runs_as_written(azure_env: str, tmp_path: Path):
+    from support.azurite_server import service_client
+
+    service_client(azure_env).create_container("checkpoints")
+    code = _python_block_after("### In Azure Blob Storage")
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "100"
+
+
+def test_the_azurite_try_it_commands_run_as_written(tmp_path: Path):
+    """The shell lines that start Azurite and list a store, on a free port and in a
+    temporary folder instead of the README's 10000 and /tmp/azurite."""
+    script = _shell_block_after("### In Azure Blob Storage", "azurite-blob")
+    script = script.replace("10000", str(free_port())).replace("/tmp/azurite", str(tmp_path))
+    env = {**os.environ, "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}"}
+    env.pop("AZURE_STORAGE_CONNECTION_STRING", None)
+    result = subprocess.run(
+        ["bash", "-c", f"set -e\n{script}\nkill -KILL $!"],  # a TERMed Azurite lingers 2 min
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "no generations in az://checkpoints/run42" in result.stdout

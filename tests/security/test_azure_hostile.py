@@ -373,3 +373,36 @@ def test_a_deleted_record_leaves_no_earlier_versions(
     store.delete_record("pinned", "g1")
     assert deleted == [(key, None), (key, "2026-01-01T00:00:00.0000000Z")]
     assert store.list_records("pinned") == {}
+
+
+# -- what is stored is what was sent ---------------------------------------------------
+
+
+def test_a_blob_corrupted_on_the_way_is_refused_not_stored(
+    azure_container: str, monkeypatch: pytest.MonkeyPatch
+):
+    """Staged blocks carried their MD5, but a file written in one Put Blob (smaller
+    than a block), the manifest and its signature carried none: a flipped bit on the
+    way was stored, and the save succeeded with bytes other than those it hashed
+    (S3 puts all carry a CRC32). Every upload now carries its MD5 and the service
+    refuses a mismatch."""
+    from azure.core.pipeline.transport import RequestsTransport
+
+    store = writer(azure_container)
+    area = store.begin_generation(new_generation_id())
+    key = store.layout.data_key(area.generation_id, TENSOR_FILE)
+    real_send = RequestsTransport.send
+
+    def flip_a_bit(self: Any, request: Any, **kwargs: Any) -> Any:
+        body = request.data
+        if request.method == "PUT" and key in request.url and isinstance(body, bytes) and body:
+            request.data = bytes([body[0] ^ 1]) + body[1:]
+        return real_send(self, request, **kwargs)
+
+    monkeypatch.setattr(RequestsTransport, "send", flip_a_bit)
+    sink = area.create_file(TENSOR_FILE)
+    sink.write(b"tensor bytes" * 100)
+    with pytest.raises(SaveFailedError):
+        sink.commit()
+    area.abort()
+    assert key not in {blob.name for blob in raw_container(azure_container).list_blobs()}

@@ -61,7 +61,8 @@ _DENIED = {"AuthorizationFailure", "AuthenticationFailed", "AuthorizationPermiss
 def translate(exc: Exception, what: str) -> AzureError:
     """An SDK exception as an :class:`AzureError` saying ``what`` failed."""
     status = getattr(exc, "status_code", None)
-    code = str(getattr(exc, "error_code", None) or status or type(exc).__name__)
+    raw = getattr(exc, "error_code", None)  # a str, or the SDK's StorageErrorCode enum
+    code = str(getattr(raw, "value", raw) or status or type(exc).__name__)
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     message = f"{what}: {code} ({first_line[:300]})"
     if status == 412 or code in _EXISTS or (status == 409 and code == "BlobAlreadyExists"):
@@ -160,6 +161,10 @@ class Listed:
 # ours applies: a 64 KiB record planted with that header became 64 MiB, an 8 MiB range
 # up to 8 GiB, and the bytes read were not the bytes stored.
 STORED_BYTES: dict[str, Any] = {"decompress": False}
+# Every upload carries the MD5 of its bytes, which the service checks on arrival (as
+# every staged block does, and as S3 puts carry a CRC32): a blob written in one Put
+# Blob (a small data file, the manifest, its signature) is never stored other than sent.
+CHECKED: dict[str, Any] = {"validate_content": True}
 
 
 def addressable(key: str) -> bool:
@@ -237,7 +242,7 @@ class AzureClient:
         try:
             result = self.call(
                 f"writing {self.url(key)}",
-                lambda: blob.upload_blob(bytes(data), overwrite=False, **params),
+                lambda: blob.upload_blob(bytes(data), overwrite=False, **CHECKED, **params),
             )
         except AzurePreconditionFailed:
             if accept_identical and self.holds_exactly(key, data) is True:
@@ -255,6 +260,7 @@ class AzureClient:
             lambda: blob.upload_blob(
                 data,
                 overwrite=True,
+                **CHECKED,
                 etag=etag,
                 match_condition=MatchConditions.IfNotModified,
                 **params,
@@ -266,7 +272,8 @@ class AzureClient:
         """Create or replace ``key`` (records: small, replaced whole)."""
         blob = self.blob(key)
         self.call(
-            f"writing {self.url(key)}", lambda: blob.upload_blob(data, overwrite=True, **params)
+            f"writing {self.url(key)}",
+            lambda: blob.upload_blob(data, overwrite=True, **CHECKED, **params),
         )
 
     def stage_block(self, key: str, index: int, data: bytes | bytearray) -> None:
