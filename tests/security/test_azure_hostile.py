@@ -406,3 +406,43 @@ def test_a_blob_corrupted_on_the_way_is_refused_not_stored(
         sink.commit()
     area.abort()
     assert key not in {blob.name for blob in raw_container(azure_container).list_blobs()}
+
+
+# -- what held: the lease blob and records replaced with anything ------------------------
+
+
+def _plant_lease(kind: str, raw: Any, key: str) -> None:
+    gzipped = ContentSettings(content_encoding="gzip")
+    if kind == "empty":
+        raw.upload_blob(key, b"", overwrite=True)
+    elif kind == "garbage":
+        raw.upload_blob(key, b"\xff\xfe" * 100, overwrite=True)
+    elif kind == "huge":
+        raw.upload_blob(key, b"[" * (8 * MiB), overwrite=True)
+    elif kind == "gzip":
+        body = gzip.compress(b'{"holder":' + b" " * (8 * MiB) + b"}")
+        raw.upload_blob(key, body, overwrite=True, content_settings=gzipped)
+    elif kind == "page blob":
+        raw.get_blob_client(key).create_page_blob(size=1 << 30)  # 1 GiB, sparse
+
+
+@pytest.mark.parametrize("kind", ["empty", "garbage", "huge", "gzip", "page blob"])
+def test_a_lease_blob_replaced_with_anything_is_taken_over_after_a_bounded_read(
+    azure_container: str, kind: str
+):
+    """Nothing ckptvault writes: read at most 4 KiB of it, then replace it."""
+    raw = raw_container(azure_container)
+    _plant_lease(kind, raw, "run/.writer.lock")
+    writer(azure_container)  # acquires: the planted blob was not a live lease
+    assert raw.get_blob_client("run/.writer.lock").get_blob_properties().size < 4096
+
+
+def test_records_over_the_bound_or_nested_are_never_read(azure_container: str):
+    store = writer(azure_container)
+    raw = raw_container(azure_container)
+    prefix = store.layout.records_prefix("pinned")
+    raw.upload_blob(prefix + "big.json", b'{"pinned": true, "pad": "' + b"x" * (65 * 1024) + b'"}')
+    raw.upload_blob(prefix + "a/nested.json", b'{"pinned": true}')
+    raw.upload_blob(prefix + "deep.json", b"[" * 5000 + b"]" * 5000)
+    store.put_record("pinned", "real", {"pinned": True})
+    assert store.list_records("pinned") == {"real": {"pinned": True}}
