@@ -40,11 +40,11 @@ from ckptvault.format.layout import (
 )
 from ckptvault.retention.marks import put_mark
 from ckptvault.storage import open_store
+from ckptvault.storage.objects.layout import spread_digit
 from ckptvault.storage.posix import records as posix_records
 from ckptvault.storage.posix.store import PosixStore
 from ckptvault.storage.s3 import client as s3_client_module
 from ckptvault.storage.s3 import store as s3_module
-from ckptvault.storage.objects.layout import spread_digit
 from ckptvault.storage.s3.store import S3Store
 from ckptvault.trust.signing import generate_keypair
 from support.common import REPO, only_tensor_file, writable
