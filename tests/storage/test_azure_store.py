@@ -19,6 +19,7 @@ from ckptvault.errors import SaveFailedError, UsageError
 from ckptvault.format.layout import new_generation_id
 from ckptvault.ops.doctor.azure import check_azure
 from ckptvault.storage import RemoteOptions, backend_of, canonical_location, local_path, open_store
+from ckptvault.storage.azure.client import AzureError
 from ckptvault.storage.azure.options import AzureOptions, parse_az_url
 from ckptvault.storage.azure.store import AzureStore
 from support.azurite_server import service_client
@@ -189,3 +190,32 @@ def test_doctor_fails_a_public_container_and_warns_about_an_account_key(azure_co
     raw.set_container_access_policy(signed_identifiers={}, public_access="container")
     public = {f.check: f for f in check_azure(store)}["container public access"]
     assert public.status == "fail" and "--public-access off" in public.fix
+
+
+def _crashed_attempt(store: AzureStore) -> str:
+    """An attempt whose writer died with blocks staged and nothing committed."""
+    area = store.begin_generation(new_generation_id())
+    sink = area.create_file("r00000-000.safetensors")
+    sink.write(b"z" * (2 * MiB))  # two 1 MiB blocks staged, never committed
+    for block in sink._blocks:  # the uploads finish; the writer then "dies"
+        block.result()
+    return area.generation_id
+
+
+def test_one_attempt_that_cannot_be_removed_does_not_stop_the_cleanup_pass(
+    azure_container: str, monkeypatch: pytest.MonkeyPatch
+):
+    store = fresh_store(azure_container, options=SMALL_BLOCKS)
+    stuck, other = sorted([_crashed_attempt(store), _crashed_attempt(store)])
+    discard = store.client.discard_uncommitted
+
+    def refuse_the_first(key: str) -> None:
+        if stuck in key:
+            raise AzureError(13, f"deleting {key}: AuthorizationFailure", "AuthorizationFailure")
+        discard(key)
+
+    monkeypatch.setattr(store.client, "discard_uncommitted", refuse_the_first)
+    assert store.remove_stale_staging(older_than=0) == [other]
+    staged = store.client.list_uncommitted(store.layout.data_root)
+    assert [item.key for item in staged if other in item.key] == []
+    assert [item.key for item in staged if stuck in item.key] != []

@@ -80,10 +80,14 @@ def remove_stale_attempts(store: _Cleaned, older_than: float | None) -> list[str
         attempt = attempts[generation_id]
         if _written_since(store.client, attempt.keys, cutoff):
             continue  # a listing can lag; a blob's own properties say it is fresh
-        for key in attempt.staged:
-            store.client.discard_uncommitted(key)
-        for key in attempt.keys:
-            store.client.delete(key)
+        try:
+            for key in attempt.staged:
+                store.client.discard_uncommitted(key)
+            for key in attempt.keys:
+                store.client.delete(key)
+        except AzureError as exc:  # one attempt that cannot go does not stop the pass
+            logger.warning("could not remove stale attempt %s yet: %s", generation_id, exc)
+            continue
         removed.append(generation_id)
     return removed
 
