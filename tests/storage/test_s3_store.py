@@ -434,3 +434,36 @@ def test_records_round_trip_and_planted_ones_are_skipped(s3_endpoint: str):
     assert store.list_records("deleted") == {}
     with pytest.raises(UsageError):
         store.put_record("pinned", "../escape", {})
+
+
+def test_a_manifest_put_answered_exists_that_cannot_be_read_back_keeps_the_data(
+    s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+):
+    """The manifest PUT lands, its response is lost, boto3's retry answers 412, and
+    the read that tells "ours" from "someone else's" fails too. That was taken for a
+    lost race: the attempt deleted its data under the manifest it had just published
+    (found on Azure by the hostile review; S3 had the same rule). Unknown keeps it."""
+    from ckptvault.storage.s3.client import S3PreconditionFailed
+
+    store = fresh_bucket_store()
+    store.acquire_writer()
+    area = store.begin_generation(new_generation_id())
+    sink = area.create_file("r00000-000.safetensors")
+    sink.write(b"d" * 1000)
+    sink.commit()
+    put_new = store.client.put_new
+
+    def retried_after_a_lost_response(key: str, data: bytes, **params: object) -> object:
+        result = put_new(key, data, **params)
+        if key.endswith("/" + MANIFEST_NAME):
+            monkeypatch.setattr(store.client, "holds_exactly", lambda *_: None)
+            raise S3PreconditionFailed(17, f"put_object {key}: 412 (retried)", "PreconditionFailed")
+        return result
+
+    monkeypatch.setattr(store.client, "put_new", retried_after_a_lost_response)
+    with pytest.raises(SaveFailedError, match="unknown"):
+        area.publish(3, b'{"manifest": 3}')
+    monkeypatch.undo()
+    (ref,) = store.list_generations()
+    assert store.read_bytes(ref, "r00000-000.safetensors", MiB) == b"d" * 1000
+    store.release_writer()

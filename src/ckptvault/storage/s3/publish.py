@@ -335,26 +335,29 @@ class ConditionalManifestPut:
         store.writer_lease.confirm()  # a writer that lost the lease must not publish
         manifest_key = store.layout.generation_key(name, MANIFEST_NAME)
         try:
-            store.client.put_new(manifest_key, manifest, accept_identical=True, **lock)
-        except S3PreconditionFailed as exc:
-            raise SaveFailedError(
-                f"{store.client.url(manifest_key)} already exists: someone else published "
-                f"generation {area.generation_id} (step {step}). This save was abandoned and "
-                "its objects removed; the published generation is untouched"
-            ) from exc
+            store.client.put_new(manifest_key, manifest, **lock)
         except S3Error as exc:
+            # "Exists" (412) may be this very PUT, retried by boto3 after a lost
+            # response: only the object's bytes tell it from someone else's.
             _after_uncertain_put(area, manifest_key, manifest, exc)
         return store.ref_for(name)
 
 
 def _after_uncertain_put(area: S3StagingArea, key: str, manifest: bytes, exc: S3Error) -> None:
-    """The manifest PUT failed without a clear answer (network): it may still have
-    landed. Returns when it did (published after all); otherwise raises, and keeps
-    the attempt's objects when it cannot tell (a published generation keeps its data)."""
+    """The manifest PUT failed, or found the object there: it may be this PUT that
+    landed. Returns when the object holds exactly ``manifest`` (published after all);
+    otherwise raises, and keeps the attempt's objects when it cannot tell (a published
+    generation keeps its data: "exists" and then a failed read proves no lost race)."""
     client = area.store.client
     landed = client.holds_exactly(key, manifest)
     if landed is True:
         return
+    if landed is False and isinstance(exc, S3PreconditionFailed):
+        raise SaveFailedError(
+            f"{client.url(key)} already exists: someone else published generation "
+            f"{area.generation_id}. This save was abandoned and its objects removed; the "
+            "published generation is untouched"
+        ) from exc
     if landed is None:
         area.keep_written = True
         raise SaveFailedError(
