@@ -29,6 +29,7 @@ def _run(*args: str) -> str:
 
 
 @pytest.mark.heavy
+@pytest.mark.extended  # a benchmark's smoke run: make test-extended
 def test_the_loop_overhead_benchmark_runs_ckptvault_beside_dcp(tmp_path: Path):
     out = _run(
         "bench.loop_overhead", "--state-mb", "2", "--cadences", "0.1", "--saves", "1",

@@ -39,6 +39,7 @@ from ckptvault.trust.indexes import load_indexes
 
 
 @pytest.mark.heavy
+@pytest.mark.extended  # a benchmark's smoke run: make test-extended
 def test_every_axis_runs_and_reports(tmp_path: Path):
     out = tmp_path / "out"
     text = scale.main(

@@ -29,6 +29,7 @@ def _run(*args: str) -> str:
 
 
 @pytest.mark.heavy
+@pytest.mark.extended  # a benchmark's smoke run: make test-extended
 def test_the_save_restore_benchmark_runs(tmp_path: Path):
     work, results = str(tmp_path / "work"), str(tmp_path / "results.json")
     out = _run(
@@ -40,6 +41,7 @@ def test_the_save_restore_benchmark_runs(tmp_path: Path):
     assert "Targets, judged on best runs:" in out and "x (target at" in out
 
 
+@pytest.mark.extended  # a benchmark's smoke run: make test-extended
 def test_the_multirank_benchmark_runs(tmp_path: Path):
     args = ["--size-gb", "0.02", "--ranks", "2", "--reps", "1", "--dir", str(tmp_path)]
     out = _run("bench.multirank_save", *args)

@@ -28,18 +28,21 @@ WORKER = Path(__file__).parents[1] / "support" / "engine_worker.py"
 KILLED, STEPS = [-9, -9], 8
 
 # (integration, engine), then the (engine, ranks) its generation is also restored by.
-RUNS: list[tuple[str, str, list[tuple[str, int]]]] = [
+# The whole matrix runs in `make test-extended`; `make test` keeps one run of each
+# integration and engine family that reshards or crosses versions (10-minute budget).
+_EXTENDED = pytest.mark.extended
+RUNS: list[Any] = [
     ("accelerate", "fsdp2", [("fsdp2", 3), ("fsdp2", 1)]),
     ("accelerate", "fsdp1", [("fsdp1", 3), ("fsdp2", 3)]),
-    ("accelerate", "fsdp1-FULL_STATE_DICT", []),
-    ("trainer", "fsdp2", []),
+    pytest.param("accelerate", "fsdp1-FULL_STATE_DICT", [], marks=_EXTENDED),
+    pytest.param("trainer", "fsdp2", [], marks=_EXTENDED),
     ("trainer", "fsdp1", [("fsdp2", 3)]),
-    ("accelerate", "zero1", []),
+    pytest.param("accelerate", "zero1", [], marks=_EXTENDED),
     ("accelerate", "zero2", [("zero2", 3), ("zero3", 3)]),
-    ("accelerate", "zero3", [("zero3", 3), ("zero3", 1)]),
-    ("trainer", "zero1", []),
-    ("trainer", "zero2", []),
-    ("trainer", "zero3", []),
+    pytest.param("accelerate", "zero3", [("zero3", 3), ("zero3", 1)], marks=_EXTENDED),
+    pytest.param("trainer", "zero1", [], marks=_EXTENDED),
+    pytest.param("trainer", "zero2", [], marks=_EXTENDED),
+    pytest.param("trainer", "zero3", [], marks=_EXTENDED),
     ("deepspeed", "zero3", []),
 ]
 
