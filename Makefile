@@ -13,7 +13,7 @@ AZURITE         := azurite@3.37.0
 NODE_DIR        := .node
 AZURITE_STAMP   := $(NODE_DIR)/.installed-$(AZURITE)
 
-.PHONY: demo test test-extended lint crash reliability fuzz bench bench-costs bench-scale clean
+.PHONY: demo test test-extended docs lint crash reliability fuzz bench bench-costs bench-scale clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,7 +37,7 @@ demo: $(STAMP)
 # process the suite starts compiles ckptvault again, and every worker re-rewrites
 # every test module (15 s of CPU a worker here, 8 s cached).
 test: $(STAMP) $(AZURITE_STAMP)
-	$(PY) -m ruff check src tests demo bench
+	$(PY) -m ruff check src tests demo bench docs_hooks
 	$(PY) -m mypy
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 2 -m "not extended"
 
@@ -46,8 +46,14 @@ test: $(STAMP) $(AZURITE_STAMP)
 test-extended: $(STAMP) $(AZURITE_STAMP)
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 2 -m extended
 
+# The documentation site (mkdocs-material): built strictly into build/site, then served
+# on http://127.0.0.1:8000 until Ctrl-C. make test builds it too (tests/docs).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8000
+
 lint: $(STAMP)
-	$(PY) -m ruff check src tests demo bench
+	$(PY) -m ruff check src tests demo bench docs_hooks
 
 # The crash harness at its long budget (several hundred SIGKILLs over saves sync and
 # async, POSIX and S3, one rank and two, restores, replication and gc; CI runs 64).

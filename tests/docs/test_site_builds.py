@@ -1,0 +1,26 @@
+"""The documentation site builds with ``mkdocs build --strict``: no broken link, no
+missing page, no reference the API pages cannot resolve (mkdocstrings reads the
+docstrings of ``src/``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from support.common import REPO
+
+
+def test_the_site_builds_strictly(tmp_path: Path):
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert (tmp_path / "index.html").is_file()
+    assert (tmp_path / "reference" / "cli" / "index.html").is_file()
