@@ -1,6 +1,7 @@
 """The command line as a whole: every command has --help, every data command's --json
-parses, a bad store or argument is one line on stderr and exit 2, and the README's
-Command line section names every command (so the docs cannot fall behind)."""
+parses, a bad store or argument is one line on stderr and exit 2, and the docs'
+Command line section (docs/guides/command-line.md) names every command (so the docs
+cannot fall behind)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import typer.main
 import ckptvault as cv
 from ckptvault.cli import app, main
 from ckptvault.trust.signing import generate_keypair
-from support.common import REPO
+from support.doc_pages import section as doc_section
 
 
 def _commands() -> list[list[str]]:
@@ -187,10 +188,8 @@ def test_a_bad_argument_is_one_line_and_exit_2(capsys, store: Path, args: list[s
 
 
 def _command_line_section() -> str:
-    readme = (REPO / "README.md").read_text()
-    match = re.search(r"^## Command line\n(.*?)^## ", readme, re.S | re.M)
-    assert match, "README has no '## Command line' section"
-    return match.group(1)
+    """The "Command line" section, wherever the docs hold it (its Errors part too)."""
+    return doc_section("Command line").body
 
 
 def test_readme_names_every_command():

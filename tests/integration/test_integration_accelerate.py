@@ -3,7 +3,8 @@ real accelerate: a model with dropout trained by an Accelerate loop, interrupted
 resumed, must end bit-identical to an uninterrupted run (every loss, every weight),
 with nothing pickled.
 
-The README's example runs as written in fresh processes: a reference run, a run
+The documented example (docs/guides/integrations.md) runs as written in fresh
+processes: a reference run, a run
 SIGKILLed mid-epoch, and its resume in a new process. In-process runs (fresh
 Accelerator and objects after an interruption), with gradient accumulation, an LR
 scheduler, a registered custom object and an extra entry, resume mid-epoch, after
@@ -28,7 +29,7 @@ from ckptvault.errors import UsageError
 from ckptvault.integrations.accelerate import Checkpointer
 from support.readme_runs import assert_killed, pickled_files, readme_block, run_example
 
-# -- the README example, in fresh processes -------------------------------------------
+# -- the documented example, in fresh processes ---------------------------------------
 
 HARNESS = """
 import hashlib, json, os, signal

@@ -3,7 +3,8 @@ against the real transformers: a tiny GPT-2 trained, interrupted and resumed mus
 end bit-identical to an uninterrupted run (every logged loss, learning rate and
 gradient norm, every weight), with nothing pickled.
 
-The README's example runs as written in fresh processes: a reference run, a run
+The documented example (docs/guides/integrations.md) runs as written in fresh
+processes: a reference run, a run
 SIGKILLed mid-epoch, and its resume in a new process. In-process runs (fresh
 Trainer objects after an interruption), all with gradient accumulation, cover an
 epoch boundary, an explicit step mid-epoch, and a resume that falls back past a
@@ -39,7 +40,7 @@ from support.readme_runs import (
     run_example,
 )
 
-# -- the README example, in fresh processes -------------------------------------------
+# -- the documented example, in fresh processes ---------------------------------------
 
 HARNESS = """
 import hashlib, json, os, signal

@@ -7,7 +7,7 @@ point and ``torch.save``/``torch.load`` are patched to raise; no file the runs l
 is a pickle or a torch zip. The dict ``load_checkpoint`` returns is the one Lightning
 saved: keys, order, types, tensors. What the codec cannot store is refused naming
 its key; checkpoints Lightning removes leave the store through ckptvault's retention
-(the safety net keeps a verified fallback); the README's example runs as written.
+(the safety net keeps a verified fallback); the documented example runs as written.
 The plugin called directly: ``test_integration_lightning_io.py``.
 """
 
@@ -29,7 +29,7 @@ import torch
 
 import ckptvault as cv
 from ckptvault.errors import UnsupportedValueError
-from support.common import REPO
+from support.doc_pages import python_block_after, section
 
 pl = pytest.importorskip("lightning.pytorch")
 stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
@@ -297,18 +297,15 @@ def test_an_unencodable_hyperparameter_is_refused_naming_its_key(tmp_path: Path)
 
 
 def _readme_example() -> str:
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("### PyTorch Lightning") :]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match is not None
-    return match.group(1)
+    """The first python block of the docs' "PyTorch Lightning" section."""
+    return python_block_after("PyTorch Lightning")
 
 
 def test_the_readme_example_runs_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """The README's block as written, twice in one directory: the second run resumes
+    """The documented block as written, twice in one directory: the second run resumes
     from last.ckpt (a pointer) and has nothing left to train."""
     monkeypatch.chdir(tmp_path)
-    code = compile(_readme_example(), "README.md", "exec")
+    code = compile(_readme_example(), section("PyTorch Lightning").where, "exec")
     first: dict[str, Any] = {"__name__": "readme"}
     exec(code, first)
     assert first["trainer"].global_step == 40
@@ -322,7 +319,7 @@ def test_the_readme_example_runs_and_resumes(tmp_path: Path, monkeypatch: pytest
 def test_the_readme_example_stopped_mid_epoch_resumes_bit_identically(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    """The README's block, stopped at step 30 (the save there is mid-epoch: 8 batches
+    """The documented block, stopped at step 30 (the save there is mid-epoch: 8 batches
     an epoch) and run again as written, ends with the weights of a run never stopped.
     (Tried as a new user would, the recipe differed by 1.99e-1: its loader restarted
     the epoch and its data was drawn anew each run.)"""
@@ -333,7 +330,7 @@ def test_the_readme_example_stopped_mid_epoch_resumes_bit_identically(
         directory.mkdir(exist_ok=True)
         monkeypatch.chdir(directory)
         scope: dict[str, Any] = {"__name__": "readme"}
-        exec(compile(code, "README.md", "exec"), scope)
+        exec(compile(code, section("PyTorch Lightning").where, "exec"), scope)
         return scope["trainer"]
 
     whole = run(tmp_path / "whole", example).lightning_module.state_dict()

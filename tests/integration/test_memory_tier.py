@@ -237,7 +237,7 @@ def test_the_memory_directory_must_be_private(tmp_path: Path):
 
 
 def test_the_readme_example_runs_as_written(tmp_path: Path):
-    """The README's block, in a process of its own, with the default directory under
+    """The documented block, in a process of its own, with the default directory under
     /dev/shm (for a node name of this test's own, removed after)."""
     from support.readme_runs import readme_block
 

@@ -1,12 +1,13 @@
-"""The README's examples run as written: the DCP plugin snippet (and, after it, the
-same calls on bad input raising ckptvault's errors) and the torchrun example (two
-ranks, then three resuming and resharding)."""
+"""The documented examples run as written, found by their headings in the README or
+the docs pages (support.doc_pages): the DCP plugin snippet (and, after it, the same
+calls on bad input raising ckptvault's errors), the torchrun example (two ranks,
+then three resuming and resharding), the save-policy and heartbeat blocks, and the
+Azure example and its Azurite commands."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,20 +15,11 @@ from pathlib import Path
 import pytest
 
 from support.common import REPO
+from support.doc_pages import python_block_after as _python_block_after
+from support.doc_pages import shell_block_after as _shell_block_after
 from support.multirank import free_port
 
-README = REPO / "README.md"
-
-
-def _python_block_after(heading: str) -> str:
-    text = README.read_text()
-    section = text[text.index(heading) :]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match is not None, f"no python block after {heading!r}"
-    return match.group(1)
-
-
-# Run after the README's DCP example, in its process: the same plain DCP calls on bad
+# Run after the documented DCP example, in its process: the same plain DCP calls on bad
 # input raise ckptvault's own errors, with nothing wrapped around them.
 _DCP_BAD_INPUT = """
 import pathlib
@@ -50,7 +42,7 @@ except cv.errors.IntegrityError as exc:
 
 
 def test_the_dcp_plugin_example_runs_as_written(tmp_path: Path):
-    code = _python_block_after("### Using ckptvault inside existing DCP code")
+    code = _python_block_after("## Using ckptvault inside existing DCP code")
     result = subprocess.run(
         [sys.executable, "-c", code + _DCP_BAD_INPUT],
         cwd=tmp_path,
@@ -90,8 +82,8 @@ def test_the_torchrun_example_resumes_and_reshards(tmp_path: Path):
 
 
 def test_the_save_policy_example_runs_as_written(tmp_path: Path):
-    """The README's save-policy block: saves where its comment says, Planned logs."""
-    code = _python_block_after("### Save policies")
+    """The documented save-policy block: saves where its comment says, Planned logs."""
+    code = _python_block_after("## Save policies")
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
@@ -101,9 +93,9 @@ def test_the_save_policy_example_runs_as_written(tmp_path: Path):
 
 
 def test_the_hang_watchdog_example_runs_as_written_and_reports_progress(tmp_path: Path):
-    """The README's heartbeat block: it trains, saves at 50 and 100, and leaves the
+    """The documented heartbeat block: it trains, saves at 50 and 100, and leaves the
     rank's progress record where a supervisor looks (CKPTVAULT_PROGRESS_DIR)."""
-    code = _python_block_after("#### Hang watchdog")
+    code = _python_block_after("### Hang watchdog")
     env = dict(os.environ, CKPTVAULT_PROGRESS_DIR=str(tmp_path / "progress"))
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env,
@@ -116,20 +108,11 @@ def test_the_hang_watchdog_example_runs_as_written_and_reports_progress(tmp_path
     assert len(listed) == 2
 
 
-def _shell_block_after(heading: str, marker: str) -> str:
-    text = README.read_text()
-    section = text[text.index(heading) :]
-    for language, block in re.findall(r"^```(\w*)\n(.*?)^```", section, re.S | re.M):
-        if not language and marker in block:
-            return block
-    raise AssertionError(f"no shell block with {marker!r} after {heading!r}")
-
-
 def test_the_azure_example_runs_as_written(azure_env: str, tmp_path: Path):
     from support.azurite_server import service_client
 
     service_client(azure_env).create_container("checkpoints")
-    code = _python_block_after("### In Azure Blob Storage")
+    code = _python_block_after("## In Azure Blob Storage")
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
@@ -139,8 +122,8 @@ def test_the_azure_example_runs_as_written(azure_env: str, tmp_path: Path):
 
 def test_the_azurite_try_it_commands_run_as_written(tmp_path: Path):
     """The shell lines that start Azurite and list a store, on a free port and in a
-    temporary folder instead of the README's 10000 and /tmp/azurite."""
-    script = _shell_block_after("### In Azure Blob Storage", "azurite-blob")
+    temporary folder instead of the documented 10000 and /tmp/azurite."""
+    script = _shell_block_after("## In Azure Blob Storage", "azurite-blob")
     script = script.replace("10000", str(free_port())).replace("/tmp/azurite", str(tmp_path))
     env = {**os.environ, "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}"}
     env.pop("AZURE_STORAGE_CONNECTION_STRING", None)

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 import ckptvault as cv
 from ckptvault.errors import FormatError, UsageError
+from support.doc_pages import line_containing
 
 transformers = pytest.importorskip("transformers")
 
@@ -167,11 +168,8 @@ def test_a_sparse_file_claiming_terabytes_is_refused_before_memory_is_taken(tmp_
 
 
 def test_the_readme_line_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """README, Starting from another run: the Hugging Face line, verbatim."""
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    line = next(
-        ln for ln in text.splitlines() if 'mgr.warm_start(state, "pretrained/gpt2-small")' in ln
-    )
+    """The docs' "Starting from another run": the Hugging Face line, verbatim."""
+    line = line_containing('mgr.warm_start(state, "pretrained/gpt2-small")')
     monkeypatch.chdir(tmp_path)
     source = tiny_gpt2(seed=1)
     source.save_pretrained("pretrained/gpt2-small")
@@ -179,11 +177,11 @@ def test_the_readme_line_runs_as_written(tmp_path: Path, monkeypatch: pytest.Mon
     state = {"model": model, "optim": torch.optim.AdamW(model.parameters())}
     with cv.CheckpointManager("runs/ft", run_id="ft") as mgr:
         scope = {"mgr": mgr, "state": state}
-        exec(compile(line.strip(), "README.md", "exec"), scope)
+        exec(compile(line.strip(), "docs", "exec"), scope)
         assert scope["info"].lineage.store == "pretrained/gpt2-small"
         assert _equal(model, source)
         mgr.save(1, state)  # the next start resumes the run instead
-        exec(compile(line.strip(), "README.md", "exec"), scope)
+        exec(compile(line.strip(), "docs", "exec"), scope)
         assert scope["info"].step == 1
 
 

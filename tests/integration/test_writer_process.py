@@ -22,6 +22,7 @@ from ckptvault.errors import SaveFailedError, StorageFullError, UsageError
 from ckptvault.trust.keystores import LocalKeyStore
 from ckptvault.trust.signing import generate_keypair
 from support.common import mounted_tmpfs
+from support.doc_pages import python_block_after
 from support.multirank import launch
 
 SHM = Path("/dev/shm")
@@ -238,12 +239,11 @@ def test_a_rank_whose_writer_dies_fails_the_save_on_every_rank_then_all_start_an
 
 
 def test_the_readme_block_runs_as_written(tmp_path, monkeypatch):
-    text = (Path(__file__).parents[2] / "README.md").read_text()
-    section = text[text.index("#### A writer process") :]
-    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    """The docs' block under "A writer process: `async_mode="process"`", as written."""
+    block = python_block_after('A writer process: `async_mode="process"`')
     monkeypatch.chdir(tmp_path)
     scope: dict = {"cv": cv}
-    exec(block, scope)  # the README's own example
+    exec(block, scope)  # the documented example
     with scope["mgr"] as mgr:
         mgr.save(1, {"w": torch.arange(4.0)})
         mgr.wait()

@@ -98,7 +98,7 @@ def _model() -> torch.nn.Module:
 
 
 def readme_engines(heading: str, **stubs: Any) -> dict[str, Any]:
-    """The README's engine settings under ``heading``: its ``fsdp(version,
+    """The documented engine settings under ``heading``: its ``fsdp(version,
     state_dict_type)`` and ``zero(stage)``, the block run as written (``stubs``: the
     names whose calls the worker makes itself)."""
     from support.readme_runs import readme_block
@@ -109,7 +109,7 @@ def readme_engines(heading: str, **stubs: Any) -> dict[str, Any]:
 
 
 def engine_settings(namespace: dict[str, Any], engine: str) -> dict[str, Any]:
-    """``engine`` (``fsdp2``, ``fsdp1-FULL_STATE_DICT``, ``zero3``) through the README's
+    """``engine`` (``fsdp2``, ``fsdp1-FULL_STATE_DICT``, ``zero3``) through the docs'
     own ``fsdp``/``zero``."""
     if engine.startswith("zero"):
         return dict(namespace["zero"](int(engine.removeprefix("zero"))))
@@ -119,7 +119,7 @@ def engine_settings(namespace: dict[str, Any], engine: str) -> dict[str, Any]:
 
 def _accelerator(engine: str) -> Any:
     """An Accelerator running ``engine`` on this job's CPU ranks, set up as the
-    README's "Accelerate with FSDP or DeepSpeed" says."""
+    docs' "Accelerate with FSDP or DeepSpeed" says."""
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.utils import InitProcessGroupKwargs
 
@@ -193,7 +193,7 @@ def accelerate_run(engine: str, mode: str, store: str, out: dict[str, Any]) -> N
 
 
 def _trainer_engine(engine: str) -> dict[str, Any]:
-    """TrainingArguments for ``engine`` on this job's CPU ranks: the README's "Trainer
+    """TrainingArguments for ``engine`` on this job's CPU ranks: the docs' "Trainer
     with FSDP or DeepSpeed" settings, and what a CPU needs besides."""
     readme = readme_engines(
         "#### Trainer with FSDP or DeepSpeed", TrainingArguments=lambda *args, **kwargs: None

@@ -1,34 +1,30 @@
-"""Running a README example as written, in a fresh process, for the integration tests.
+"""Running a documented example as written, in a fresh process, for the integration tests.
 
-A test hands :func:`run_example` the example's block (from :func:`readme_block`) and
+A test hands :func:`run_example` the example's block (from :func:`readme_block`: the
+README's or a documentation page's, found by its heading) and
 a harness: code that runs the block (``exec``, in a working directory of its
 choosing), arms a SIGKILL at some step or dumps what the run produced. The process
-gets bit-reproducible kernels, as the README asks of a run that must resume exactly:
+gets bit-reproducible kernels, as the docs ask of a run that must resume exactly:
 ``MKL_CBWR=COMPATIBLE`` and one thread.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from support.common import REPO
+from support.doc_pages import python_block_after
 
-README = REPO / "README.md"
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle")
 
 
 def readme_block(heading: str) -> str:
-    """The first ```python block after ``heading`` in the README."""
-    text = README.read_text()
-    section = text[text.index(heading) :]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match is not None, f"no python block after {heading!r}"
-    return match.group(1)
+    """The first ```python block after ``heading``, in the README or the docs page
+    that holds that heading (:func:`support.doc_pages.python_block_after`)."""
+    return python_block_after(heading)
 
 
 def run_example(harness: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
