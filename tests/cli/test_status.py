@@ -24,7 +24,11 @@ import ckptvault as cv
 from ckptvault.events import Published
 from ckptvault.observe.catalog import Catalog, store_key
 from support.common import REPO, mounted_tmpfs, run_cli
+from support.doc_pages import anchors
 from support.keystores import ControlledKeyStore as GatedKeyStore
+
+# Where each alert rule's runbook_url points: the Runbook of the operations guide.
+RUNBOOK_PAGE = "docs/guides/operations.md"
 
 
 @pytest.fixture
@@ -235,26 +239,20 @@ def metric_names_in(text: str) -> set[str]:
     return set(re.findall(r"\bckptvault_[a-z_]+[a-z]", text))
 
 
-def readme_anchors() -> set[str]:
-    """GitHub's anchors of the README's headings."""
-    anchors = set()
-    for line in (REPO / "README.md").read_text().splitlines():
-        if line.startswith("#"):
-            title = line.lstrip("#").strip().lower()
-            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
-    return anchors
-
-
 def test_alert_rules_name_existing_metrics_and_runbook_entries(tmp_path: Path):
     rules = yaml.safe_load((REPO / "contrib" / "alerts.yml").read_text())
     (group,) = rules["groups"]
-    names, anchors = exposed_names(tmp_path), readme_anchors()
+    names = exposed_names(tmp_path)
     seen = set()
     for rule in group["rules"]:
         used = metric_names_in(rule["expr"])
         assert used and used <= names, (rule["alert"], used - names)
+        # The runbook entry is a heading of the operations page, under the anchor the
+        # site (mkdocs' toc) and GitHub both give it.
         url = rule["annotations"]["runbook_url"]
-        assert url.split("#", 1)[1] == rule["alert"].lower() in anchors, url
+        page, anchor = url.split("#", 1)
+        assert page == RUNBOOK_PAGE, url
+        assert anchor == rule["alert"].lower() in anchors(REPO / page), url
         seen.add(rule["alert"])
     # Every status warning has its rule and runbook entry, and the other way round;
     # besides them, the run-time rule on stragglers (ckptvault_straggler).

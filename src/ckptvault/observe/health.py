@@ -2,7 +2,8 @@
 
 The thresholds are the alert thresholds of the field guide (seed 002, "Monitoring and
 runbooks"), the same ones ``contrib/alerts.yml`` puts on the manager's Prometheus
-metrics; each warning names the alert (and README runbook entry) it matches:
+metrics; each warning names the alert (and runbook entry, in the operations guide
+``docs/guides/operations.md``) it matches:
 
 ======================================  ==================  ============================
 measure                                 healthy             warning
@@ -63,7 +64,8 @@ RECENT_SAVES = 100  # the window of saves latency and success rate are computed 
 @dataclass(frozen=True)
 class HealthWarning:
     """One threshold crossed: ``alert`` is the matching rule in ``contrib/alerts.yml``
-    and the README runbook heading (its anchor is ``alert.lower()``)."""
+    and the runbook heading in ``docs/guides/operations.md`` (its anchor there is
+    ``alert.lower()``)."""
 
     alert: str
     message: str
