@@ -85,12 +85,12 @@ MOVED_MODULES: dict[str, str] = {
         f"ckptvault.trust.kms_{m}": f"ckptvault.trust.kms.{m}"
         for m in ("client", "erase", "keystore", "names", "rotation", "run_keys")
     },
-    "ckptvault.ops.rotate": "ckptvault.ops.rotation.rotate",  # documented in the README
+    "ckptvault.ops.rotate": "ckptvault.ops.rotation.rotate",  # documented in the old README
     **{
         f"ckptvault.ops.rotation_{m}": f"ckptvault.ops.rotation.{m}"
         for m in ("journal", "report", "steps", "survey")
     },
-    "ckptvault.ops.sign": "ckptvault.ops.signing.sign",  # documented in the README
+    "ckptvault.ops.sign": "ckptvault.ops.signing.sign",  # documented in the old README
     "ckptvault.ops.sign_steps": "ckptvault.ops.signing.steps",
     "ckptvault.ops.doctor_s3": "ckptvault.ops.doctor.s3",
     # The key layout and the writer lease serve every object store (S3, Azure Blob).

@@ -3,7 +3,7 @@
 What a user relies on: generations written by the previous format still verify and
 restore bit-exactly (real bytes of the format-2 writer, in tests/fixtures/format2);
 the root holds no chunk digest and no per-chunk metadata, its files' digests check
-with the blake3 package alone as the README shows; a rank of many reads the root and
+with the blake3 package alone as docs/format.md shows; a rank of many reads the root and
 only the indexes of the shards it restores; and the root's signature covers every
 index, so an index swapped, edited or dropped is refused.
 """
@@ -114,7 +114,7 @@ def test_a_store_of_both_formats_keeps_saving_and_restoring(tmp_path: Path):
 
 def test_the_root_holds_no_chunk_and_the_readme_check_works(store: Path):
     """The root lists files with a size and digest only and one index per rank; the
-    chunk digests in the index derive the root's file digest, as the README's
+    chunk digests in the index derive the root's file digest, as docs/format.md's
     snippet checks with blake3 alone."""
     with cv.CheckpointManager(store, run_id="r") as mgr:
         path = Path(mgr.save(1, make_training_state()).result().path)
@@ -126,7 +126,7 @@ def test_the_root_holds_no_chunk_and_the_readme_check_works(store: Path):
         [*root["files"], *root["indexes"], "manifest.json"]
     )
     generation = str(path)
-    for name in root["files"]:  # the README's snippet, as written there
+    for name in root["files"]:  # docs/format.md's snippet, as written there
         index = json.load(open(f"{generation}/{name.split('-')[0]}-index.json"))  # noqa: SIM115
         data, size = open(f"{generation}/{name}", "rb").read(), root["chunk_size"]  # noqa: SIM115
         chunks = [blake3(data[i : i + size]).hexdigest() for i in range(0, len(data), size)]

@@ -6,7 +6,7 @@ the plugin kept no ledger. With ``ledger=`` the writer records every publish in 
 manager's published table and the reader checks it (a vanished generation is a
 candidate that fails, counted by ``max_fallback``), applies the floor, refuses an
 explicit older step below a newer generation that verifies, and raises the floor to
-what it read. Without ``ledger=`` nothing changes (README, Security model).
+what it read. Without ``ledger=`` nothing changes (docs/security.md).
 """
 
 from __future__ import annotations

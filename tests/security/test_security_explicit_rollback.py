@@ -182,7 +182,7 @@ def test_an_encrypted_run_checks_the_newer_manifests_mac(store, tmp_path):
 
 
 def test_without_a_ledger_an_explicit_step_is_what_it_was(store, signed_run):
-    # No ledger, no trusted keys: no floor and no rollback rule (README, Security model).
+    # No ledger, no trusted keys: no floor and no rollback rule (docs/security.md).
     _options, _paths, weights = signed_run
     fresh = make_training_state(seed=7)
     with cv.CheckpointManager(store, run_id="r") as mgr:

@@ -6,8 +6,8 @@ CompleteMultipartUpload), renews its writer lease with ``If-Match``, reads range
 pinned to an ETag, sends a CRC32 with every PUT and part, and cleans up by listing
 and aborting uploads. Each test checks one of those on each server with a plain
 boto3 client (``each_s3_endpoint``); where a server does not do what AWS S3
-documents, the case is skipped there with what was measured (the README's "S3 on a
-real server" lists them).
+documents, the case is skipped there with what was measured (docs/guides/storage.md's "S3
+on a real server" lists them).
 """
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ def test_moved_modules_stay_importable_under_their_documented_paths():
 
 # -- the house's layers ---------------------------------------------------------------
 #
-# Bottom to top; written down once here and in the README's layout section. A module
+# Bottom to top; written down once here and in docs/contributing.md's layout. A module
 # may import its own package and any package of a lower layer (or of its own layer,
 # as long as no two packages import each other), never one above.
 LAYERS: list[set[str]] = [

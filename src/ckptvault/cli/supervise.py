@@ -3,7 +3,8 @@ after a failure within a bounded budget, and check its DONE record.
 
 The policy and the process handling live in :mod:`ckptvault.ops.supervise`; this
 module parses options, opens the store for the DONE check, and returns the
-supervisor's exit status (see the README's "Supervising a job" for the table).
+supervisor's exit status (see "Supervising a job" in docs/guides/operations.md for
+the table).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ same place and the same way as a block it reads from the store
 (:class:`~ckptvault.io.verified_ranges.VerifiedRanges`). Trusting the owner's verdict
 instead would let one broken or dishonest rank make the others apply bytes the
 manifest does not vouch for; the check costs one BLAKE3 pass over bytes this rank
-copies anyway (a few GB/s a core; the README's read-once table measures it). A block
+copies anyway (a few GB/s a core; docs/speed.md's read-once table measures it). A block
 that does not verify is a digest mismatch of the candidate on the rank that found it,
 and the stage's verdict makes every rank reject the candidate together and fall back
 together (:mod:`ckptvault.distributed.restore`).

@@ -29,7 +29,7 @@ loaded where Trainer loads theirs (after it built them); Trainer then skips the
 batches already trained, and the saved RNG states are set again where Trainer sets
 its own (after the first batch of the resumed epoch is fetched). The resumed run
 continues bit-identically: same losses, logs and final weights as an uninterrupted
-run, on bit-reproducible kernels (see "Bit-exact resume" in the README).
+run, on bit-reproducible kernels (see "Bit-exact resume" in docs/guides/restoring.md).
 
 This relies on Trainer's checkpoint hooks (``_save_checkpoint``,
 ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``_load_rng_state``,
