@@ -19,6 +19,7 @@ Google ``Args:`` sections are parsed by mkdocstrings (``docstring_style: google`
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import griffe
@@ -29,31 +30,34 @@ ROLE = re.compile(
 LITERAL_MARKER = re.compile(r"(?m)^(?P<text>.*?\S)?::[ \t]*$")
 
 
-def rewrite(text: str, obj: griffe.Object | None = None) -> str:
+def rewrite(text: str, resolve: Callable[[str], str] | None = None) -> str:
     """``text`` with roles and literal-block markers as markdown (see the module
-    docstring); ``obj`` is the scope that short role targets are resolved in."""
-    text = ROLE.sub(lambda match: _role(match, obj), text)
+    docstring); ``resolve`` turns a role's target into the full dotted path of what
+    it names (default: taken as written)."""
+    text = ROLE.sub(lambda match: _role(match, resolve or str), text)
     return LITERAL_MARKER.sub(lambda match: f"{match['text']}:" if match["text"] else "", text)
 
 
-def _role(match: re.Match[str], obj: griffe.Object | None) -> str:
+def _role(match: re.Match[str], resolve: Callable[[str], str]) -> str:
     target = match["target"].lstrip(".")
     shown = target.rsplit(".", 1)[-1] if match["tilde"] else target
-    return (
-        f'<autoref optional identifier="{_full_path(target, obj)}"><code>{shown}</code></autoref>'
-    )
+    return f'<autoref optional identifier="{resolve(target)}"><code>{shown}</code></autoref>'
 
 
-def _full_path(target: str, obj: griffe.Object | None) -> str:
-    """The dotted path ``target`` names as seen from ``obj`` (its own name if unknown)."""
-    if obj is None or target.startswith("ckptvault."):
-        return target
-    head, _, rest = target.partition(".")
-    try:
-        resolved = obj.resolve(head)
-    except (griffe.NameResolutionError, AttributeError):
-        return target
-    return f"{resolved}.{rest}" if rest else resolved
+def in_scope(obj: griffe.Object) -> Callable[[str], str]:
+    """A resolver of role targets as seen from ``obj`` (a name unknown there stays)."""
+
+    def resolve(target: str) -> str:
+        if target.startswith("ckptvault."):
+            return target
+        head, _, rest = target.partition(".")
+        try:
+            resolved = obj.resolve(head)
+        except (griffe.NameResolutionError, AttributeError):
+            return target
+        return f"{resolved}.{rest}" if rest else resolved
+
+    return resolve
 
 
 def _objects(obj: griffe.Object) -> Any:
@@ -69,4 +73,4 @@ class SphinxRoles(griffe.Extension):
     def on_package(self, *, pkg: griffe.Module, loader: griffe.GriffeLoader, **kwargs: Any) -> None:
         for obj in _objects(pkg):
             if obj.docstring is not None:
-                obj.docstring.value = rewrite(obj.docstring.value, obj)
+                obj.docstring.value = rewrite(obj.docstring.value, in_scope(obj))
