@@ -196,6 +196,7 @@ class PeerMessageError(CollectiveError):
 
 __all__ = [
     "AuditError",
+    "CatalogError",
     "CheckpointError",
     "CollectiveError",
     "ContractMismatch",
@@ -218,4 +219,5 @@ __all__ = [
     "UnsafeEntryError",
     "UnsupportedValueError",
     "UsageError",
+    "ValidationError",
 ]
