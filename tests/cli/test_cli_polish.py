@@ -1,7 +1,7 @@
 """The command line as a whole: every command has --help, every data command's --json
-parses, a bad store or argument is one line on stderr and exit 2, and the docs'
-Command line section (docs/guides/command-line.md) names every command (so the docs
-cannot fall behind)."""
+parses, a bad store or argument is one line on stderr and exit 2, and the command-line
+guide (docs/guides/command-line.md, once the README's Command line section) names
+every command (so the docs cannot fall behind)."""
 
 from __future__ import annotations
 
@@ -188,8 +188,9 @@ def test_a_bad_argument_is_one_line_and_exit_2(capsys, store: Path, args: list[s
 
 
 def _command_line_section() -> str:
-    """The "Command line" section, wherever the docs hold it (its Errors part too)."""
-    return doc_section("Command line").body
+    """The command-line guide, wherever the docs hold it (its Errors part too); the
+    reference page "Command line" is generated from the app, so it cannot fall behind."""
+    return doc_section("The command line").body
 
 
 def test_readme_names_every_command():
