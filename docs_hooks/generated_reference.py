@@ -11,9 +11,12 @@ marker is replaced by markdown generated from the code that the build imports:
   (:mod:`reference_errors`).
 
 The Python API page needs no marker: mkdocstrings renders it from the docstrings
-(``docs/reference/api.md``). A marker the hook does not know fails the build, so a
-typo cannot leave a page silently empty. The generators are plain functions of no
-arguments, which tests call without building the site.
+(``docs/reference/api.md``), through the griffe extension :mod:`griffe_roles`, which
+this hook imports so that mkdocstrings finds it by name from any working directory.
+
+A marker the hook does not know fails the build, so a typo cannot leave a page
+silently empty. The generators are plain functions of no arguments, which tests call
+without building the site.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import griffe_roles  # noqa: F401  # mkdocs.yml names it: mkdocstrings finds it loaded
 from reference_cli import cli_markdown
 from reference_errors import errors_markdown
 

@@ -10,6 +10,7 @@ command the ``typer.Exit(N)`` its callback can reach in its module.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import re
 import sys
@@ -101,11 +102,16 @@ def _exit_sentences(command: Command) -> list[str]:
     """What the command's module docstring says about its exit status, when the
     module holds this command alone (its help says the rest)."""
     module = inspect.unwrap(command.callback).__module__
-    if sum(inspect.unwrap(c.callback).__module__ == module for _, c, _ in commands()) > 1:
+    if _command_modules().count(module) > 1:
         return []
     text = " ".join((sys.modules[module].__doc__ or "").split())
     sentences = re.split(r"(?<=[.;])\s+(?=[A-Z`(])", text)
     return [cell(s) for s in sentences if re.search(r"\bexit\b.*\d", s, re.IGNORECASE)]
+
+
+@functools.cache
+def _command_modules() -> list[str]:
+    return [inspect.unwrap(command.callback).__module__ for _, command, _ in commands()]
 
 
 def _params_table(command: Command, ctx: Context) -> str:

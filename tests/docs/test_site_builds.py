@@ -24,3 +24,9 @@ def test_the_site_builds_strictly(tmp_path: Path):
     assert result.returncode == 0, result.stderr[-4000:]
     assert (tmp_path / "index.html").is_file()
     assert (tmp_path / "reference" / "cli" / "index.html").is_file()
+    # The reference pages generated from the code (tests/docs/test_reference_pages.py
+    # checks what they say): the hook ran, mkdocstrings rendered the API.
+    reference = tmp_path / "reference"
+    assert "ckptvault verify [OPTIONS]" in (reference / "cli" / "index.html").read_text()
+    assert 'id="checkpointerror"' in (reference / "errors" / "index.html").read_text()
+    assert 'id="ckptvault.CheckpointManager"' in (reference / "api" / "index.html").read_text()
