@@ -92,14 +92,18 @@ def test_markers_that_do_not_hold_are_refused(tmp_path: Path):
         '```python title="fragment"\nimport os\nprint(os.sep)\n```\n\n'  # runs as it is
         '```python { data-tested-by="tests/nowhere.py" }\nx = 2\n```\n\n'
         '```python { data-tested-by="tests/docs/test_doc_block_runner.py" }\nzzz_unnamed = 3\n```\n'
+        "\n## Using it\n\n```python\nx = 4\n```\n\n"  # the test's heading finds this block,
+        '```python { data-tested-by="tests/docs/test_doc_block_runner.py" }\nx = 5\n```\n'
     )
     root = _site(tmp_path, page)
     problems = list(checked(blocks_of(root / "docs" / "page.md", root), root))
-    assert len(problems) == 4, problems
+    assert len(problems) == 5, problems
     assert "no marker this runner knows" in problems[0]
     assert "defines every name it uses" in problems[1]
     assert "no file under tests/" in problems[2]
     assert f"names neither the heading {heading!r}" in problems[3]
+    assert "block 6 (line 26, under 'Using it')" in problems[4]
+    assert "finds the first python block after it, not this one" in problems[4]
 
 
 def _server_page(tmp_path: Path, url: str) -> tuple[Path, list]:

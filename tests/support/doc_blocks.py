@@ -55,6 +55,7 @@ class Block:
     heading: str  # the nearest heading above it, without its #s
     info: str  # the fence's info string, stripped
     code: str  # dedented as the fence was indented
+    first_in_section: bool = True  # no python block between its heading and it
 
     @property
     def kind(self) -> str | None:
@@ -85,13 +86,13 @@ def blocks_of(page: Path, root: Path = REPO) -> list[Block]:
     """The page's python blocks (``python`` or ``py`` as the info string's first word)."""
     found: list[Block] = []
     lines = page.read_text().splitlines()
-    heading, index = "", 0
+    heading, heading_line, index = "", 0, 0
     while index < len(lines):
         fence = _FENCE.match(lines[index])
         if fence is None:
             title = _HEADING.match(lines[index])
             if title:
-                heading = title.group("text")
+                heading, heading_line = title.group("text"), index + 1
             index += 1
             continue
         opening, close = index, _closing(lines, index, fence.group("fence"))
@@ -106,6 +107,7 @@ def blocks_of(page: Path, root: Path = REPO) -> list[Block]:
                     heading=heading,
                     info=info,
                     code=textwrap.dedent(body) + "\n",
+                    first_in_section=not found or found[-1].line < heading_line,
                 )
             )
         index = close + 1
@@ -160,10 +162,17 @@ def _tested_by_problems(block: Block, root: Path) -> list[str]:
     if not target.is_relative_to(root / "tests") or not target.is_file():
         return [f"{block.where()}: data-tested-by names {path!r}, no file under tests/"]
     text = target.read_text()
-    if not (_names_heading(text, block.heading) or _quotes_a_line(text, block.code)):
+    if _quotes_a_line(text, block.code):
+        return []
+    if not _names_heading(text, block.heading):
         return [
             f"{block.where()}: {path} names neither the heading {block.heading!r} "
             "nor a line of the block: is it the test that runs this block?"
+        ]
+    if not block.first_in_section:
+        return [
+            f"{block.where()}: {path} finds it by its heading, which finds the first "
+            "python block after it, not this one: give this block a heading of its own"
         ]
     return []
 
@@ -182,10 +191,14 @@ def _title(literal: str) -> str:
 
 
 def _quotes_a_line(text: str, code: str) -> bool:
-    """The test's text holds one of the block's lines (20 characters or more, not a
-    comment), as a test that runs one line of a block quotes it."""
-    lines = (ln.strip() for ln in code.splitlines())
-    return any(len(ln) >= 20 and not ln.startswith("#") and ln in text for ln in lines)
+    """The test's text holds one of the block's lines, or a string of 20 characters or
+    more found in one (not a comment): a test that runs one line of a block finds it
+    by what it says."""
+    lines = [ln.strip() for ln in code.splitlines() if not ln.strip().startswith("#")]
+    if any(len(ln) >= 20 and ln in text for ln in lines):
+        return True
+    literals = [a or b for a, b in _STRING.findall(text)]
+    return any(len(s) >= 20 and any(s in ln for ln in lines) for s in literals)
 
 
 def free_names(tree: ast.AST) -> set[str]:
