@@ -137,3 +137,20 @@ def test_a_block_with_an_azure_store_runs_on_the_suites_server(
     (tmp_path / "run").mkdir()
     assert run_page("docs/page.md", blocks, tmp_path / "run", env, root) is None
     assert "[1]" in (tmp_path / "run" / "output.log").read_text().splitlines()
+
+
+def test_what_a_fragment_calls_on_ckptvault_must_exist(tmp_path: Path):
+    page = (
+        '# Drift\n\n```python title="fragment"\n'
+        "from ckptvault.integrations.nowhere import Trainer\n"
+        'mgr = cv.CheckpointManager("runs/r", run_idd="r", retention=cv.Retention(keep_lats=2))\n'
+        'mgr.save(step, state)\nreader = cv.dcp.StorageReeder("runs/r", run_id="r")\n```\n'
+    )
+    root = _site(tmp_path, page)
+    problems = list(checked(blocks_of(root / "docs" / "page.md", root), root))
+    assert [p.split(": ", 1)[1] for p in problems] == [
+        "ckptvault has no cv.dcp.StorageReeder",
+        "cv.CheckpointManager() takes no run_idd",
+        "cv.Retention() takes no keep_lats",
+        "no module ckptvault.integrations.nowhere",
+    ], problems

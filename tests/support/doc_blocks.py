@@ -9,7 +9,11 @@ carries a marker visible in the Markdown source that says why it does not:
 - ```python { data-tested-by="tests/integration/test_x.py" }  -- run by that test,
   which must exist and name the block's heading (or quote one of its lines).
 
-Both are fence attributes pymdownx.superfences renders as Python (an unknown word
+Whatever its marker, what a block calls on ``cv`` (attribute paths, keyword
+arguments, ``ckptvault.*`` modules) must exist in ckptvault, so fragments, which never
+run, cannot drift from the API unnoticed.
+
+Both markers are fence attributes pymdownx.superfences renders as Python (an unknown word
 after ``python``, such as ```python fragment, would turn the block into a plain
 paragraph on the site), and GitHub takes the first word, ``python``, as the language.
 """
@@ -19,6 +23,8 @@ from __future__ import annotations
 import ast
 import builtins
 import contextlib
+import importlib.util
+import inspect
 import json
 import os
 import re
@@ -201,6 +207,85 @@ def _quotes_a_line(text: str, code: str) -> bool:
     return any(len(s) >= 20 and any(s in ln for ln in lines) for s in literals)
 
 
+def api_problems(block: Block) -> list[str]:
+    """What the block calls on ``cv`` (the house's name for ckptvault) that ckptvault
+    does not have: an attribute path (``cv.dcp.StorageWriter``, ``cv.errors.X``), a
+    keyword argument of a call (``CheckpointManager``'s are its ``ManagerOptions``),
+    a ``ckptvault.*`` module imported. Fragments never run, so this is what keeps
+    them from drifting from the API."""
+    try:
+        tree = ast.parse(block.code)
+    except SyntaxError:
+        return []  # a runnable block's run reports it; a fragment's check does
+    problems: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and (path := _cv_path(node)):
+            problems += (
+                [f"{block.where()}: ckptvault has no {path}"] if _resolve(path) is _MISSING else []
+            )
+        elif isinstance(node, ast.Call) and (path := _cv_path(node.func)):
+            target = _resolve(path)
+            given = {k.arg for k in node.keywords if k.arg is not None}
+            unknown = sorted(given - _keywords(target, given))
+            if unknown and target is not _MISSING:
+                problems.append(f"{block.where()}: {path}() takes no {', '.join(unknown)}")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = (
+                [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            )
+            for module in modules:
+                if module and module.split(".")[0] == "ckptvault" and not _module_exists(module):
+                    problems.append(f"{block.where()}: no module {module}")
+    return sorted(set(problems))
+
+
+_MISSING = object()
+
+
+def _cv_path(node: ast.expr) -> str | None:
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name) and node.id == "cv" and parts:
+        return "cv." + ".".join(reversed(parts))
+    return None
+
+
+def _resolve(path: str) -> object:
+    import ckptvault
+
+    target: object = ckptvault
+    for name in path.split(".")[1:]:
+        target = getattr(target, name, _MISSING)
+        if target is _MISSING:
+            break
+    return target
+
+
+def _keywords(target: object, given: set[str]) -> set[str]:
+    """The keyword arguments ``target`` accepts (all of ``given`` when unknowable)."""
+    from ckptvault.assembly import ManagerOptions
+    from ckptvault.manager import CheckpointManager
+
+    if target is CheckpointManager:
+        return set(ManagerOptions.__annotations__)
+    try:
+        parameters = inspect.signature(target).parameters.values()  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return given
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return given
+    return {p.name for p in parameters}
+
+
+def _module_exists(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def free_names(tree: ast.AST) -> set[str]:
     """Names the code reads and binds nowhere (builtins aside): what it needs from
     outside. Scopes are flattened, which errs toward finding fewer free names."""
@@ -232,11 +317,13 @@ def bound_names(tree: ast.AST) -> set[str]:
 
 
 def checked(blocks: Iterable[Block], root: Path = REPO) -> Iterator[str]:
-    """Every marker problem of a page's blocks, in order: a fragment may use what the
-    page's earlier runnable blocks define (they run before it, like a notebook)."""
+    """Every problem of a page's blocks, in order: their markers (a fragment must not
+    use only what the page's earlier runnable blocks define: they run before it, like a
+    notebook) and what they call on ckptvault that does not exist."""
     defined: set[str] = set()
     for block in blocks:
         yield from marker_problems(block, defined, root)
+        yield from api_problems(block)
         if block.kind == RUN:
             with contextlib.suppress(SyntaxError):  # the run reports it
                 defined |= bound_names(ast.parse(block.code))
