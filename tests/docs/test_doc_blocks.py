@@ -32,7 +32,8 @@ RUNNABLE = {page: [b for b in found if b.kind == RUN] for page, found in ALL_BLO
 
 def test_every_block_runs_or_is_marked():
     """Each python block's fence is a known marker; fragments are fragments; every
-    data-tested-by names an existing test that names the block."""
+    data-tested-by names an existing test that reads the block; what any block calls
+    on ckptvault exists."""
     problems = [p for found in ALL_BLOCKS.values() for p in checked(found)]
     assert not problems, "\n".join(problems)
 
