@@ -21,8 +21,8 @@ List, so unlike S3-compatible servers there is nothing to probe.
 
 from __future__ import annotations
 
+import errno
 import logging
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -32,7 +32,6 @@ from ckptvault.format.layout import (
     SIGNATURE_NAME,
     GenerationName,
     generation_dirname,
-    is_generation_id,
     parse_generation_dirname,
 )
 from ckptvault.storage.azure.client import AzureClient, AzureError, AzurePreconditionFailed
@@ -42,6 +41,7 @@ from ckptvault.storage.azure.versions import Immutability
 from ckptvault.storage.base import GenerationRef
 from ckptvault.storage.objects.layout import ObjectLayout
 from ckptvault.storage.objects.lease import ObjectWriterLease
+from ckptvault.storage.objects.staging import ObjectStagingArea
 from ckptvault.storage.objects.uploads import PartUploader
 
 logger = logging.getLogger("ckptvault")
@@ -78,112 +78,38 @@ class _Staging(Protocol):
     def ref_for(self, name: GenerationName) -> GenerationRef: ...
 
 
-class AzureStagingArea:
-    """The data blobs of one save attempt, under ``data/<x>/<generation id>/``."""
+class AzureStagingArea(ObjectStagingArea):
+    """The data blobs of one save attempt, under ``data/<x>/<generation id>/``: staged
+    blocks and one commit each, published by :func:`publish_manifest_last`."""
+
+    store: _Staging
 
     def __init__(self, store: _Staging, generation_id: str, joined: bool = False) -> None:
-        if not is_generation_id(generation_id):
-            raise UsageError(f"{generation_id!r} is not a generation id")
-        self.store = store
-        self.generation_id = generation_id
-        self.joined = joined  # another rank began it: this one never publishes
-        self.location = f"{store.location}/data/*/{generation_id}"
-        self._files: dict[str, AzureWritableFile] = {}
-        self._written: list[str] = []  # blobs this attempt created, to delete on abort
-        self._mutex = threading.Lock()
-        self._state = "open"  # then "published", "aborted" or "released"
-        self.keep_written = False  # the publish outcome is unknown: delete nothing
+        super().__init__(store, generation_id, joined)
 
     def create_file(self, name: str) -> AzureWritableFile:
-        key = self.store.layout.data_key(self.generation_id, name)
-        with self._mutex:
-            self._check_open()
-            if name in self._files:
-                raise UsageError(f"{name} was already created in {self.location}")
-            new = AzureWritableFile(
-                self.store.client,
-                self.store.uploader,
-                key,
-                self.store.options.block_size,
-                self.note_written,
-            )
-            self._files[name] = new
-            return new
+        file: AzureWritableFile = super().create_file(name)
+        return file
 
-    def note_written(self, key: str) -> None:
-        with self._mutex:
-            self._written.append(key)
+    def _new_file(self, key: str) -> AzureWritableFile:
+        store = self.store
+        return AzureWritableFile(
+            store.client, store.uploader, key, store.options.block_size, self.note_written
+        )
 
-    def written_keys(self) -> list[str]:
-        with self._mutex:
-            return list(self._written)
+    def _delete(self, keys: list[str]) -> None:
+        for key in keys:
+            self.store.client.delete(key)
 
-    def unfinished_files(self) -> list[str]:
-        with self._mutex:
-            return sorted(name for name, file in self._files.items() if file.is_open)
-
-    def release(self) -> None:
-        """Nothing is held open between files; the written blobs stay."""
-        with self._mutex:
-            if self._state == "open":
-                self._state = "released"
-
-    def adopt(self, names: list[str]) -> None:
-        for name in names:
-            self.note_written(self.store.layout.data_key(self.generation_id, name))
+    def _publish(self, step: int, manifest: bytes, signature: bytes | None) -> GenerationRef:
+        return publish_manifest_last(self, step, manifest, signature)
 
     def read_staged(self, name: str, limit: int) -> bytes:
         key = self.store.layout.data_key(self.generation_id, name)
         head = self.store.client.head(key)
         if head.size > limit:
-            raise OSError(27, f"{name} is larger than {limit} bytes")  # EFBIG
+            raise OSError(errno.EFBIG, f"{name} is larger than {limit} bytes")
         return self.store.client.get_range(key, 0, head.size, head.etag) if head.size else b""
-
-    def publish(self, step: int, manifest: bytes, signature: bytes | None = None) -> GenerationRef:
-        with self._mutex:
-            self._check_open()
-        if self.joined:
-            raise UsageError(f"{self.location}: only the rank that began a save publishes it")
-        try:
-            ref = publish_manifest_last(self, step, manifest, signature)
-        except AzureError as exc:  # a request before the manifest's own failed
-            self.abort()
-            raise SaveFailedError(
-                f"publishing {self.generation_id} into {self.store.location}: {exc}. Nothing "
-                "was published; earlier generations are intact"
-            ) from exc
-        except BaseException:
-            self.abort()
-            raise
-        with self._mutex:
-            self._state = "published"
-        return ref
-
-    def abort(self) -> None:
-        """Discard unfinished uploads and delete every blob this attempt wrote."""
-        with self._mutex:
-            if self._state != "open":
-                return
-            self._state = "aborted"
-            files, written = list(self._files.values()), list(self._written)
-        for file in files:
-            file.abort()
-        if self.keep_written:
-            return
-        try:
-            for key in written:
-                self.store.client.delete(key)
-        except AzureError as exc:
-            logger.warning(
-                "could not delete what the aborted save %s wrote (%s); "
-                "Store.remove_stale_staging removes it later",
-                self.generation_id,
-                exc,
-            )
-
-    def _check_open(self) -> None:
-        if self._state != "open":
-            raise UsageError(f"staging area {self.location} was already {self._state}")
 
 
 def publish_manifest_last(

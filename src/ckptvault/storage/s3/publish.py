@@ -24,7 +24,6 @@ from __future__ import annotations
 import errno
 import logging
 import secrets
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol
@@ -35,12 +34,12 @@ from ckptvault.format.layout import (
     SIGNATURE_NAME,
     GenerationName,
     generation_dirname,
-    is_generation_id,
     parse_generation_dirname,
 )
 from ckptvault.storage.base import GenerationRef
 from ckptvault.storage.objects.layout import ObjectLayout
 from ckptvault.storage.objects.lease import ObjectWriterLease
+from ckptvault.storage.objects.staging import ObjectStagingArea
 from ckptvault.storage.retained import LockRule
 from ckptvault.storage.s3.client import S3Client, S3Error, S3PreconditionFailed
 from ckptvault.storage.s3.options import S3Options
@@ -200,59 +199,30 @@ class _Staging(Protocol):
     def require_conditional_writes(self) -> None: ...
 
 
-class S3StagingArea:
-    """The data objects of one save attempt, under ``data/<x>/<generation id>/``."""
+class S3StagingArea(ObjectStagingArea):
+    """The data objects of one save attempt, under ``data/<x>/<generation id>/``:
+    multipart uploads, deleted in batches, published by :class:`ConditionalManifestPut`."""
+
+    store: _Staging
 
     def __init__(self, store: _Staging, generation_id: str, joined: bool = False) -> None:
-        if not is_generation_id(generation_id):
-            raise UsageError(f"{generation_id!r} is not a generation id")
-        self.store = store
-        self.generation_id = generation_id
-        self.joined = joined  # another rank began it: this one never publishes
-        self.location = f"{store.location}/data/*/{generation_id}"
-        self._files: dict[str, S3WritableFile] = {}
-        self._written: list[str] = []  # keys this attempt created, to delete on abort
-        self._mutex = threading.Lock()
-        self._state = "open"  # then "published" or "aborted"
-        self.keep_written = False  # the publish outcome is unknown: delete nothing
+        super().__init__(store, generation_id, joined)
 
     def create_file(self, name: str) -> S3WritableFile:
-        key = self.store.layout.data_key(self.generation_id, name)
-        with self._mutex:
-            self._check_open()
-            if name in self._files:
-                raise UsageError(f"{name} was already created in {self.location}")
-            new = S3WritableFile(
-                self.store.client,
-                self.store.uploader,
-                key,
-                self.store.options.part_size,
-                self.note_written,
-            )
-            self._files[name] = new
-            return new
+        file: S3WritableFile = super().create_file(name)
+        return file
 
-    def note_written(self, key: str) -> None:
-        with self._mutex:
-            self._written.append(key)
+    def _new_file(self, key: str) -> S3WritableFile:
+        store = self.store
+        return S3WritableFile(
+            store.client, store.uploader, key, store.options.part_size, self.note_written
+        )
 
-    def written_keys(self) -> list[str]:
-        with self._mutex:
-            return list(self._written)
+    def _delete(self, keys: list[str]) -> None:
+        self.store.client.delete_keys(keys)
 
-    def unfinished_files(self) -> list[str]:
-        with self._mutex:
-            return sorted(name for name, file in self._files.items() if file.is_open)
-
-    def release(self) -> None:
-        """Nothing is held open between files; the written objects stay."""
-        with self._mutex:
-            if self._state == "open":
-                self._state = "released"
-
-    def adopt(self, names: list[str]) -> None:
-        for name in names:
-            self.note_written(self.store.layout.data_key(self.generation_id, name))
+    def _publish(self, step: int, manifest: bytes, signature: bytes | None) -> GenerationRef:
+        return self.store.publish_rule.publish(self, step, manifest, signature)
 
     def read_staged(self, name: str, limit: int) -> bytes:
         key = self.store.layout.data_key(self.generation_id, name)
@@ -260,51 +230,6 @@ class S3StagingArea:
         if len(data) > limit:  # one byte past the limit was asked for, to tell
             raise OSError(errno.EFBIG, f"{name} is larger than {limit} bytes")
         return data
-
-    def publish(self, step: int, manifest: bytes, signature: bytes | None = None) -> GenerationRef:
-        with self._mutex:
-            self._check_open()
-        if self.joined:
-            raise UsageError(f"{self.location}: only the rank that began a save publishes it")
-        try:
-            ref = self.store.publish_rule.publish(self, step, manifest, signature)
-        except S3Error as exc:  # a request before the manifest's own failed
-            self.abort()
-            raise SaveFailedError(
-                f"publishing {self.generation_id} into {self.store.location}: {exc}. Nothing "
-                "was published; earlier generations are intact"
-            ) from exc
-        except BaseException:
-            self.abort()
-            raise
-        with self._mutex:
-            self._state = "published"
-        return ref
-
-    def abort(self) -> None:
-        """Abort unfinished uploads and delete every object this attempt wrote."""
-        with self._mutex:
-            if self._state != "open":
-                return
-            self._state = "aborted"
-            files, written = list(self._files.values()), list(self._written)
-        for file in files:
-            file.abort()
-        if self.keep_written:
-            return
-        try:
-            self.store.client.delete_keys(written)
-        except S3Error as exc:
-            logger.warning(
-                "could not delete what the aborted save %s wrote (%s); "
-                "Store.remove_stale_staging removes it later",
-                self.generation_id,
-                exc,
-            )
-
-    def _check_open(self) -> None:
-        if self._state != "open":
-            raise UsageError(f"staging area {self.location} was already {self._state}")
 
 
 class ConditionalManifestPut:
