@@ -24,16 +24,11 @@ from __future__ import annotations
 import errno
 import functools
 import logging
-import threading
-import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
-from ckptvault.errors import UnsafeEntryError, UsageError
-from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, GenerationName
-from ckptvault.format.manifest import is_safe_file_name
+from ckptvault.errors import UsageError
+from ckptvault.format.layout import MANIFEST_NAME, GenerationName
 from ckptvault.storage.azure.cleanup import delete_generation, remove_stale_attempts
 from ckptvault.storage.azure.client import AzureClient, AzureError, AzureNotFound, Listed
 from ckptvault.storage.azure.options import AzureOptions, parse_az_url
@@ -50,7 +45,7 @@ from ckptvault.storage.objects.layout import (
 )
 from ckptvault.storage.objects.lease import LeaseSnapshot, ObjectWriterLease
 from ckptvault.storage.objects.reader import RangedReader
-from ckptvault.storage.objects.uploads import PartUploader
+from ckptvault.storage.objects.store import ObjectStoreBase
 from ckptvault.storage.records import (
     MAX_RECORD_BYTES,
     RecordFilter,
@@ -64,8 +59,6 @@ from ckptvault.storage.retained import LockRule, RetainedCopy, locked_until
 
 logger = logging.getLogger("ckptvault")
 
-# How long a generation's listing is reused when its files are opened (as on S3).
-ENTRY_CACHE_SECONDS = 30.0
 # Blobs one bulk listing (``list_entries_of``) reads per generation it lists before it
 # lists each generation alone instead: what that costs, 17 prefixes of one page
 # (5,000 blobs) each.
@@ -100,11 +93,12 @@ class AzureLeaseBlob:
         return LeaseSnapshot(raw, size, etag, age)
 
 
-class AzureStore:
+class AzureStore(ObjectStoreBase):
     """A checkpoint store under ``az://container/prefix`` (see the module docstring)."""
 
     def __init__(self, url: str, options: AzureOptions | None = None) -> None:
         self.options = options or AzureOptions()
+        super().__init__(self.options.max_concurrency, "ckptvault-az")
         where = parse_az_url(url)
         self.location = where.url
         self.layout = ObjectLayout(where.prefix)
@@ -115,34 +109,11 @@ class AzureStore:
             self.location,
             self.options.lease_seconds,
         )
-        self._mutex = threading.Lock()
-        self._uploader: PartUploader | None = None
-        self._read_pool: ThreadPoolExecutor | None = None
-        self._entries: dict[GenerationName, tuple[float, dict[str, EntryInfo]]] = {}
 
     def __repr__(self) -> str:
         return f"AzureStore({self.location!r})"
 
     # -- shared machinery --------------------------------------------------------------
-
-    @property
-    def uploader(self) -> PartUploader:
-        with self._mutex:
-            if self._uploader is None:
-                self._uploader = PartUploader(self.options.max_concurrency)
-            return self._uploader
-
-    @property
-    def read_pool(self) -> ThreadPoolExecutor:
-        with self._mutex:
-            if self._read_pool is None:
-                self._read_pool = ThreadPoolExecutor(
-                    self.options.max_concurrency, thread_name_prefix="ckptvault-az-read"
-                )
-            return self._read_pool
-
-    def ref_for(self, name: GenerationName) -> GenerationRef:
-        return GenerationRef(name=name, location=f"{self.location}/generations/{name.dirname}")
 
     def list_prefixes(self, prefixes: list[str]) -> dict[str, list[Listed]]:
         """Every committed blob under each prefix, the prefixes listed in parallel."""
@@ -158,9 +129,6 @@ class AzureStore:
             )
 
     # -- reading -----------------------------------------------------------------------
-
-    def holds_path(self, path: Path) -> bool:
-        return False  # nothing of an Azure store lies on a local filesystem
 
     def list_generations(self) -> list[GenerationRef]:
         names = set()
@@ -180,8 +148,7 @@ class AzureStore:
             for place, prefix in places.items()
         }
         entries = classify_entries(ref.generation_id, listings)
-        with self._mutex:
-            self._entries[ref.name] = (time.monotonic(), entries)
+        self.remember_entries(ref, entries)
         return entries
 
     def list_entries_of(
@@ -216,23 +183,19 @@ class AzureStore:
             name: classify_entries(name.generation_id, places) for name, places in listings.items()
         }
 
-    def forget_entries(self, ref: GenerationRef) -> None:
-        with self._mutex:
-            self._entries.pop(ref.name, None)
-
     def open_file(self, ref: GenerationRef, name: str) -> RangedReader:
-        key = self._served_key(ref, name)
+        key = self.served_key(ref, name)
         head = self.client.head(key)
         fetch = functools.partial(self._read_pinned, key, head.etag, head.size)
         return RangedReader(fetch, head.size, self.read_pool)
 
     def read_range(self, ref: GenerationRef, name: str, offset: int, length: int) -> bytes:
-        key = self._served_key(ref, name)
+        key = self.served_key(ref, name)
         head = self.client.head(key)
         return self._read_pinned(key, head.etag, head.size, offset, length)
 
     def read_bytes(self, ref: GenerationRef, name: str, limit: int) -> bytes:
-        key = self._served_key(ref, name)
+        key = self.served_key(ref, name)
         head = self.client.head(key)
         if head.size > limit:  # refused before a byte is downloaded
             raise OSError(errno.EFBIG, f"{name} is larger than {limit} bytes")
@@ -261,21 +224,6 @@ class AzureStore:
             )
         return data
 
-    def _served_key(self, ref: GenerationRef, name: str) -> str:
-        """The one blob ``name`` is served from; ``UnsafeEntryError`` for a name the
-        listing found anywhere else, or one ckptvault never writes."""
-        where = f"{ref.location}/{name}"
-        if name not in (MANIFEST_NAME, SIGNATURE_NAME) and not is_safe_file_name(name):
-            raise UnsafeEntryError(f"{where} is not a plain file name; refusing to read it")
-        with self._mutex:
-            listed_at, entries = self._entries.get(ref.name, (-1e18, {}))
-        if time.monotonic() - listed_at > ENTRY_CACHE_SECONDS:
-            entries = self.list_entries(ref)
-        entry = entries.get(name)
-        if entry is not None and entry.unsafe is not None:
-            raise UnsafeEntryError(f"{where} {entry.unsafe}, not a plain file; refusing to read it")
-        return self.layout.key_of(ref.name, name)
-
     def _list(self, prefix: str) -> list[Listed]:
         try:
             return list(self.client.list_blobs(prefix))
@@ -299,9 +247,6 @@ class AzureStore:
 
     def join_generation(self, generation_id: str) -> AzureStagingArea:
         return AzureStagingArea(self, generation_id, joined=True)
-
-    def check_capacity(self, nbytes: int, nfiles: int) -> None:
-        """An object store has no free-space limit to check."""
 
     # -- lifecycle ---------------------------------------------------------------------
 

@@ -27,16 +27,11 @@ from __future__ import annotations
 
 import errno
 import logging
-import threading
-import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
-from ckptvault.errors import UnsafeEntryError, UsageError
-from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, GenerationName
-from ckptvault.format.manifest import is_safe_file_name
+from ckptvault.errors import UsageError
+from ckptvault.format.layout import MANIFEST_NAME, GenerationName
 from ckptvault.storage.base import EntryInfo, GenerationRef
 from ckptvault.storage.objects.layout import (
     OWN_PREFIX,
@@ -45,6 +40,7 @@ from ckptvault.storage.objects.layout import (
     listings_by_generation,
 )
 from ckptvault.storage.objects.lease import ObjectWriterLease
+from ckptvault.storage.objects.store import ObjectStoreBase
 from ckptvault.storage.records import (
     MAX_RECORD_BYTES,
     RecordFilter,
@@ -68,15 +64,10 @@ from ckptvault.storage.s3.publish import (
 )
 from ckptvault.storage.s3.read import S3ObjectReader, head_object, read_range
 from ckptvault.storage.s3.replace import replace_manifest
-from ckptvault.storage.s3.upload import PartUploader
 from ckptvault.storage.s3.versions import BucketVersioning, object_hold, purge_key
 
 logger = logging.getLogger("ckptvault")
 
-# How long a generation's listing is reused when its files are opened: restore lists
-# once, then opens every file (twice); listing 17 prefixes per open would dominate.
-# Reads stay safe either way: only the one key a name maps to is ever served.
-ENTRY_CACHE_SECONDS = 30.0
 # Keys one bulk listing (``list_entries_of``) reads per generation it lists before it
 # lists each generation alone instead: what that costs, 17 prefixes of up to 1,000
 # keys. Other keys under ``data/`` (planted, or another application's at a bucket's
@@ -88,11 +79,12 @@ class _ListingOverBudget(Exception):
     """A bulk listing met more keys than listing each generation alone would read."""
 
 
-class S3Store:
+class S3Store(ObjectStoreBase):
     """A checkpoint store under ``s3://bucket/prefix`` (see the module docstring)."""
 
     def __init__(self, url: str, options: S3Options | None = None) -> None:
         self.options = options or S3Options()
+        super().__init__(self.options.max_concurrency, "ckptvault-s3")
         where = parse_s3_url(url)
         self.location = where.url
         self.layout = ObjectLayout(where.prefix)
@@ -105,36 +97,13 @@ class S3Store:
             self.location,
             self.options.lease_seconds,
         )
-        self._mutex = threading.Lock()
-        self._uploader: PartUploader | None = None
-        self._read_pool: ThreadPoolExecutor | None = None
         # True once the probe passed; the refusal once it failed; None before.
         self._conditional_writes: ConditionalWritesUnsupported | bool | None = None
-        self._entries: dict[GenerationName, tuple[float, dict[str, EntryInfo]]] = {}
 
     def __repr__(self) -> str:
         return f"S3Store({self.location!r})"
 
     # -- shared machinery --------------------------------------------------------------
-
-    @property
-    def uploader(self) -> PartUploader:
-        with self._mutex:
-            if self._uploader is None:
-                self._uploader = PartUploader(self.options.max_concurrency)
-            return self._uploader
-
-    @property
-    def read_pool(self) -> ThreadPoolExecutor:
-        with self._mutex:
-            if self._read_pool is None:
-                self._read_pool = ThreadPoolExecutor(
-                    self.options.max_concurrency, thread_name_prefix="ckptvault-s3-read"
-                )
-            return self._read_pool
-
-    def ref_for(self, name: GenerationName) -> GenerationRef:
-        return GenerationRef(name=name, location=f"{self.location}/generations/{name.dirname}")
 
     def list_prefixes(self, prefixes: list[str]) -> dict[str, list[dict[str, Any]]]:
         """Every object under each prefix, the prefixes listed in parallel."""
@@ -166,9 +135,6 @@ class S3Store:
 
     # -- reading -----------------------------------------------------------------------
 
-    def holds_path(self, path: Path) -> bool:
-        return False  # nothing of an S3 store lies on a local filesystem
-
     def list_generations(self) -> list[GenerationRef]:
         names = set()
         for item in self._list(self.layout.generations_prefix):
@@ -187,8 +153,7 @@ class S3Store:
             for place, prefix in places.items()
         }
         entries = classify_entries(ref.generation_id, listings)
-        with self._mutex:
-            self._entries[ref.name] = (time.monotonic(), entries)
+        self.remember_entries(ref, entries)
         return entries
 
     def list_entries_of(
@@ -241,38 +206,19 @@ class S3Store:
                 found.append((key, int(item["Size"])))
         return found
 
-    def forget_entries(self, ref: GenerationRef) -> None:
-        with self._mutex:
-            self._entries.pop(ref.name, None)
-
     def open_file(self, ref: GenerationRef, name: str) -> S3ObjectReader:
-        key = self._served_key(ref, name)
+        key = self.served_key(ref, name)
         return S3ObjectReader(self.client, head_object(self.client, key), self.read_pool)
 
     def read_range(self, ref: GenerationRef, name: str, offset: int, length: int) -> bytes:
-        key = self._served_key(ref, name)
+        key = self.served_key(ref, name)
         return read_range(self.client, head_object(self.client, key), offset, length)
 
     def read_bytes(self, ref: GenerationRef, name: str, limit: int) -> bytes:
-        head = head_object(self.client, self._served_key(ref, name))
+        head = head_object(self.client, self.served_key(ref, name))
         if head.size > limit:  # refused before a byte is downloaded
             raise OSError(errno.EFBIG, f"{name} is larger than {limit} bytes")
         return read_range(self.client, head, 0, head.size)
-
-    def _served_key(self, ref: GenerationRef, name: str) -> str:
-        """The one key ``name`` is served from; ``UnsafeEntryError`` for a name the
-        listing found anywhere else, or one ckptvault never writes."""
-        where = f"{ref.location}/{name}"
-        if name not in (MANIFEST_NAME, SIGNATURE_NAME) and not is_safe_file_name(name):
-            raise UnsafeEntryError(f"{where} is not a plain file name; refusing to read it")
-        with self._mutex:
-            listed_at, entries = self._entries.get(ref.name, (-1e18, {}))
-        if time.monotonic() - listed_at > ENTRY_CACHE_SECONDS:
-            entries = self.list_entries(ref)
-        entry = entries.get(name)
-        if entry is not None and entry.unsafe is not None:
-            raise UnsafeEntryError(f"{where} {entry.unsafe}, not a plain file; refusing to read it")
-        return self.layout.key_of(ref.name, name)
 
     def _list(self, prefix: str) -> list[dict[str, Any]]:
         try:
@@ -302,9 +248,6 @@ class S3Store:
         """Another rank's attempt: this rank's objects go under their own spread
         prefixes of the same attempt; only the beginning rank publishes."""
         return S3StagingArea(self, generation_id, joined=True)
-
-    def check_capacity(self, nbytes: int, nfiles: int) -> None:
-        """An object store has no free-space limit to check."""
 
     # -- lifecycle ---------------------------------------------------------------------
 
