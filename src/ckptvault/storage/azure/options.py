@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from ckptvault.errors import UsageError
+from ckptvault.storage.objects.prefix import parse_prefix
 
 MiB = 1024 * 1024
 MIN_BLOCK_SIZE = 1 * MiB  # below this a block costs more in requests than it saves
@@ -26,8 +27,6 @@ DEFAULT_LEASE_SECONDS = 60.0
 
 # Azure container names: 3-63 lowercase letters, digits and single hyphens.
 _CONTAINER_RE = re.compile(r"^[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]\Z")
-# One prefix component: plain characters, never "." or "..", never hidden.
-_PREFIX_PART_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._=-]{0,127}\Z")
 
 
 @dataclass(frozen=True)
@@ -120,13 +119,5 @@ def parse_az_url(text: str) -> AzureLocation:
             f"{text}: {parts.netloc!r} is not a valid Azure container name (3-63 lowercase "
             "letters, digits and single hyphens, starting and ending with a letter or digit)"
         )
-    path = parts.path.strip("/")
-    components = path.split("/") if path else []
-    for component in components:
-        if not _PREFIX_PART_RE.match(component) or component in (".", ".."):
-            raise UsageError(
-                f"{text}: prefix component {component!r} is not a plain name (letters, digits, "
-                "'.', '_', '-', '='; not hidden, not empty)"
-            )
-    prefix = "/".join(components) + "/" if components else ""
+    prefix = parse_prefix(text, parts.path)
     return AzureLocation(container=parts.netloc, prefix=prefix)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from ckptvault.errors import UsageError
+from ckptvault.storage.objects.prefix import parse_prefix
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -24,8 +25,6 @@ DEFAULT_LEASE_SECONDS = 60.0
 
 # Lowercase S3 bucket names (dots allowed, as S3 does for older buckets).
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]\Z")
-# One prefix component: plain characters, never "." or "..", never hidden.
-_PREFIX_PART_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._=-]{0,127}\Z")
 
 
 @dataclass(frozen=True)
@@ -110,13 +109,5 @@ def parse_s3_url(text: str) -> S3Location:
         raise UsageError(f"{text}: an S3 store is s3://bucket/prefix (no query, no credentials)")
     if not _BUCKET_RE.match(parts.netloc) or ".." in parts.netloc:
         raise UsageError(f"{text}: {parts.netloc!r} is not a valid S3 bucket name")
-    path = parts.path.strip("/")
-    components = path.split("/") if path else []
-    for component in components:
-        if not _PREFIX_PART_RE.match(component) or component in (".", ".."):
-            raise UsageError(
-                f"{text}: prefix component {component!r} is not a plain name (letters, digits, "
-                "'.', '_', '-', '='; not hidden, not empty)"
-            )
-    prefix = "/".join(components) + "/" if components else ""
+    prefix = parse_prefix(text, parts.path)
     return S3Location(bucket=parts.netloc, prefix=prefix)
