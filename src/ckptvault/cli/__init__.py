@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import sys
 from collections.abc import Callable
+from inspect import cleandoc
 from typing import Annotated, Any
 
 import typer
@@ -101,9 +103,21 @@ def _interruptible(callback: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
+def reflowed(doc: str) -> str:
+    """A docstring as help text: each paragraph's lines joined into one, so that the
+    terminal (or a pipe at 80 columns) wraps it, not the source's line breaks; a
+    paragraph holding a list or indented lines is kept as written."""
+    paragraphs = re.split(r"\n\s*\n", cleandoc(doc))
+    return "\n\n".join(
+        p if re.search(r"\n\s*([-*]|\d+[.)]|\s)", p) else " ".join(p.split()) for p in paragraphs
+    )
+
+
 for _typer in (app, keys.app, audit.app):
     for _info in _typer.registered_commands:
         if _info.callback is not None:
+            if _info.help is None and _info.callback.__doc__:
+                _info.help = reflowed(_info.callback.__doc__)
             _info.callback = _interruptible(_info.callback)
 
 

@@ -68,7 +68,7 @@ def doctor(
 ) -> None:
     """Check where the store, ledger, audit log, catalog and keys live, who can write
     them, the store's filesystem (Lustre striping, NFS mount options), whether async
-    saves' staging fits in memory and, for S3, the bucket's protections, lifecycle
+    saves' staging fits in memory and, for S3 or Azure, the bucket's or container's protections, lifecycle
     rules and the credentials; say what to fix."""
     if async_mode not in ("thread", "process"):
         raise UsageError(f"--async-mode must be thread or process, not {async_mode[:40]!r}")
