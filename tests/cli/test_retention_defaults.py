@@ -65,6 +65,8 @@ def test_gc_keeps_the_managers_keep_best_winner(tmp_path: Path):
     assert steps(store, "--all") == [6, 5, 4, 2]  # nothing marked: the winner stays
     alone = run_cli("gc", str(store), "--json")  # no rule given: the recorded policy
     assert alone.returncode == 0 and "recorded policy" in json.loads(alone.stdout)["policy"]
+    said = json.loads(alone.stdout)["policy"]  # the pass's own delay, labelled as such
+    assert "; applied: the recorded policy, delete_delay=0s" in said
     assert steps(store, "--all") == [6, 5, 4, 2]
 
 

@@ -51,8 +51,9 @@ class GcPolicy:
         parts = [given.describe() if given is not None else "no rule given"]
         if recorded is not None:
             parts.append(f"recorded policy: {recorded.describe()}")
-        if given is not None and recorded is not None:
-            parts.append(f"applied: both, delete_delay={format_seconds(delete_delay)}")
+        applied = "both" if given is not None else "the recorded policy"
+        if recorded is not None:
+            parts.append(f"applied: {applied}, delete_delay={format_seconds(delete_delay)}")
         elif given is None:
             parts.append(f"delete_delay={format_seconds(delete_delay)}")
         return cls(rules, delete_delay, "; ".join(parts))
