@@ -13,6 +13,7 @@ supplies ``list_entries``.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,9 @@ from ckptvault.format.manifest import is_safe_file_name
 from ckptvault.storage.base import EntryInfo, GenerationRef
 from ckptvault.storage.objects.layout import ObjectLayout
 from ckptvault.storage.objects.uploads import PartUploader
+from ckptvault.storage.retained import RetainedCopy
+
+logger = logging.getLogger("ckptvault")
 
 ENTRY_CACHE_SECONDS = 30.0
 
@@ -44,6 +48,21 @@ class ObjectStoreBase:
 
     def list_entries(self, ref: GenerationRef) -> dict[str, EntryInfo]:
         raise NotImplementedError
+
+    def delete_generation_reporting(self, ref: GenerationRef) -> list[RetainedCopy]:
+        raise NotImplementedError
+
+    def delete_generation(self, ref: GenerationRef) -> None:
+        """Delete ``ref`` with every version of its objects; a copy the store must keep
+        (a lock, a legal hold) is logged, not raised (retention reports them)."""
+        for copy in self.delete_generation_reporting(ref):
+            logger.warning(
+                "%s (version %s) of deleted generation %s stays: %s",
+                copy.location,
+                copy.version_id,
+                ref.generation_id,
+                copy.reason,
+            )
 
     @property
     def uploader(self) -> PartUploader:

@@ -254,16 +254,6 @@ class S3Store(ObjectStoreBase):
     def remove_stale_staging(self, older_than: float | None = None) -> list[str]:
         return remove_stale_attempts(self, older_than)
 
-    def delete_generation(self, ref: GenerationRef) -> None:
-        for copy in self.delete_generation_reporting(ref):
-            logger.warning(
-                "%s (version %s) of deleted generation %s stays: %s",
-                copy.location,
-                copy.version_id,
-                ref.generation_id,
-                copy.reason,
-            )
-
     def replace_manifest(
         self, ref: GenerationRef, manifest: bytes, signature: bytes | None, *, replaces: bytes
     ) -> None:
