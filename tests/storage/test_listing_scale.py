@@ -40,11 +40,11 @@ from ckptvault.format.layout import (
 )
 from ckptvault.retention.marks import put_mark
 from ckptvault.storage import open_store
+from ckptvault.storage.objects import store as object_store_module
 from ckptvault.storage.objects.layout import spread_digit
 from ckptvault.storage.posix import records as posix_records
 from ckptvault.storage.posix.store import PosixStore
 from ckptvault.storage.s3 import client as s3_client_module
-from ckptvault.storage.s3 import store as s3_module
 from ckptvault.storage.s3.store import S3Store
 from ckptvault.trust.signing import generate_keypair
 from support.common import REPO, only_tensor_file, writable
@@ -68,7 +68,7 @@ class StoreSpy:
                 monkeypatch.setattr(
                     store_class, method, self._spy(method, getattr(store_class, method))
                 )
-        for module in (posix_records, s3_module):
+        for module in (posix_records, object_store_module):
             monkeypatch.setattr(
                 module, "records_to_read", self._spy_records(module.records_to_read)
             )

@@ -47,15 +47,9 @@ from ckptvault.storage.objects.lease import LeaseSnapshot, ObjectWriterLease
 from ckptvault.storage.objects.reader import RangedReader
 from ckptvault.storage.objects.store import ObjectStoreBase
 from ckptvault.storage.records import (
-    MAX_RECORD_BYTES,
-    RecordFilter,
-    check_record_key,
-    decode_record,
     encode_record,
-    record_name_of,
-    records_to_read,
 )
-from ckptvault.storage.retained import LockRule, RetainedCopy, locked_until
+from ckptvault.storage.retained import LockRule, RetainedCopy
 
 logger = logging.getLogger("ckptvault")
 
@@ -277,40 +271,22 @@ class AzureStore(ObjectStoreBase):
     def set_lock_rule(self, rule: LockRule | None) -> None:
         self.immutability.rule = rule
 
-    def lock_generation(self, ref: GenerationRef) -> str | None:
-        if self.immutability.days is None:
-            return None
-        entries = self.list_entries(ref)
-        keys = [self.layout.key_of(ref.name, n) for n, e in sorted(entries.items()) if not e.unsafe]
-        until = self.immutability.lock_now(keys, self.read_pool)
-        return locked_until(until) if until is not None else None
+    def lock_policy(self) -> Immutability:
+        return self.immutability
 
     # -- records -----------------------------------------------------------------------
 
+    def listed_keys(self, prefix: str) -> list[tuple[str, int]]:
+        return [(item.key, item.size) for item in self._list(prefix)]
+
+    def read_head(self, key: str, limit: int) -> bytes:
+        return self.client.get_range(key, 0, limit + 1)
+
+    def url_of(self, key: str) -> str:
+        return self.client.url(key)
+
     def put_record(self, kind: str, name: str, data: dict[str, Any]) -> None:
         self.client.put(self.layout.record_key(kind, name), encode_record(data))
-
-    def list_records(
-        self, kind: str, accept: RecordFilter | None = None, limit: int | None = None
-    ) -> dict[str, dict[str, Any]]:
-        check_record_key(kind, "x")
-        prefix = self.layout.records_prefix(kind)
-        listed = {}
-        for item in self._list(prefix):
-            name = record_name_of(item.key[len(prefix) :])  # None for nested names
-            if name is not None and item.size <= MAX_RECORD_BYTES:
-                listed[name] = item
-        records = {}
-        for name in records_to_read(listed, kind, self.client.url(prefix), accept, limit):
-            key = listed[name].key
-            try:
-                raw = self.client.get_range(key, 0, MAX_RECORD_BYTES + 1)
-            except AzureError:
-                continue  # deleted meanwhile, or unreadable: skipped like a malformed one
-            data = decode_record(raw, self.client.url(key))
-            if data is not None:
-                records[name] = data
-        return records
 
     def delete_record(self, kind: str, name: str) -> None:
         key = self.layout.record_key(kind, name)

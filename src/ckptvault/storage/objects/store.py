@@ -17,19 +17,39 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
+from typing import Any, Protocol
 
 from ckptvault.errors import UnsafeEntryError
 from ckptvault.format.layout import MANIFEST_NAME, SIGNATURE_NAME, GenerationName
 from ckptvault.format.manifest import is_safe_file_name
 from ckptvault.storage.base import EntryInfo, GenerationRef
+from ckptvault.storage.objects.errors import ObjectStoreError
 from ckptvault.storage.objects.layout import ObjectLayout
 from ckptvault.storage.objects.uploads import PartUploader
-from ckptvault.storage.retained import RetainedCopy
+from ckptvault.storage.records import (
+    MAX_RECORD_BYTES,
+    RecordFilter,
+    check_record_key,
+    decode_record,
+    record_name_of,
+    records_to_read,
+)
+from ckptvault.storage.retained import RetainedCopy, locked_until
 
 logger = logging.getLogger("ckptvault")
 
 ENTRY_CACHE_SECONDS = 30.0
+
+
+class LockPolicy(Protocol):
+    """How a store puts published objects under retention (S3 Object Lock, Azure
+    immutability policies): for how many days, and locking now."""
+
+    days: int | None
+
+    def lock_now(self, keys: list[str], pool: ThreadPoolExecutor) -> datetime | None: ...
 
 
 class ObjectStoreBase:
@@ -51,6 +71,56 @@ class ObjectStoreBase:
 
     def delete_generation_reporting(self, ref: GenerationRef) -> list[RetainedCopy]:
         raise NotImplementedError
+
+    def lock_policy(self) -> LockPolicy:
+        """The store's retention of published objects."""
+        raise NotImplementedError
+
+    def listed_keys(self, prefix: str) -> list[tuple[str, int]]:
+        """``(key, size)`` of every object under ``prefix``."""
+        raise NotImplementedError
+
+    def read_head(self, key: str, limit: int) -> bytes:
+        """At most ``limit`` + 1 bytes of ``key`` from its start (``ObjectStoreError``)."""
+        raise NotImplementedError
+
+    def url_of(self, key: str) -> str:
+        raise NotImplementedError
+
+    def lock_generation(self, ref: GenerationRef) -> str | None:
+        """Put a published generation's objects under retention now (a pin)."""
+        policy = self.lock_policy()
+        if policy.days is None:
+            return None
+        entries = self.list_entries(ref)
+        keys = [self.layout.key_of(ref.name, n) for n, e in sorted(entries.items()) if not e.unsafe]
+        until = policy.lock_now(keys, self.read_pool)
+        return locked_until(until) if until is not None else None
+
+    def list_records(
+        self, kind: str, accept: RecordFilter | None = None, limit: int | None = None
+    ) -> dict[str, dict[str, Any]]:
+        """Every well-formed record of ``kind``: names ``accept`` takes, at most
+        ``limit``, each read with a size bound; one that went or cannot be read is
+        skipped like a malformed one."""
+        check_record_key(kind, "x")
+        prefix = self.layout.records_prefix(kind)
+        listed = {}
+        for key, size in self.listed_keys(prefix):
+            name = record_name_of(key[len(prefix) :])  # None for nested keys
+            if name is not None and size <= MAX_RECORD_BYTES:
+                listed[name] = key
+        records = {}
+        for name in records_to_read(listed, kind, self.url_of(prefix), accept, limit):
+            key = listed[name]
+            try:
+                raw = self.read_head(key, MAX_RECORD_BYTES)
+            except ObjectStoreError:
+                continue
+            data = decode_record(raw, self.url_of(key))
+            if data is not None:
+                records[name] = data
+        return records
 
     def delete_generation(self, ref: GenerationRef) -> None:
         """Delete ``ref`` with every version of its objects; a copy the store must keep

@@ -42,17 +42,11 @@ from ckptvault.storage.objects.layout import (
 from ckptvault.storage.objects.lease import ObjectWriterLease
 from ckptvault.storage.objects.store import ObjectStoreBase
 from ckptvault.storage.records import (
-    MAX_RECORD_BYTES,
-    RecordFilter,
-    check_record_key,
-    decode_record,
     encode_record,
-    record_name_of,
-    records_to_read,
 )
-from ckptvault.storage.retained import LockRule, RetainedCopy, locked_until
+from ckptvault.storage.retained import LockRule, RetainedCopy
 from ckptvault.storage.s3.cleanup import delete_generation, remove_stale_attempts
-from ckptvault.storage.s3.client import CHECKSUM, S3Client, S3Error, S3NotFound
+from ckptvault.storage.s3.client import CHECKSUM, S3Client, S3NotFound
 from ckptvault.storage.s3.lease_object import S3LeaseObject
 from ckptvault.storage.s3.options import S3Options, parse_s3_url
 from ckptvault.storage.s3.publish import (
@@ -278,43 +272,24 @@ class S3Store(ObjectStoreBase):
     def set_lock_rule(self, rule: LockRule | None) -> None:
         self.retention.rule = rule
 
-    def lock_generation(self, ref: GenerationRef) -> str | None:
-        if self.retention.days is None:
-            return None
-        entries = self.list_entries(ref)
-        keys = [self.layout.key_of(ref.name, n) for n, e in sorted(entries.items()) if not e.unsafe]
-        until = self.retention.lock_now(keys, self.read_pool)
-        return locked_until(until) if until is not None else None
+    def lock_policy(self) -> ObjectRetention:
+        return self.retention
 
     # -- records -----------------------------------------------------------------------
+
+    def listed_keys(self, prefix: str) -> list[tuple[str, int]]:
+        return [(str(item["Key"]), int(item["Size"])) for item in self._list(prefix)]
+
+    def read_head(self, key: str, limit: int) -> bytes:
+        raw, _ = self.client.get_bytes(key, Range=f"bytes=0-{limit}")
+        return raw
+
+    def url_of(self, key: str) -> str:
+        return self.client.url(key)
 
     def put_record(self, kind: str, name: str, data: dict[str, Any]) -> None:
         key = self.layout.record_key(kind, name)
         self.client.call("put_object", key, Body=encode_record(data), ChecksumAlgorithm=CHECKSUM)
-
-    def list_records(
-        self, kind: str, accept: RecordFilter | None = None, limit: int | None = None
-    ) -> dict[str, dict[str, Any]]:
-        check_record_key(kind, "x")
-        prefix = self.layout.records_prefix(kind)
-        listed = {}
-        for item in self._list(prefix):
-            name = record_name_of(str(item["Key"])[len(prefix) :])  # None for nested keys
-            if name is not None and int(item["Size"]) <= MAX_RECORD_BYTES:
-                listed[name] = item
-        records = {}
-        for name in records_to_read(listed, kind, self.client.url(prefix), accept, limit):
-            item = listed[name]
-            try:
-                raw, _ = self.client.get_bytes(
-                    str(item["Key"]), Range=f"bytes=0-{MAX_RECORD_BYTES}"
-                )
-            except S3Error:
-                continue  # deleted meanwhile, or unreadable: skipped like a malformed one
-            data = decode_record(raw, self.client.url(str(item["Key"])))
-            if data is not None:
-                records[name] = data
-        return records
 
     def delete_record(self, kind: str, name: str) -> None:
         key = self.layout.record_key(kind, name)
